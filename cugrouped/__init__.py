@@ -1,0 +1,32 @@
+"""cugrouped: FP8 expert layers for mixture-of-experts models on NVIDIA GPUs, with no compiled
+extension (CUDA C in ``kernels_cu/``, compiled at run time by NVRTC through CuPy).
+
+Public API::
+
+    multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, ...)
+    GroupedFP8                      # its result: FP8 row-wise + transposed copies, amax, scales
+    warmup()                        # compile every kernel for the current GPU ahead of use
+    kernel_sources()                # where the installed CUDA sources live
+
+Every op takes ``backend="cuda" | "emulate" | "reference"``; see the README.
+"""
+
+from ._jit import warmup
+from ._sources import kernels_dir as kernel_sources
+from .grouped_fp8 import GroupedFP8
+from .ops import emulation_order, multi_pad_cast_transpose, record_launches
+
+__version__ = "0.1.0"
+
+__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "warmup", "kernel_sources",
+           "record_launches", "emulation_order", "gpu_available", "__version__"]
+
+
+def gpu_available() -> bool:
+    """True when CuPy is installed and sees at least one CUDA device (never raises)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False

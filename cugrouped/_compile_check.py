@@ -1,0 +1,144 @@
+"""``python -m cugrouped compile-check``: compile every kernel for real GPU architectures, no GPU needed.
+
+CuPy's front door (``RawModule``) asks the driver for the current device and fails on a machine
+without a GPU, but NVRTC itself needs neither. This module feeds CuPy's own NVRTC program class the
+exact flags ``RawModule`` would use (``assemble_cupy_compiler_options`` + ``-ftz=true`` + ``-arch`` +
+``--device-as-default-execution-space``), so what is checked here is what runs on the GPU, and adds
+``-Xptxas=-v`` to read registers, spills, stack and shared memory per kernel from the NVRTC log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+
+from . import _jit, _sources
+
+ARCHS: tuple[str, ...] = ("80", "89", "90", "100")
+
+__all__ = ["ARCHS", "KernelResources", "offline_options", "compile_offline", "parse_ptxas_log",
+           "compile_check"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel on one architecture."""
+
+    arch: str
+    name: str               # the name expression (template instantiation)
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    shared_bytes: int
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+def offline_options(spec: _jit.KernelSpec, arch: str, *, verbose_ptxas: bool = True) -> tuple[str, ...]:
+    """The NVRTC flags RawModule would use for ``spec`` on ``sm_<arch>``, computed without a GPU.
+
+    The CUDA toolkit include folder that CuPy adds is dropped: kernels_cu must compile with no CUDA
+    header at all (NVRTC 13 ships none, and the toolkit is not on users' machines).
+    """
+    from cupy._core.core import assemble_cupy_compiler_options
+
+    opts = tuple(o for o in assemble_cupy_compiler_options(_jit.nvrtc_options(spec))
+                 if not re.fullmatch(r"-I.*/cuda[^/]*/include/?", o))
+    opts += ("-ftz=true", f"-arch=sm_{arch}", "--device-as-default-execution-space")
+    if verbose_ptxas:
+        opts += ("-Xptxas=-v",)
+    return opts
+
+
+def compile_offline(spec: _jit.KernelSpec, arch: str, method: str = "cubin"):
+    """Compile ``spec`` for ``arch`` with NVRTC; return (image bytes, {name expr: mangled}, log)."""
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    options = offline_options(spec, arch, verbose_ptxas=(method == "cubin"))
+    if method == "ptx":
+        options = tuple(o.replace(f"-arch=sm_{arch}", f"-arch=compute_{arch}") for o in options)
+    code = _jit.code_for(spec)
+    _jit._announce(spec, code, options, f"sm_{arch}")
+    prog = _NVRTCProgram(code, f"{spec.source}.cu", name_expressions=list(spec.name_expressions),
+                         method=method)
+    log = io.StringIO()
+    image, mapping = prog.compile(options, log)
+    return image, mapping, log.getvalue()
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+a?)'")
+_STACK_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_log(log: str, arch: str, mapping: dict[str, str]) -> list[KernelResources]:
+    """Resource usage per entry function from an ``-Xptxas=-v`` log (names demangled via ``mapping``)."""
+    by_mangled = {v: k for k, v in mapping.items()}
+    out: list[KernelResources] = []
+    current = None
+    stack = (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY_RE.search(line):
+            current = m.group(1)
+            stack = (0, 0, 0)
+        elif current and (m := _STACK_RE.search(line)):
+            stack = tuple(int(g) for g in m.groups())
+        elif current and (m := _USED_RE.search(line)):
+            out.append(KernelResources(
+                arch=arch, name=by_mangled.get(current, current), registers=int(m.group(1)),
+                stack_bytes=stack[0], spill_stores=stack[1], spill_loads=stack[2],
+                shared_bytes=int(m.group(2) or 0)))
+            current = None
+    return out
+
+
+def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | None = None,
+                  echo=print) -> int:
+    """Compile every registered kernel for ``archs``; print a table; return a process exit code.
+
+    Non-zero when a compile fails, when ptxas reports no entry for an instantiation, or when any
+    kernel spills.
+    """
+    from . import ops  # noqa: F401  (importing the ops registers their kernel specs)
+
+    specs = _jit.registered()
+    if names:
+        unknown = set(names) - set(specs)
+        if unknown:
+            raise ValueError(f"names: unknown kernels {sorted(unknown)}; known: {sorted(specs)}")
+        specs = {n: specs[n] for n in names}
+    if not specs:
+        echo("compile-check: no kernels registered")
+        return 1
+    echo(f"kernel sources: {_sources.kernels_dir()}")
+    header = f"{'arch':>6}  {'regs':>4}  {'spill st/ld':>11}  {'stack':>5}  {'smem':>6}  kernel"
+    echo(header)
+    echo("-" * len(header))
+    failures = 0
+    count = 0
+    for spec_name, spec in specs.items():
+        for arch in archs:
+            try:
+                _, mapping, log = compile_offline(spec, arch)
+            except Exception as exc:  # CompileException carries the NVRTC log
+                failures += 1
+                echo(f"sm_{arch:<3}  COMPILE ERROR in {spec.source}:\n{exc}")
+                continue
+            found = parse_ptxas_log(log, arch, mapping)
+            missing = set(spec.name_expressions) - {r.name for r in found}
+            for name in sorted(missing):
+                failures += 1
+                echo(f"sm_{arch:<3}  NO PTXAS REPORT for {name}")
+            for r in found:
+                count += 1
+                flag = "   <-- SPILLS" if r.spills else ""
+                failures += bool(r.spills)
+                echo(f"sm_{arch:<3}  {r.registers:>4}  {r.spill_stores:>5}/{r.spill_loads:<5}  "
+                     f"{r.stack_bytes:>5}  {r.shared_bytes:>6}  {r.name}{flag}")
+    echo(f"compile-check: {count} kernel compiles over {len(archs)} architectures, "
+         f"{failures} problem(s)")
+    return 1 if failures else 0
