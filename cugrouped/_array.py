@@ -1,0 +1,136 @@
+"""Array interop: one small view type over NumPy, CuPy, torch and any DLPack / CUDA-array-interface
+producer, without importing torch.
+
+CuPy has no bfloat16 or float8 dtypes: such data travels as a 16-bit or 8-bit integer view plus a
+dtype tag (``as_view(x, dtype="bfloat16")``). NumPy arrays may carry ml_dtypes' ``bfloat16`` /
+``float8_*`` dtypes directly; torch tensors carry their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ArrayView", "as_view", "array_kind", "DTYPE_ITEMSIZE", "FLOAT_INPUT_DTYPES"]
+
+# Names we use for dtypes, and their size in bytes.
+DTYPE_ITEMSIZE = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "int32": 4, "int64": 8, "float64": 8,
+}
+FLOAT_INPUT_DTYPES = ("float32", "float16", "bfloat16")
+# Integer carriers a caller may tag with a wider meaning (CuPy has no bf16/fp8 dtypes).
+_CARRIERS = {"uint16": ("bfloat16", "float16"), "int16": ("bfloat16", "float16"),
+             "uint8": ("float8_e4m3fn", "float8_e5m2"), "int8": ("float8_e4m3fn", "float8_e5m2")}
+
+
+def array_kind(x: Any) -> str:
+    """``"numpy"``, ``"cupy"``, ``"torch"`` or ``"other"`` (by module name; imports nothing)."""
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod in ("cupy", "torch"):
+        return mod
+    return "other"
+
+
+def _dtype_name(dt: Any) -> str:
+    name = str(dt)
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayView:
+    """What a kernel needs to know about an array: where it is and how it is laid out.
+
+    ``strides`` are in elements. ``device`` is ``-1`` for host memory, else the CUDA device ordinal.
+    ``owner`` keeps the original object alive (and is what results are built from).
+    """
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    device: int
+    kind: str
+    owner: Any
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def on_device(self) -> bool:
+        return self.device >= 0
+
+    def is_row_major_rows(self) -> bool:
+        """2-D with unit column stride (rows may be further apart than their length)."""
+        return len(self.shape) == 2 and (self.shape[1] <= 1 or self.strides[1] == 1) and \
+            (self.shape[0] <= 1 or self.strides[0] >= self.shape[1])
+
+
+def _retag(name: str, dtype: str | None, arg: str) -> str:
+    if dtype is None or dtype == name:
+        return name
+    if dtype in _CARRIERS.get(name, ()):
+        return dtype
+    raise TypeError(f"{arg}: got an array of dtype {name}, which cannot be read as dtype={dtype!r} "
+                    f"(expected {dtype} data, or a same-size integer view of it: "
+                    f"{[c for c, v in _CARRIERS.items() if dtype in v]})")
+
+
+def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayView:
+    """Describe ``x`` (NumPy, CuPy, torch, or anything with DLPack / CUDA array interface).
+
+    ``dtype`` re-tags an integer carrier, e.g. a CuPy ``uint16`` array holding bfloat16 bits.
+    """
+    kind = array_kind(x)
+    if kind == "numpy":
+        name = _retag(x.dtype.name, dtype, arg)
+        if name not in DTYPE_ITEMSIZE:
+            raise TypeError(f"{arg}: unsupported dtype {x.dtype}")
+        strides = tuple(s // x.itemsize for s in x.strides)
+        if any(s * x.itemsize != b for s, b in zip(strides, x.strides)):
+            raise ValueError(f"{arg}: strides {x.strides} are not a multiple of the item size")
+        return ArrayView(x.ctypes.data, tuple(x.shape), strides, name, -1, kind, x)
+    if kind == "torch":
+        name = _retag(_dtype_name(x.dtype), dtype, arg)
+        if name not in DTYPE_ITEMSIZE:
+            raise TypeError(f"{arg}: unsupported dtype {x.dtype}")
+        dev = x.device.index if x.device.type == "cuda" else -1
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{arg}: tensors on {x.device} are not supported (expected cuda or cpu)")
+        return ArrayView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), name,
+                         dev if dev is not None else 0, kind, x)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None and hasattr(x, "__dlpack__") and kind != "cupy":
+        import cupy  # a device array from another framework: let CuPy read the DLPack capsule
+
+        return as_view(cupy.from_dlpack(x), dtype=dtype, arg=arg)
+    if cai is None:
+        raise TypeError(f"{arg}: expected a NumPy, CuPy or torch array (or an object with "
+                        f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
+    np_dtype = np.dtype(cai["typestr"])
+    name = _retag(np_dtype.name, dtype, arg)
+    shape = tuple(cai["shape"])
+    if cai.get("strides") is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    else:
+        strides = tuple(s // np_dtype.itemsize for s in cai["strides"])
+    if kind == "cupy":
+        device = x.device.id
+    else:
+        import cupy
+
+        device = cupy.cuda.runtime.pointerGetAttributes(cai["data"][0]).device
+    return ArrayView(int(cai["data"][0]), shape, strides, name, device, kind, x)

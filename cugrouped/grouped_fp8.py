@@ -1,0 +1,96 @@
+"""``GroupedFP8``: the FP8 buffers of all experts, as written by ``multi_pad_cast_transpose``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["GroupedFP8", "FP8_FORMATS"]
+
+FP8_FORMATS = ("e4m3", "e5m2")
+_FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+@dataclasses.dataclass
+class GroupedFP8:
+    """FP8 copies of E experts' activations (or weights, or gradients) and their scales.
+
+    Attributes
+    ----------
+    data : array ``(sum(m_splits), k)`` or None
+        Row-wise FP8, experts back to back (no padding). NumPy: ml_dtypes float8 dtype;
+        CuPy: ``uint8`` bytes.
+    data_t : array ``(sum(k * m_pad_splits),)`` or None
+        Transposed FP8, experts back to back; expert ``i`` is a ``(k, m_pad_splits[i])`` block
+        (see :meth:`columnwise`) whose columns ``m_splits[i]:`` are zero.
+    m_splits, m_pad_splits : tuple of int
+        Rows per expert, and the same rounded up to ``align``.
+    amax, scale, scale_inv : float32 arrays ``(E,)``, on the data's device
+        ``amax`` of the unscaled input, the scale used (``q = fp8(x * scale)``) and its inverse
+        (what the GEMMs dequantize with).
+    fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
+    """
+
+    data: Any
+    data_t: Any
+    m_splits: tuple[int, ...]
+    m_pad_splits: tuple[int, ...]
+    amax: Any
+    scale: Any
+    scale_inv: Any
+    fp8_format: str
+    k: int
+    align: int
+    column_sums: Any = None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.m_splits)
+
+    def row_offsets(self) -> np.ndarray:
+        """First row of each expert in :attr:`data` (length E + 1)."""
+        return np.concatenate([[0], np.cumsum(self.m_splits, dtype=np.int64)])
+
+    def col_offsets(self) -> np.ndarray:
+        """First byte of each expert's transposed block in :attr:`data_t` (length E + 1)."""
+        return np.concatenate([[0], np.cumsum(np.asarray(self.m_pad_splits, np.int64) * self.k)])
+
+    def _check_expert(self, i: int) -> None:
+        if not 0 <= i < self.num_experts:
+            raise IndexError(f"expert index {i} out of range for {self.num_experts} experts")
+
+    def rowwise(self, i: int):
+        """Expert ``i``'s row-wise FP8 block, a ``(m_i, k)`` view of :attr:`data`."""
+        self._check_expert(i)
+        if self.data is None:
+            raise ValueError("this GroupedFP8 was made with rowwise=False")
+        off = self.row_offsets()
+        return self.data[int(off[i]):int(off[i + 1])]
+
+    def columnwise(self, i: int):
+        """Expert ``i``'s transposed FP8 block, a ``(k, m_pad_i)`` view of :attr:`data_t`."""
+        self._check_expert(i)
+        if self.data_t is None:
+            raise ValueError("this GroupedFP8 was made with columnwise=False")
+        off = self.col_offsets()
+        return self.data_t[int(off[i]):int(off[i + 1])].reshape(self.k, self.m_pad_splits[i])
+
+    def dequantize(self) -> list:
+        """Per-expert float32 ``(m_i, k)`` arrays ``fp8 * scale_inv`` (from the row-wise copy if
+        present, else from the transposed one), on the data's device. For inspection and tests."""
+        src = self.data if self.data is not None else self.data_t
+        xp = np if isinstance(src, np.ndarray) else __import__("cupy")
+        table = xp.asarray(np.arange(256, dtype=np.uint8).view(_FP8_DTYPES[self.fp8_format])
+                           .astype(np.float32))
+        out = []
+        for i, m in enumerate(self.m_splits):
+            if self.data is not None:
+                q = self.rowwise(i)
+            else:
+                q = self.columnwise(i)[:, :m].T
+            q = q.view(xp.uint8) if q.dtype != xp.uint8 else q
+            out.append(table[q] * self.scale_inv[i])
+        return out

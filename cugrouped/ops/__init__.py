@@ -1,0 +1,7 @@
+"""Framework-neutral ops (NumPy / CuPy arrays in, same kind out). Importing this package registers
+every kernel spec with the JIT (compile-check and warmup rely on it)."""
+
+from ._launch import emulation_order, record_launches
+from .pad_cast_transpose import multi_pad_cast_transpose
+
+__all__ = ["multi_pad_cast_transpose", "record_launches", "emulation_order"]

@@ -1,0 +1,96 @@
+"""What every op shares: backend choice, per-stream workspaces, launch recording, emulator order."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import numpy as np
+
+__all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
+           "current_emulation_order", "device_workspace"]
+
+BACKENDS = ("cuda", "emulate", "reference")
+
+
+def resolve_backend(backend: str | None, on_device: bool) -> str:
+    """``None`` picks by where the data lives: ``"cuda"`` for device arrays, else ``"reference"``."""
+    if backend is None:
+        return "cuda" if on_device else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: got {backend!r}, expected one of {BACKENDS} or None")
+    if backend == "cuda" and not on_device:
+        raise ValueError("backend='cuda' needs device arrays (CuPy or CUDA torch); got host arrays "
+                         "(use backend='emulate' to run the CUDA kernel on the CPU)")
+    if backend != "cuda" and on_device:
+        raise ValueError(f"backend={backend!r} runs on the CPU and needs host (NumPy) arrays; "
+                         "got device arrays")
+    return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    backend: str
+    kernel: str
+    grid: int
+    block: int
+
+
+_recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar("_recorders", default=())
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect every kernel launch made inside the block (tests assert launch counts with it)."""
+    log: list[Launch] = []
+    token = _recorders.set(_recorders.get() + (log,))
+    try:
+        yield log
+    finally:
+        _recorders.reset(token)
+
+
+def note_launch(backend: str, kernel: str, grid: int, block: int) -> None:
+    for log in _recorders.get():
+        log.append(Launch(backend, kernel, grid, block))
+
+
+_order: contextvars.ContextVar[object] = contextvars.ContextVar("_order", default="forward")
+
+
+@contextlib.contextmanager
+def emulation_order(order):
+    """Run emulated kernels with fibers started in ``order`` (``"forward"``, ``"reverse"``,
+    ``"shuffle"`` or an int seed): a kernel whose result depends on it has a race."""
+    token = _order.set(order)
+    try:
+        yield
+    finally:
+        _order.reset(token)
+
+
+def current_emulation_order():
+    return _order.get()
+
+
+_workspaces: dict[tuple[int, int, str], object] = {}
+
+
+def device_workspace(name: str, ints: int):
+    """A zero-initialised int32 device buffer per (device, stream, name), kept for reuse.
+
+    Kernels that use one must leave it zero when they finish (the "last block" reduction pattern):
+    it is zeroed once, at allocation, never per call. One per stream, so launches on different
+    streams never share counters.
+    """
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    stream = cupy.cuda.get_current_stream().ptr
+    key = (dev, stream, name)
+    buf = _workspaces.get(key)
+    if buf is None or buf.size < ints:
+        buf = cupy.zeros(ints, dtype=np.int32)
+        _workspaces[key] = buf
+    return buf

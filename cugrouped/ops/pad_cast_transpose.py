@@ -1,0 +1,362 @@
+"""``multi_pad_cast_transpose``: pad + FP8 cast + transpose (+ amax) of all experts in one launch.
+
+Host side of ``kernels_cu/pad_cast_transpose.cu``: argument checks, launch planning (pure
+functions, tested on the CPU), output allocation and the launch on the CUDA device, on the CPU
+emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_transpose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _jit
+from .._array import FLOAT_INPUT_DTYPES, ArrayView, as_view
+from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
+from . import _launch
+
+__all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "padded_splits",
+           "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
+           "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE"]
+
+# Must match kernels_cu/pad_cast_transpose.cu.
+MAX_EXPERTS_PER_LAUNCH = 64
+TILE_M, TILE_K, THREADS = 64, 128, 256
+# cuBLASLt FP8 GEMMs need the reduction dimension (k for fprop, n for dgrad) to be a multiple of 16.
+GEMM_K_MULTIPLE = 16
+
+_IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
+_MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
+
+
+def kernel_name(in_dtype: str, fp8_format: str, mode: str) -> str:
+    return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
+            f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}>")
+
+
+KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
+    source="pad_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, m) for d in _IN for f in _FMT for m in _MODES),
+))
+
+
+def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
+    """NumPy twin of ``struct cg::PctGroup`` (passed to the kernel by value)."""
+    e = max_experts
+    return np.dtype([("in", "<u8", e), ("out_row", "<u8", e), ("out_col", "<u8", e),
+                     ("m", "<i8", e), ("ld", "<i8", e), ("tile_start", "<i4", e + 1),
+                     ("num_experts", "<i4")], align=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: pure functions of sizes, no arrays.
+
+def padded_splits(m_splits: Sequence[int], align: int) -> tuple[int, ...]:
+    """``m_pad_i = ceil(m_i / align) * align``."""
+    return tuple(-(-int(m) // align) * align for m in m_splits)
+
+
+def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
+    """Tiles (64 x 128) per expert; at least one, so an empty expert still writes its amax."""
+    tiles_k = -(-k // TILE_K)
+    return tuple(max(1, -(-mp // TILE_M) * tiles_k) for mp in padded_splits(m_splits, align))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLaunch:
+    """One launch: experts ``[first, first + count)`` of the group and their flat tile grid."""
+
+    first: int
+    count: int
+    tile_start: tuple[int, ...]   # count + 1 entries, starting at 0
+
+    @property
+    def grid(self) -> int:
+        return self.tile_start[-1]
+
+
+def plan_launches(m_splits: Sequence[int], k: int, align: int,
+                  max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
+    """Split the experts into chunks that fit one argument block, with each chunk's tile offsets.
+
+    A chunk's grid must stay below 2^31 blocks; 2^31 tiles of 64 x 128 is far beyond any memory.
+    """
+    tiles = tile_counts(m_splits, k, align)
+    plans = []
+    for first in range(0, len(tiles), max_experts):
+        chunk = tiles[first:first + max_experts]
+        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
+        if start[-1] >= 2**31:
+            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
+        plans.append(ChunkLaunch(first, len(chunk), start))
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+@dataclasses.dataclass(frozen=True)
+class GroupedInput:
+    """Normalised input: one view per expert (``None`` for an empty expert with no array)."""
+
+    experts: tuple[ArrayView | None, ...]
+    m_splits: tuple[int, ...]
+    k: int
+    dtype: str
+    on_device: bool
+    kind: str
+    device: int
+
+
+def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
+    if array_is_device(m_splits):
+        raise TypeError("m_splits: device arrays are not supported yet (the output size of the "
+                        "transposed copy depends on them); pass a host sequence of ints")
+    try:
+        splits = tuple(int(v) for v in np.asarray(m_splits).reshape(-1))
+        if any(int(v) != v for v in np.asarray(m_splits).reshape(-1)):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise TypeError(f"m_splits: expected a sequence of non-negative ints, got {m_splits!r}") from None
+    if any(v < 0 for v in splits):
+        raise ValueError(f"m_splits: expected non-negative counts, got {splits}")
+    if sum(splits) != rows:
+        raise ValueError(f"m_splits: counts sum to {sum(splits)} but inputs has {rows} rows")
+    return splits
+
+
+def array_is_device(x: Any) -> bool:
+    return hasattr(x, "__cuda_array_interface__") or (
+        type(x).__module__.startswith("torch") and getattr(getattr(x, "device", None), "type", "") == "cuda")
+
+
+def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None) -> GroupedInput:
+    """Check ``inputs`` / ``m_splits`` and describe them; raises TypeError/ValueError naming the
+    argument. Nothing is copied."""
+    if isinstance(inputs, (list, tuple)):
+        if len(inputs) == 0:
+            raise ValueError("inputs: expected at least one expert, got an empty sequence")
+        views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
+        if m_splits is not None:
+            given = _host_splits(m_splits, sum(v.shape[0] if len(v.shape) == 2 else 0 for v in views))
+            if len(given) != len(views) or any(g != v.shape[0] for g, v in zip(given, views)):
+                raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
+                                 f"a list; got {given}")
+        splits = []
+        for i, v in enumerate(views):
+            if len(v.shape) != 2:
+                raise ValueError(f"inputs[{i}]: expected a 2-D (m_i, k) array, got shape {v.shape}")
+            splits.append(v.shape[0])
+    else:
+        view = as_view(inputs, dtype=dtype, arg="inputs")
+        if len(view.shape) != 2:
+            raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array or a list of 2-D "
+                             f"arrays, got shape {view.shape}")
+        if m_splits is None:
+            raise ValueError("m_splits: required when inputs is a single array")
+        splits = list(_host_splits(m_splits, view.shape[0]))
+        if len(splits) == 0:
+            raise ValueError("m_splits: expected at least one expert")
+        views, row = [], 0
+        for m in splits:
+            views.append(dataclasses.replace(
+                view, ptr=view.ptr + row * view.strides[0] * view.itemsize, shape=(m, view.shape[1])))
+            row += m
+    first = views[0]
+    k = first.shape[1]
+    for i, v in enumerate(views):
+        name = f"inputs[{i}]" if isinstance(inputs, (list, tuple)) else "inputs"
+        if v.dtype not in FLOAT_INPUT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {v.dtype}"
+                            " (CuPy callers pass bfloat16 as a uint16 view with dtype='bfloat16')")
+        if v.dtype != first.dtype:
+            raise TypeError(f"{name}: dtype {v.dtype} differs from inputs[0]'s {first.dtype}")
+        if v.shape[1] != k:
+            raise ValueError(f"{name}: has k={v.shape[1]} columns, inputs[0] has {k}")
+        if (v.kind, v.device) != (first.kind, first.device):
+            raise ValueError(f"{name}: is a {v.kind} array on device {v.device}, inputs[0] is a "
+                             f"{first.kind} array on device {first.device}")
+        if v.shape[0] > 0 and not v.is_row_major_rows():
+            raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
+                             f"strides {v.strides} (in elements) for shape {v.shape}")
+    if k < 1:
+        raise ValueError(f"inputs: expected k >= 1 columns, got {k}")
+    return GroupedInput(tuple(views), tuple(splits), k, first.dtype, first.on_device, first.kind,
+                        first.device)
+
+
+def _check_options(fp8_format: str, margin: int, align: int) -> None:
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
+    if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"align: expected a positive int, got {align!r}")
+    if not isinstance(margin, (int, np.integer)) or isinstance(margin, bool) or not 0 <= margin <= 64:
+        raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3", scale=None,
+                             margin: int = 0, align: int = 16, rowwise: bool = True,
+                             columnwise: bool = True, column_sums: bool = False, out=None,
+                             dtype: str | None = None, backend: str | None = None) -> GroupedFP8:
+    """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
+
+    Parameters
+    ----------
+    inputs : list/tuple of 2-D arrays ``(m_i, k)``, or one 2-D array ``(sum(m_splits), k)``
+        float32, float16 or bfloat16, one common ``k`` and dtype, rows contiguous (unit column
+        stride; the row stride may be larger). ``m_i == 0`` is allowed anywhere. Never copied.
+    m_splits : host sequence of ints, required with a single array.
+    fp8_format : ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
+    scale : float32 array ``(E,)`` on the data's device, or None
+        Given (delayed scaling): ``q = fp8(x * scale[i])``, amax fused in the same pass, one launch.
+        None (current scaling): ``scale = fp8_max / amax / 2^margin`` computed on the device
+        (amax 0 or non-finite: 1); two launches. Never a host sync.
+    align : pad each expert's transposed copy to ``m_pad_i = ceil(m_i / align) * align`` columns
+        (16 for activations and gradients, 1 for weights).
+    rowwise, columnwise : which copies to write.
+    out : GroupedFP8 of preallocated buffers (e.g. from a previous call) written in place.
+    dtype : re-tag integer carriers (a CuPy ``uint16`` array holding bfloat16 bits: ``"bfloat16"``).
+    backend : ``"cuda"``, ``"emulate"`` (the same CUDA source on the CPU), ``"reference"`` (NumPy),
+        or None for ``"cuda"`` with device arrays and ``"reference"`` with host arrays.
+
+    The FP8 GEMMs need ``k % 16 == 0``; this op is right for any ``k >= 1``.
+    """
+    _check_options(fp8_format, margin, align)
+    if column_sums:
+        raise NotImplementedError("column_sums=True is not implemented yet")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one must be True")
+    g = normalize_inputs(inputs, m_splits, dtype)
+    backend = _launch.resolve_backend(backend, g.on_device)
+    if g.kind == "torch":
+        raise TypeError("inputs: torch tensors go through cugrouped.pytorch (not implemented yet); "
+                        "pass NumPy or CuPy arrays")
+    if backend == "reference":
+        from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
+
+        return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
+                   align=align, rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype)
+    xp = np if backend == "emulate" else __import__("cupy")
+    m_pad = padded_splits(g.m_splits, align)
+    res = _outputs(g, xp, fp8_format, align, m_pad, rowwise, columnwise, scale, out)
+    mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
+    for chunk in plan_launches(g.m_splits, g.k, align):
+        arg = _pack_group(g, res, chunk)
+        sl = slice(chunk.first, chunk.first + chunk.count)
+        ptrs = (_sub(res.scale, sl), _sub(res.amax, sl), _sub(res.scale_inv, sl))
+        passes = (mode,) if mode == "CAST_AMAX" else ("AMAX_ONLY", "CAST")
+        for p in passes:
+            _run(backend, kernel_name(g.dtype, fp8_format, p), chunk.grid, arg, g.k, align, margin,
+                 ptrs)
+    if backend == "emulate" and res.data is not None:
+        import ml_dtypes
+
+        res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
+                                 else ml_dtypes.float8_e5m2)
+    return res
+
+
+def _sub(arr, sl):
+    return arr[sl]
+
+
+def _outputs(g: GroupedInput, xp, fp8_format, align, m_pad, rowwise, columnwise, scale, out):
+    E, k = len(g.m_splits), g.k
+    rows = sum(g.m_splits)
+    col_bytes = sum(mp * k for mp in m_pad)
+    if scale is not None:
+        sv = as_view(scale, arg="scale")
+        if sv.dtype != "float32" or sv.shape != (E,) or (sv.strides != (1,) and E > 1):
+            raise ValueError(f"scale: expected a contiguous float32 array of shape ({E},), got "
+                             f"{sv.dtype} {sv.shape}")
+        if sv.on_device != g.on_device or (g.on_device and sv.device != g.device):
+            raise ValueError("scale: must live on the same device as inputs")
+    if out is not None:
+        if not isinstance(out, GroupedFP8):
+            raise TypeError(f"out: expected a GroupedFP8, got {type(out).__name__}")
+        want = {"data": ((rows, k), 1) if rowwise else None,
+                "data_t": ((col_bytes,), 1) if columnwise else None,
+                "amax": ((E,), 4), "scale_inv": ((E,), 4)}
+        if scale is None:
+            want["scale"] = ((E,), 4)
+        for name, spec in want.items():
+            if spec is None:
+                continue
+            v = as_view(getattr(out, name), arg=f"out.{name}")
+            if v.shape != spec[0] or v.itemsize != spec[1] or v.on_device != g.on_device:
+                raise ValueError(f"out.{name}: expected shape {spec[0]} with {spec[1]}-byte items "
+                                 f"on the inputs' device, got {v.shape} {v.dtype}")
+            if v.size > 1 and v.strides[-1] != 1:
+                raise ValueError(f"out.{name}: must be contiguous")
+        res = dataclasses.replace(out, m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format,
+                                  k=k, align=align)
+        res.data = _as_bytes(out.data, xp) if rowwise else None
+        res.data_t = _as_bytes(out.data_t, xp) if columnwise else None
+        if scale is not None:
+            res.scale = scale
+        return res
+    return GroupedFP8(
+        data=xp.empty((rows, k), dtype=np.uint8) if rowwise else None,
+        data_t=xp.empty((col_bytes,), dtype=np.uint8) if columnwise else None,
+        m_splits=g.m_splits, m_pad_splits=m_pad,
+        amax=xp.empty((E,), dtype=np.float32),
+        scale=scale if scale is not None else xp.empty((E,), dtype=np.float32),
+        scale_inv=xp.empty((E,), dtype=np.float32),
+        fp8_format=fp8_format, k=k, align=align)
+
+
+def _as_bytes(a, xp):
+    return a.view(np.uint8) if a.dtype != np.uint8 else a
+
+
+def _ptr(a) -> int:
+    if a is None:
+        return 0
+    return as_view(a).ptr
+
+
+def _pack_group(g: GroupedInput, res: GroupedFP8, chunk: ChunkLaunch) -> np.ndarray:
+    """Fill the by-value argument block for one chunk (pointers, sizes, tile offsets)."""
+    arg = np.zeros((), dtype=group_dtype())
+    row_off = res.row_offsets()
+    col_off = res.col_offsets()
+    data_ptr, data_t_ptr = _ptr(res.data), _ptr(res.data_t)
+    for j in range(chunk.count):
+        e = chunk.first + j
+        v = g.experts[e]
+        arg["in"][j] = v.ptr
+        arg["ld"][j] = v.strides[0] if v.shape[0] > 1 else g.k
+        arg["m"][j] = g.m_splits[e]
+        arg["out_row"][j] = data_ptr + int(row_off[e]) * g.k if data_ptr else 0
+        arg["out_col"][j] = data_t_ptr + int(col_off[e]) if data_t_ptr else 0
+    arg["tile_start"][: chunk.count + 1] = chunk.tile_start
+    arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
+    arg["num_experts"] = chunk.count
+    return arg
+
+
+def _run(backend, name, grid, arg, k, align, margin, ptrs) -> None:
+    scale, amax, scale_inv = ptrs
+    _launch.note_launch(backend, name, grid, THREADS)
+    scalars = (np.int64(k), np.int32(align), np.int32(margin))
+    if backend == "cuda":
+        ws = _launch.device_workspace("pad_cast_transpose", 2 * MAX_EXPERTS_PER_LAUNCH)
+        kern = _jit.get_function(KERNEL_SPEC, name)
+        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws))
+    else:
+        from .. import emulate
+
+        ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
+        mod = emulate.EmuModule(path=KERNEL_SPEC.source, name_expressions=KERNEL_SPEC.name_expressions)
+        kern = mod.get_function(name)
+        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws),
+             order=_launch.current_emulation_order())
+        if ws.any():
+            raise RuntimeError("pad_cast_transpose kernel left its workspace non-zero (kernel bug)")

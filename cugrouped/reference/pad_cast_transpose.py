@@ -1,0 +1,84 @@
+"""NumPy reference twin of :func:`cugrouped.multi_pad_cast_transpose`: defines the output bits.
+
+Written from the contract (design.md §3, §4), not from the kernel: per expert, ``x`` in float32,
+denormals flushed (the GPU compiles with ``-ftz=true``), ``amax = max |x|`` (NaN ignored),
+``q = fp8(ftz(x * scale))`` with round-to-nearest-even and saturation, the transposed copy padded
+with zero bytes to ``m_pad = ceil(m / align) * align`` columns.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..grouped_fp8 import GroupedFP8
+from . import fp8 as rfp8
+
+__all__ = ["multi_pad_cast_transpose"]
+
+_CARRIED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
+    def retag(a):
+        a = np.asarray(a)
+        if dtype is not None and a.dtype.name != dtype:
+            a = a.view(_CARRIED[dtype])
+        return a
+
+    if isinstance(inputs, (list, tuple)):
+        return [retag(a) for a in inputs]
+    x = retag(inputs)
+    bounds = np.cumsum([0] + [int(m) for m in m_splits])
+    return [x[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
+                             align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
+                             dtype=None, backend=None) -> GroupedFP8:
+    """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
+    from ..ops.pad_cast_transpose import normalize_inputs, padded_splits  # argument checks only
+
+    if backend not in (None, "reference"):
+        raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
+    if column_sums:
+        raise NotImplementedError("column_sums=True is not implemented yet")
+    g = normalize_inputs(inputs, m_splits, dtype)
+    if g.on_device:
+        raise ValueError("inputs: the reference needs host (NumPy) arrays")
+    xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
+    E, k = len(xs), g.k
+    m_pad = padded_splits(g.m_splits, align)
+    amax = np.array([rfp8.amax_of(x) for x in xs], dtype=np.float32)
+    if scale is None:
+        sc = rfp8.compute_scale(amax, fp8_format, margin).astype(np.float32)
+    else:
+        sc = np.asarray(scale, dtype=np.float32).reshape(E)
+    scale_inv = rfp8.scale_inverse(sc)
+    qs = [rfp8.quantize(x, sc[i], fp8_format).reshape(x.shape) for i, x in enumerate(xs)]
+    data = np.concatenate(qs, axis=0) if rowwise else None
+    if data is not None and data.shape != (sum(g.m_splits), k):
+        data = data.reshape(sum(g.m_splits), k)
+    data_t = None
+    if columnwise:
+        blocks = []
+        for q, mp in zip(qs, m_pad):
+            t = np.zeros((k, mp), dtype=np.uint8)
+            t[:, : q.shape[0]] = q.T
+            blocks.append(t.reshape(-1))
+        data_t = np.concatenate(blocks) if blocks else np.zeros(0, np.uint8)
+    fp8_dtype = rfp8.fp8_dtype(fp8_format)
+    res = GroupedFP8(
+        data=data.view(fp8_dtype) if data is not None else None, data_t=data_t,
+        m_splits=g.m_splits, m_pad_splits=m_pad, amax=amax,
+        scale=sc if scale is None else scale, scale_inv=scale_inv, fp8_format=fp8_format, k=k,
+        align=align)
+    if out is not None:
+        for name in ("data", "data_t", "amax", "scale_inv") + (("scale",) if scale is None else ()):
+            src = getattr(res, name)
+            if src is not None:
+                dst = getattr(out, name)
+                np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
+                          src.view(np.uint8) if src.dtype.itemsize == 1 else src)
+                setattr(res, name, dst)
+    return res

@@ -1,0 +1,246 @@
+// cugrouped/kernels_cu/pad_cast_transpose.cu
+//
+// Multi-tensor pad + FP8 cast + transpose (+ amax) for all experts of an MoE layer in one launch.
+//
+// For every expert e of a chunk (at most CG_PCT_MAX_EXPERTS per launch), with input X_e of shape
+// (m_e, k), row stride ld_e elements, element type IN (float32, float16 or bfloat16):
+//   out_row[e]  (m_e, k)      row-major FP8 bytes of  q = fp8(ftz(ftz(x) * scale[e]))
+//   out_col[e]  (k, m_pad_e)  the same bytes transposed; columns m_e .. m_pad_e-1 are zero,
+//                             written here (m_pad_e = roundup(m_e, align)); no memset anywhere
+//   amax[e]     max |ftz(x)| over the unpadded input (NaN ignored, as fmaxf does)
+// The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1])
+// (at least one, so that an empty expert still writes its amax and scale_inv).
+//
+// Modes (template parameter MODE):
+//   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax) and
+//                  scale_inv, written by the last tile of each expert; nothing else is written;
+//   PCT_CAST       second pass of current scaling: cast with the scale the first pass wrote;
+//   PCT_CAST_AMAX  delayed scaling (caller's scales): cast and amax fused, scale_inv written.
+//
+// Cross-block reductions use a per-stream workspace (two ints per expert slot) that is zero when a
+// launch starts and that the last block of each expert returns to zero ("last block" pattern of the
+// CUDA threadFenceReduction sample): no memset, no second launch, deterministic results.
+#include "common.cuh"
+#include "fp8.cuh"
+
+#ifndef CG_PCT_MAX_EXPERTS
+#define CG_PCT_MAX_EXPERTS 64
+#endif
+
+namespace cg {
+
+enum class InDtype : int { F32 = 0, F16 = 1, BF16 = 2 };
+enum class PctMode : int { AMAX_ONLY = 0, CAST = 1, CAST_AMAX = 2 };
+
+constexpr int PCT_TILE_M = 64;     // rows (tokens) per tile
+constexpr int PCT_TILE_K = 128;    // columns (features) per tile
+constexpr int PCT_SEG = 16;        // elements per thread-segment: one 16-byte FP8 store
+constexpr int PCT_THREADS = 256;
+constexpr int PCT_SEGS_PER_ROW = PCT_TILE_K / PCT_SEG;                             // 8
+constexpr int PCT_SEG_ITERS = PCT_TILE_M * PCT_SEGS_PER_ROW / PCT_THREADS;         // 2
+constexpr int PCT_COL_RUN = 32;    // transposed rows written per thread: one full 32-byte sector
+static_assert(PCT_TILE_K * (PCT_TILE_M / PCT_COL_RUN) == PCT_THREADS, "one column run per thread");
+
+// Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
+// same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
+// layout on x86-64 and nvptx64. sizeof = 5*8*64 + 4*65 + 4 = 2824 bytes, within the 4 KB limit.
+struct PctGroup {
+    const void* in[CG_PCT_MAX_EXPERTS];
+    u8* out_row[CG_PCT_MAX_EXPERTS];
+    u8* out_col[CG_PCT_MAX_EXPERTS];
+    i64 m[CG_PCT_MAX_EXPERTS];
+    i64 ld[CG_PCT_MAX_EXPERTS];
+    i32 tile_start[CG_PCT_MAX_EXPERTS + 1];
+    i32 num_experts;
+};
+
+template <InDtype IN> struct InTraits;
+template <> struct InTraits<InDtype::F32> {
+    static constexpr int bytes = 4;
+    CG_DEVICE static float load(const void* p, i64 i) { return static_cast<const float*>(p)[i]; }
+    // 16 consecutive elements from a 16-byte aligned address.
+    CG_DEVICE static void load16(const void* p, float (&v)[PCT_SEG]) {
+        const float4* q = static_cast<const float4*>(p);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float4 w = q[j];
+            v[4 * j] = w.x; v[4 * j + 1] = w.y; v[4 * j + 2] = w.z; v[4 * j + 3] = w.w;
+        }
+    }
+};
+template <InDtype IN> struct Half16Traits {
+    static constexpr int bytes = 2;
+    CG_DEVICE static float cvt(u32 bits) {
+        return IN == InDtype::BF16 ? bf16_to_float(static_cast<u16>(bits))
+                                   : half_to_float(static_cast<u16>(bits));
+    }
+    CG_DEVICE static float load(const void* p, i64 i) { return cvt(static_cast<const u16*>(p)[i]); }
+    CG_DEVICE static void load16(const void* p, float (&v)[PCT_SEG]) {
+        const uint4* q = static_cast<const uint4*>(p);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            uint4 w = q[j];
+            u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                v[8 * j + 2 * h] = cvt(words[h] & 0xffffu);
+                v[8 * j + 2 * h + 1] = cvt(words[h] >> 16);
+            }
+        }
+    }
+};
+template <> struct InTraits<InDtype::F16> : Half16Traits<InDtype::F16> {};
+template <> struct InTraits<InDtype::BF16> : Half16Traits<InDtype::BF16> {};
+
+CG_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15u) == 0; }
+
+// Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
+// binary search, the same in every thread, so no divergence).
+CG_DEVICE int expert_of_tile(const PctGroup& g, int t) {
+    int lo = 0, hi = g.num_experts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (g.tile_start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+CG_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+template <InDtype IN, Fp8Format FMT, PctMode MODE>
+__global__ void __launch_bounds__(PCT_THREADS)
+pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
+                          float* __restrict__ scale,       // read (CAST, CAST_AMAX) or written (AMAX_ONLY)
+                          float* __restrict__ amax,        // written (AMAX_ONLY, CAST_AMAX)
+                          float* __restrict__ scale_inv,   // written (AMAX_ONLY, CAST_AMAX)
+                          int* __restrict__ workspace)     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
+{
+    using Traits = InTraits<IN>;
+    constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
+    constexpr bool kAmax = MODE != PctMode::CAST;
+    __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
+    __shared__ float warp_amax[PCT_THREADS / 32];
+
+    const int t = blockIdx.x;
+    const int e = expert_of_tile(g, t);
+    const i64 m = g.m[e];
+    const i64 m_pad = (m + align - 1) / align * align;
+    const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
+    const i64 local = t - g.tile_start[e];
+    const i64 row0 = (local / tiles_k) * PCT_TILE_M;
+    const i64 col0 = (local % tiles_k) * PCT_TILE_K;
+    const float s = kCast ? scale[e] : 1.f;
+    const bool rowwise = g.out_row[e] != nullptr;
+    const bool columnwise = g.out_col[e] != nullptr;
+
+    // Phase 1: each thread reads 16 consecutive elements of one row, writes their 16 FP8 bytes to
+    // the row-wise output and to the shared tile. Rows m .. of the tile are the zero padding.
+    float local_amax = 0.f;
+#pragma unroll
+    for (int it = 0; it < PCT_SEG_ITERS; ++it) {
+        const int seg = threadIdx.x + it * PCT_THREADS;
+        const int r = seg / PCT_SEGS_PER_ROW;
+        const int c = (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
+        const i64 grow = row0 + r;
+        const i64 gcol = col0 + c;
+        float v[PCT_SEG];
+        if (grow < m && gcol < k) {
+            const void* src = static_cast<const char*>(g.in[e]) + (grow * g.ld[e] + gcol) * Traits::bytes;
+            if (gcol + PCT_SEG <= k && aligned16(src)) {
+                Traits::load16(src, v);
+            } else {
+#pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j)
+                    v[j] = gcol + j < k ? Traits::load(src, j) : 0.f;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;
+        }
+        if (kAmax) {
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(ftz(v[j])));
+        }
+        if (kCast) {
+            u32 packed[4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const u32 lo = float2_to_fp8x2<FMT>(ftz(ftz(v[4 * w]) * s), ftz(ftz(v[4 * w + 1]) * s));
+                const u32 hi = float2_to_fp8x2<FMT>(ftz(ftz(v[4 * w + 2]) * s), ftz(ftz(v[4 * w + 3]) * s));
+                packed[w] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4*>(&tile[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            if (rowwise && grow < m && gcol < k) {
+                u8* dst = g.out_row[e] + grow * k + gcol;
+                if (gcol + PCT_SEG <= k && aligned16(dst)) {
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < PCT_SEG; ++j)   // unrolled: packed[] stays in registers
+                        if (gcol + j < k) dst[j] = static_cast<u8>(packed[j / 4] >> (8 * (j % 4)));
+                }
+            }
+        }
+    }
+
+    // Phase 2: each thread writes a run of 32 transposed bytes (one column of the tile, 32 rows):
+    // one full 32-byte sector of the (k, m_pad) output when aligned.
+    if (kCast) {
+        __syncthreads();
+        const int cc = threadIdx.x % PCT_TILE_K;
+        const int rr = (threadIdx.x / PCT_TILE_K) * PCT_COL_RUN;
+        const i64 gcol = col0 + cc;
+        const i64 grow = row0 + rr;
+        if (columnwise && gcol < k && grow < m_pad) {
+            u8* dst = g.out_col[e] + gcol * m_pad + grow;
+            const i64 n = m_pad - grow < PCT_COL_RUN ? m_pad - grow : PCT_COL_RUN;
+            if (n == PCT_COL_RUN && aligned16(dst)) {
+                u32 words[PCT_COL_RUN / 4];
+#pragma unroll
+                for (int w = 0; w < PCT_COL_RUN / 4; ++w)
+                    words[w] = u32(tile[rr + 4 * w][cc]) | (u32(tile[rr + 4 * w + 1][cc]) << 8) |
+                               (u32(tile[rr + 4 * w + 2][cc]) << 16) | (u32(tile[rr + 4 * w + 3][cc]) << 24);
+                reinterpret_cast<uint4*>(dst)[0] = make_uint4(words[0], words[1], words[2], words[3]);
+                reinterpret_cast<uint4*>(dst)[1] = make_uint4(words[4], words[5], words[6], words[7]);
+            } else {
+                for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
+            }
+        }
+    }
+
+    // Amax: block reduction, then the last block of the expert publishes it (and the scales).
+    if (kAmax) {
+        local_amax = warp_max(local_amax);
+        if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = local_amax;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float block_amax = 0.f;
+            for (int w = 0; w < PCT_THREADS / 32; ++w) block_amax = fmaxf(block_amax, warp_amax[w]);
+            int* ws_amax = workspace;
+            int* ws_count = workspace + CG_PCT_MAX_EXPERTS;
+            // Non-negative floats order like their bit patterns as signed ints.
+            atomicMax(ws_amax + e, __float_as_int(block_amax));
+            __threadfence();
+            const int tiles_e = g.tile_start[e + 1] - g.tile_start[e];
+            if (atomicAdd(ws_count + e, 1) == tiles_e - 1) {
+                __threadfence();
+                const float a = __int_as_float(atomicExch(ws_amax + e, 0));
+                atomicExch(ws_count + e, 0);
+                amax[e] = a;
+                if (MODE == PctMode::AMAX_ONLY) {
+                    const float sc = compute_scale<FMT>(a, margin);
+                    scale[e] = sc;
+                    scale_inv[e] = scale_inverse(sc);
+                } else {
+                    scale_inv[e] = scale_inverse(s);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace cg

@@ -1,0 +1,305 @@
+"""multi_pad_cast_transpose: the CUDA kernel run on the CPU emulator must give the NumPy reference's
+bits, over the split taxonomy of design.md §6, input dtypes, FP8 formats, scaling modes, padding
+alignments and input forms, with the emulator's fiber order varied. Plus planning (pure functions),
+launch counts, argument checks, and the GPU twin of the matrix (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped
+from cugrouped import reference
+from cugrouped.ops import pad_cast_transpose as pct
+
+# The split taxonomy (design.md §6): name -> (m_splits, k)
+SPLITS = {
+    "uniform": ([48, 48, 48, 48], 64),
+    "skewed": ([3, 130, 1, 70], 96),
+    "empty_first": ([0, 33, 17], 64),
+    "empty_middle": ([20, 0, 45], 48),
+    "empty_last": ([29, 64, 0], 32),
+    "single": ([77], 144),
+    "not_mult16": ([17, 5, 31, 9], 40),
+    "count_one": ([1, 1, 2], 64),
+    "k_smallest": ([19, 40], 16),
+}
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+ORDERS = ("forward", "reverse", "shuffle", 7)
+
+
+def make_inputs(m_splits, k, dtype, seed, specials=False):
+    rng = np.random.default_rng(seed)
+    xs = []
+    for m in m_splits:
+        # log-uniform magnitudes over a wide range, random signs: exercises every FP8 binade,
+        # saturation (after scaling) and underflow
+        x = (rng.choice([-1.0, 1.0], size=(m, k)) * np.exp2(rng.uniform(-12, 6, size=(m, k))))
+        x = x.astype(np.float32)
+        if specials and x.size:
+            flat = x.reshape(-1)
+            vals = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-39, 65504.0, 3e38]
+            idx = rng.choice(flat.size, size=min(flat.size, len(vals)), replace=False)
+            flat[idx] = np.array(vals[: len(idx)], dtype=np.float32)
+        xs.append(x.astype(DTYPES[dtype]))
+    return xs
+
+
+def as_bits(a):
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+def assert_same_bits(got, want, label=""):
+    for name in ("data", "data_t", "amax", "scale", "scale_inv"):
+        g, w = as_bits(getattr(got, name)), as_bits(getattr(want, name))
+        if w is None:
+            assert g is None, f"{label} {name}"
+            continue
+        assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
+        bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
+        assert bad.size == 0, (f"{label} {name}: {bad.size} of {w.size} differ, first at {bad[0]}: "
+                               f"{g.reshape(-1)[bad[0]]:#x} != {w.reshape(-1)[bad[0]]:#x}")
+    assert got.m_splits == want.m_splits and got.m_pad_splits == want.m_pad_splits
+
+
+def run_both(xs, m_splits, form, **kw):
+    if form == "list":
+        args = (xs, None)
+    else:
+        args = (np.concatenate(xs, axis=0), list(m_splits))
+    want = reference.multi_pad_cast_transpose(*args, **kw)
+    got = cugrouped.multi_pad_cast_transpose(*args, backend="emulate", **kw)
+    return got, want
+
+
+def scales_for(m_splits, fmt, seed):
+    rng = np.random.default_rng(seed)
+    # includes a scale that saturates much of the data, and a tiny one
+    return (np.exp2(rng.uniform(-8, 12, size=len(m_splits)))).astype(np.float32)
+
+
+# Every split case x dtype x format x scaling; align, input form and fiber order rotate through
+# their values so that each appears with every split case.
+CASES = [
+    (split, dtype, fmt, given, align, form, order)
+    for i, (split, dtype, fmt, given) in enumerate(itertools.product(SPLITS, DTYPES, ("e4m3", "e5m2"),
+                                                                     (True, False)))
+    for align, form, order in [((1, 16, 32, 128)[i % 4], ("list", "tensor")[(i // 4) % 2],
+                                ORDERS[i % len(ORDERS)])]
+]
+
+
+@pytest.mark.parametrize("split,dtype,fmt,given,align,form,order", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_emulated_kernel_matches_reference(split, dtype, fmt, given, align, form, order):
+    m_splits, k = SPLITS[split]
+    seed = zlib.crc32(repr((split, dtype, fmt, given)).encode())
+    xs = make_inputs(m_splits, k, dtype, seed, specials=(split == "skewed"))
+    kw = dict(fp8_format=fmt, align=align, scale=scales_for(m_splits, fmt, seed) if given else None)
+    with cugrouped.emulation_order(order):
+        got, want = run_both(xs, m_splits, form, **kw)
+    assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/given={given}/align={align}/{form}")
+    # padding columns of the transposed copy are zero bytes written by the kernel
+    for i, m in enumerate(m_splits):
+        assert not np.asarray(got.columnwise(i))[:, m:].any()
+
+
+@pytest.mark.parametrize("align", [1, 16, 32, 128])
+@pytest.mark.parametrize("form", ["list", "tensor"])
+def test_every_align_and_form_on_the_skewed_case(align, form):
+    m_splits, k = SPLITS["skewed"]
+    xs = make_inputs(m_splits, k, "bfloat16", 11, specials=True)
+    for given in (True, False):
+        got, want = run_both(xs, m_splits, form, fp8_format="e4m3", align=align,
+                             scale=scales_for(m_splits, "e4m3", 3) if given else None)
+        assert_same_bits(got, want, f"align={align}/{form}/given={given}")
+
+
+def test_more_experts_than_one_launch_holds():
+    m_splits = [(i * 7) % 23 for i in range(pct.MAX_EXPERTS_PER_LAUNCH + 6)]  # includes zeros
+    k = 32
+    xs = make_inputs(m_splits, k, "float16", 5)
+    plans = pct.plan_launches(m_splits, k, 16)
+    assert [p.count for p in plans] == [pct.MAX_EXPERTS_PER_LAUNCH, 6]
+    for given in (True, False):
+        with cugrouped.record_launches() as log:
+            got, want = run_both(xs, m_splits, "tensor", fp8_format="e5m2", align=16,
+                                 scale=scales_for(m_splits, "e5m2", 1) if given else None)
+        assert_same_bits(got, want, f"chunked given={given}")
+        assert len(log) == len(plans) * (1 if given else 2)
+
+
+def test_launch_counts():
+    xs = make_inputs([5, 0, 9], 32, "float32", 2)
+    with cugrouped.record_launches() as log:
+        cugrouped.multi_pad_cast_transpose(xs, scale=np.ones(3, np.float32), backend="emulate")
+    assert [launch.kernel.split("PctMode::")[1] for launch in log] == ["CAST_AMAX>"]
+    with cugrouped.record_launches() as log:
+        cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
+    assert [launch.kernel.split("PctMode::")[1] for launch in log] == ["AMAX_ONLY>", "CAST>"]
+    assert all(launch.grid == sum(pct.tile_counts([5, 0, 9], 32, 16)) for launch in log)
+
+
+def test_rowwise_only_and_columnwise_only():
+    m_splits, k = [13, 0, 40], 48
+    xs = make_inputs(m_splits, k, "bfloat16", 9)
+    for rw, cw in ((True, False), (False, True)):
+        got, want = run_both(xs, m_splits, "list", rowwise=rw, columnwise=cw)
+        assert (got.data is None) == (not rw) and (got.data_t is None) == (not cw)
+        assert_same_bits(got, want)
+
+
+def test_out_buffers_written_in_place():
+    m_splits, k = [10, 22], 32
+    xs = make_inputs(m_splits, k, "float32", 4)
+    first = cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
+    before = {n: np.asarray(getattr(first, n)).ctypes.data for n in ("data", "data_t", "amax", "scale_inv")}
+    xs2 = make_inputs(m_splits, k, "float32", 5)
+    again = cugrouped.multi_pad_cast_transpose(xs2, backend="emulate", out=first)
+    for n, ptr in before.items():
+        assert np.asarray(getattr(again, n)).ctypes.data == ptr, n
+    assert_same_bits(again, reference.multi_pad_cast_transpose(xs2))
+
+
+def test_weights_align_one_give_w_and_w_transposed():
+    w = make_inputs([24, 24], 32, "bfloat16", 8)
+    res = cugrouped.multi_pad_cast_transpose(w, align=1, backend="emulate")
+    assert res.m_pad_splits == (24, 24)
+    for i in range(2):
+        assert np.array_equal(np.asarray(res.columnwise(i)).T, np.asarray(res.rowwise(i)).view(np.uint8))
+
+
+def test_dequantize_round_trip_is_within_fp8_precision():
+    xs = [np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)]
+    res = cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
+    back = res.dequantize()[0]
+    # e4m3 has 3 mantissa bits: relative error of a rounded value is at most 2^-4
+    big = np.abs(xs[0]) > 2.0**-6 * float(res.amax[0])
+    assert np.all(np.abs(back - xs[0])[big] <= 2.0**-4 * np.abs(xs[0])[big])
+
+
+def test_row_stride_larger_than_k():
+    base = make_inputs([30], 80, "float32", 3)[0]
+    view = base[:, :48]          # rows 80 elements apart, 48 used
+    got = cugrouped.multi_pad_cast_transpose([view, base[:7, 16:64]], backend="emulate")
+    want = reference.multi_pad_cast_transpose([np.ascontiguousarray(view),
+                                               np.ascontiguousarray(base[:7, 16:64])])
+    assert_same_bits(got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning is pure and runs without any array.
+
+def test_planning_pure_functions():
+    assert pct.padded_splits([0, 1, 16, 17], 16) == (0, 16, 16, 32)
+    assert pct.padded_splits([5, 7], 1) == (5, 7)
+    # one tile minimum, 64-row x 128-column tiles over the padded rows
+    assert pct.tile_counts([0, 64, 65], 129, 16) == (1, 2, 4)
+    plans = pct.plan_launches([1] * 130, 16, 16, max_experts=64)
+    assert [(p.first, p.count) for p in plans] == [(0, 64), (64, 64), (128, 2)]
+    assert plans[0].tile_start[:3] == (0, 1, 2) and plans[2].grid == 2
+
+
+def test_group_struct_layout_fits_the_parameter_limit():
+    dt = pct.group_dtype()
+    assert dt.itemsize == 2824            # = sizeof(cg::PctGroup), see the kernel source
+    assert dt.itemsize + 8 + 4 + 4 + 4 * 8 < 4096
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, nothing written.
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, fp8_format="e3m4"), ValueError, "fp8_format"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, align=0), ValueError, "align"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, margin=-1), ValueError, "margin"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, backend="gpu"), ValueError, "backend"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, backend="cuda"), ValueError, "backend"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([], backend="emulate"), ValueError, "inputs"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0]), ValueError, "m_splits"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], [3, 3]), ValueError, "m_splits"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], [-1, 11]), ValueError, "m_splits"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], [2.5, 7.5]), TypeError, "m_splits"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0], x[1][:, :8]]), ValueError, r"inputs\[1\].*k="),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0], x[1].astype(np.float16)]), TypeError, r"inputs\[1\]"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0].astype(np.int32)]), TypeError, "inputs"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0].T]), ValueError, "row-major"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0].reshape(-1)]), ValueError, "2-D"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(3, np.float32)), ValueError, "scale"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float64)), ValueError, "scale"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, rowwise=False, columnwise=False), ValueError, "rowwise"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, out={"data": 1}), TypeError, "out"),
+])
+def test_bad_input_is_rejected_clearly(call, exc, match):
+    xs = [np.ones((10, 16), np.float32), np.ones((0, 16), np.float32)]
+    with pytest.raises(exc, match=match):
+        call(xs)
+
+
+def test_bad_out_buffer_is_rejected_before_anything_is_written():
+    xs = [np.ones((10, 16), np.float32)]
+    out = cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
+    out.data_t = np.zeros(3, np.uint8)
+    data_before = np.asarray(out.data).view(np.uint8).copy()
+    xs2 = [np.full((10, 16), 2.0, np.float32)]
+    with pytest.raises(ValueError, match="out.data_t"):
+        cugrouped.multi_pad_cast_transpose(xs2, backend="emulate", out=out)
+    assert np.array_equal(np.asarray(out.data).view(np.uint8), data_before)
+
+
+# ------------------------------------------------------------------------------------------------
+# The same matrix on a GPU (skipped here; run by scripts/gpu_check.sh).
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,dtype,fmt,given,align,form,order", CASES[::3],
+                         ids=["-".join(map(str, c)) for c in CASES[::3]])
+def test_cuda_matches_reference(split, dtype, fmt, given, align, form, order):
+    import cupy
+
+    m_splits, k = SPLITS[split]
+    seed = zlib.crc32(repr((split, dtype, fmt, given)).encode())
+    xs = make_inputs(m_splits, k, dtype, seed, specials=(split == "skewed"))
+    scale = scales_for(m_splits, fmt, seed) if given else None
+    want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, align=align, scale=scale)
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    if form == "tensor":
+        dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
+    else:
+        splits = None
+    got = cugrouped.multi_pad_cast_transpose(
+        dxs, splits, fp8_format=fmt, align=align, dtype=dtype if carrier else None,
+        scale=cupy.asarray(scale) if given else None)
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_same_bits(host, want, f"cuda {split}/{dtype}/{fmt}")
+
+
+@pytest.mark.gpu
+def test_cuda_large_case_over_2_31_elements():
+    import cupy
+
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    k = 8192
+    rows = (2**31 + k * 1024) // k            # just over 2^31 elements in total
+    need = rows * k * (2 + 1 + 1) + 8 * 16 * k
+    if need > 0.8 * free:
+        rows = int(0.8 * free / (k * 4)) // 64 * 64
+    m_splits = [rows // 4 - 13, rows // 4 + 13, 0, rows - 2 * (rows // 4)]
+    x = cupy.random.standard_normal((rows, k), dtype=cupy.float32).astype(cupy.float16).view(cupy.uint16)
+    got = cugrouped.multi_pad_cast_transpose(x, m_splits, dtype="float16")
+    # check the last expert (its offsets are past 2^31) against the reference on the host
+    last = cupy.asnumpy(x[rows - m_splits[-1]:]).view(np.float16)
+    want = reference.multi_pad_cast_transpose([last], scale=None)
+    assert float(got.amax[3]) == float(want.amax[0])
+    sc = cupy.asnumpy(got.scale[3:4])
+    want = reference.multi_pad_cast_transpose([last], scale=sc)
+    assert np.array_equal(cupy.asnumpy(got.rowwise(3)), want.data.view(np.uint8))
+    assert np.array_equal(cupy.asnumpy(got.columnwise(3)), want.columnwise(0))
