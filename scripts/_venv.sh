@@ -1,0 +1,24 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: make (once) and activate .venv with cugrouped
+# installed in editable mode plus CuPy and the NVRTC wheel (no GPU needed for either).
+# CUGROUPED_VENV overrides the location.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${CUGROUPED_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[cugrouped] creating $VENV" >&2
+    "$PY" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+stamp="$VENV/.cugrouped-installed"
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+    echo "[cugrouped] installing cugrouped[cuda13,test] into $VENV" >&2
+    python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    python -m pip install -q --disable-pip-version-check -e "$ROOT[cuda13,test]" 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    python -c "import cugrouped, cupy, ml_dtypes, pytest" || { echo "[cugrouped] install failed" >&2; exit 1; }
+    touch "$stamp"
+fi
+cd "$ROOT"
