@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one-command GPU check: every GPU test, then the benchmarks with short configs.
+# Usage: scripts/gpu_check.sh OUT_DIR
+# Needs only what a CUDA image with torch and CuPy already has (numpy, ml_dtypes, pytest): no
+# network, no install; the checkout is put on PYTHONPATH. Target: under 8 minutes on one H200.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+cd "$ROOT"
+{
+    echo "== gpu_check $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    "$PY" -m cugrouped info
+    echo "== GPU tests"
+    "$PY" -m pytest -m "gpu" -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests
+    tests_rc=$?
+    echo "== benchmarks"
+    "$PY" -m cugrouped bench all --quick --out "$OUT"
+    bench_rc=$?
+    echo "== done: tests rc=$tests_rc bench rc=$bench_rc"
+    exit $(( tests_rc || bench_rc ))
+} 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
