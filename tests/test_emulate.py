@@ -405,3 +405,34 @@ def test_inline_ptx_behind_cuda_arch_takes_portable_path():
     EmuModule(code=code, name_expressions=("k",)).get_function("k")(1, 32, (p,))
     expect = np.array([int(f"{i:032b}"[::-1], 2) + 1 for i in range(32)], np.uint32)
     assert np.array_equal(p, expect)
+
+
+def test_builtins():
+    mod = EmuModule(path="builtins.cu", include_dirs=(KDIR,), name_expressions=("builtins",))
+    n = 64
+    out = np.zeros((n, 16), np.int32)
+    counters = np.zeros(2, np.uint32)
+    fsum = np.zeros(1, np.float32)
+    mod.get_function("builtins")(1, n, (out, counters, fsum), order="reverse")
+    t = np.arange(n)
+    lane = t & 31
+    assert (out[:, 0] == np.count_nonzero(t % 3 == 0)).all()
+    assert (out[:, 1] == 1).all() and (out[:, 2] == 1).all()
+    assert np.array_equal(out[:, 3], ((t & ~7) | ((t + 3) & 7)) * 10)
+    down = np.where((lane & 15) + 3 <= 15, t + 3, t)
+    assert np.array_equal(out[:, 4], down * 10)
+    assert np.array_equal(out[:, 5], (t ^ 5) * 10)
+    assert np.array_equal(out[:, 6], np.where((lane & 7) >= 2, t - 2, t) * 10)
+    assert (out[:, 7] == 7 - 31).all() and (out[:, 8] == 93).all()
+    assert np.array_equal(out[:, 9], ((t & ~31) | (31 - lane)) // 2)
+    popc = np.array([bin(i).count("1") for i in range(n)])
+    ffs = np.array([(i & -i).bit_length() for i in range(n)])
+    clz = np.array([32 - i.bit_length() for i in range(n)])
+    assert np.array_equal(out[:, 10], popc + 100 * ffs + 10000 * clz)
+    b = [(0x33221100 + i).to_bytes(4, "little") + (0x77665544).to_bytes(4, "little") for i in range(n)]
+    assert np.array_equal(out[:, 11].view(np.uint32), [int.from_bytes(bytes(x[s] for s in (1, 3, 5, 7)), "little") for x in b])
+    assert sorted(out[:, 12]) == sorted([i % 41 for i in range(n)]) and counters[0] == n % 41
+    assert counters[1] == out[:, 13].sum() >= 1   # a chain of winners: thread k wins after k-1 did
+    assert fsum[0] == n * 0.5
+    assert np.array_equal(out[:, 14], np.maximum(t, 7) + 100 * np.minimum(t, 7) + 10000 * np.maximum(2, t))
+    assert np.array_equal(out[:, 15], t + 6 - (1 << 31))

@@ -142,7 +142,8 @@ enum WarpOp : int {
 };
 enum BarrierKind : int { BAR_SYNC, BAR_COUNT, BAR_AND, BAR_OR };
 
-// Block-wide barrier; returns the count of non-zero `pred` over the block.
+// Block-wide barrier over the threads that have not returned; returns, for BAR_COUNT, how many
+// had a non-zero `pred`, for BAR_AND / BAR_OR whether all / any had.
 int barrier(BarrierKind kind, int pred, const char* file, int line);
 // Warp collective; `value` holds the lane's bits, the result comes back the same way.
 unsigned long long warp_collective(WarpOp op, unsigned mask, unsigned long long value, int param,
@@ -177,10 +178,8 @@ constexpr int warpSize = 32;
 #define EMU_SITE const char* emu_file = __builtin_FILE(), int emu_line = __builtin_LINE()
 inline void __syncthreads(EMU_SITE) { ::emu::barrier(::emu::BAR_SYNC, 0, emu_file, emu_line); }
 inline int __syncthreads_count(int p, EMU_SITE) { return ::emu::barrier(::emu::BAR_COUNT, p != 0, emu_file, emu_line); }
-inline int __syncthreads_and(int p, EMU_SITE) {
-    return ::emu::barrier(::emu::BAR_AND, p != 0, emu_file, emu_line) == (int)(blockDim.x * blockDim.y * blockDim.z);
-}
-inline int __syncthreads_or(int p, EMU_SITE) { return ::emu::barrier(::emu::BAR_OR, p != 0, emu_file, emu_line) != 0; }
+inline int __syncthreads_and(int p, EMU_SITE) { return ::emu::barrier(::emu::BAR_AND, p != 0, emu_file, emu_line); }
+inline int __syncthreads_or(int p, EMU_SITE) { return ::emu::barrier(::emu::BAR_OR, p != 0, emu_file, emu_line); }
 inline void __syncwarp(unsigned mask = 0xffffffffu, EMU_SITE) {
     ::emu::warp_collective(::emu::SYNCWARP, mask, 0, 0, 32, emu_file, emu_line);
 }

@@ -74,7 +74,10 @@ struct Worker {
 static thread_local Worker* t_worker;
 static thread_local Fiber* t_fiber;
 
-#if defined(__SANITIZE_ADDRESS__)
+// Fiber stack size: options=("-DCG_EMU_STACK_SIZE=262144",) for deep or -O0 kernels.
+#if defined(CG_EMU_STACK_SIZE)
+static const size_t kStackSize = CG_EMU_STACK_SIZE;
+#elif defined(__SANITIZE_ADDRESS__)
 static const size_t kStackSize = 512 * 1024;   // ASan frames are large
 #else
 static const size_t kStackSize = 64 * 1024;
@@ -176,7 +179,7 @@ static __attribute__((noinline)) void yield(Worker* w, Fiber* f) {
 // different ones (called from a fiber).
 static void release_barrier(Worker* w) {
     Fiber* first = nullptr;
-    int count = 0;
+    int count = 0, arrived = 0;
     for (Fiber& f : w->fibers) {
         if (f.state != AT_BARRIER) continue;
         if (!first) {
@@ -187,10 +190,13 @@ static void release_barrier(Worker* w) {
                            waits(&f).c_str()));
         }
         count += f.value != 0;
+        ++arrived;
     }
+    const int kind = first->op;
+    const int result = kind == BAR_AND ? count == arrived : kind == BAR_OR ? count != 0 : count;
     for (Fiber& f : w->fibers) {
         if (f.state != AT_BARRIER) continue;
-        f.result = (unsigned long long)count;
+        f.result = (unsigned long long)result;
         f.state = READY;
     }
     w->at_barrier = 0;
