@@ -436,3 +436,20 @@ def test_builtins():
     assert fsum[0] == n * 0.5
     assert np.array_equal(out[:, 14], np.maximum(t, 7) + 100 * np.minimum(t, 7) + 10000 * np.maximum(2, t))
     assert np.array_equal(out[:, 15], t + 6 - (1 << 31))
+
+
+def test_printf_and_exports(transpose_mod, capfd):
+    code = '__global__ void hello(int* p) { printf("hello from thread %d\\n", (int)threadIdx.x); p[0] = 1; }\n'
+    mod = EmuModule(code=code, name_expressions=("hello",))
+    mod.get_function("hello")(1, 4, (np.zeros(1, np.int32),), order="reverse")
+    assert capfd.readouterr().out == "".join(f"hello from thread {i}\n" for i in (3, 2, 1, 0))
+    # -fvisibility=hidden: only the entry points are exported, no process-wide unique symbols
+    # (function-static __shared__ of templates would otherwise be shared between libraries).
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf not available")
+    syms = subprocess.run(["readelf", "-W", "--dyn-syms", str(transpose_mod.library)],
+                          capture_output=True, text=True, check=True).stdout
+    assert "UNIQUE" not in syms
+    exported = {line.split()[-1] for line in syms.splitlines()
+                if re.search(r"\bGLOBAL\s+DEFAULT\s+\d+\b", line)}
+    assert exported and all(name.startswith("cg_emu_") for name in exported), exported

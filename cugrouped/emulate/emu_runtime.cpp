@@ -513,6 +513,7 @@ static int run_grid(const unsigned* grid, const unsigned* block, size_t smem, in
     std::vector<std::thread> threads;
     for (int i = 0; i < n; ++i) threads.emplace_back(worker_main, &L);
     for (auto& t : threads) t.join();
+    fflush(stdout);   // kernel printf output appears when the launch ends, as after a CUDA sync
     if (L.error.empty()) return 0;
     snprintf(err, errlen, "%s", L.error.c_str());
     return 1;
