@@ -1,0 +1,261 @@
+"""Descriptor objects over cuBLASLt's opaque handles, hiding the attribute plumbing.
+
+Each object owns one ``*Create``'d handle (never the ``*Init`` forms, whose opaque sizes changed
+between releases) and destroys it when closed or garbage collected. Attributes are set and read by
+short name (``desc.set("TRANSA", CUBLAS_OP_T)``); the table below gives each one's C type, so the
+size passed to cuBLASLt is always the one the header documents. All of this works without a GPU,
+except :class:`Handle`.
+
+Caches (per thread, since the matmul descriptor's pointer attributes are rewritten per expert):
+:func:`matmul_desc` per :class:`GemmConfig`, :func:`matrix_layout` per (type, rows, cols, ld) with
+LRU eviction, :func:`preference` per (workspace, alignments).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import threading
+
+from . import _enums as E
+from ._lib import CublasLtError, check, lib
+
+__all__ = ["MatmulDesc", "MatrixLayout", "MatmulPreference", "Handle", "GemmConfig",
+           "MATMUL_DESC_ATTRS", "MATRIX_LAYOUT_ATTRS", "PREFERENCE_ATTRS", "matmul_desc",
+           "matrix_layout", "preference", "clear_caches", "LAYOUT_CACHE_SIZE"]
+
+_u8p = ctypes.c_uint64  # a pointer-valued attribute (void*, 8 bytes on every supported platform)
+
+# short name -> (enum value, C type), C types as documented in cublasLt.h
+MATMUL_DESC_ATTRS = {
+    "COMPUTE_TYPE": (E.CUBLASLT_MATMUL_DESC_COMPUTE_TYPE, ctypes.c_int32),
+    "SCALE_TYPE": (E.CUBLASLT_MATMUL_DESC_SCALE_TYPE, ctypes.c_int32),
+    "POINTER_MODE": (E.CUBLASLT_MATMUL_DESC_POINTER_MODE, ctypes.c_int32),
+    "TRANSA": (E.CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32),
+    "TRANSB": (E.CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32),
+    "EPILOGUE": (E.CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_uint32),
+    "BIAS_POINTER": (E.CUBLASLT_MATMUL_DESC_BIAS_POINTER, _u8p),
+    "A_SCALE_POINTER": (E.CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, _u8p),
+    "B_SCALE_POINTER": (E.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, _u8p),
+    "FAST_ACCUM": (E.CUBLASLT_MATMUL_DESC_FAST_ACCUM, ctypes.c_int8),
+    "BIAS_DATA_TYPE": (E.CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, ctypes.c_int32),
+}
+MATRIX_LAYOUT_ATTRS = {
+    "TYPE": (E.CUBLASLT_MATRIX_LAYOUT_TYPE, ctypes.c_uint32),
+    "ORDER": (E.CUBLASLT_MATRIX_LAYOUT_ORDER, ctypes.c_int32),
+    "ROWS": (E.CUBLASLT_MATRIX_LAYOUT_ROWS, ctypes.c_uint64),
+    "COLS": (E.CUBLASLT_MATRIX_LAYOUT_COLS, ctypes.c_uint64),
+    "LD": (E.CUBLASLT_MATRIX_LAYOUT_LD, ctypes.c_int64),
+    "BATCH_COUNT": (E.CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, ctypes.c_int32),
+}
+PREFERENCE_ATTRS = {
+    "SEARCH_MODE": (E.CUBLASLT_MATMUL_PREF_SEARCH_MODE, ctypes.c_uint32),
+    "MAX_WORKSPACE_BYTES": (E.CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64),
+    "MIN_ALIGNMENT_A_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ctypes.c_uint32),
+    "MIN_ALIGNMENT_B_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ctypes.c_uint32),
+    "MIN_ALIGNMENT_C_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ctypes.c_uint32),
+    "MIN_ALIGNMENT_D_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ctypes.c_uint32),
+}
+
+
+class _Descriptor:
+    """One cuBLASLt object: ``_kind`` names its functions (``cublasLt{kind}SetAttribute`` ...)."""
+
+    _kind = ""
+    _attrs: dict = {}
+
+    def __init__(self, create_args: tuple):
+        self._lib = lib()
+        self._destroy = getattr(self._lib, f"cublasLt{self._kind}Destroy")
+        self._setter = getattr(self._lib, f"cublasLt{self._kind}SetAttribute")
+        self._getter = getattr(self._lib, f"cublasLt{self._kind}GetAttribute")
+        h = ctypes.c_void_p()
+        check(getattr(self._lib, f"cublasLt{self._kind}Create")(ctypes.byref(h), *create_args),
+              f"cublasLt{self._kind}Create", f"arguments {create_args}")
+        self.handle = h
+
+    @property
+    def ptr(self) -> int:
+        return self.handle.value or 0
+
+    def set(self, name: str, value) -> None:
+        attr, ctype = self._attrs[name]
+        buf = ctype(value)
+        check(self._setter(self.handle, attr, ctypes.byref(buf), ctypes.sizeof(buf)),
+              f"cublasLt{self._kind}SetAttribute", f"{name} = {value!r} ({ctypes.sizeof(buf)} bytes)")
+
+    def get(self, name: str):
+        attr, ctype = self._attrs[name]
+        buf, written = ctype(), ctypes.c_size_t()
+        check(self._getter(self.handle, attr, ctypes.byref(buf), ctypes.sizeof(buf),
+                           ctypes.byref(written)), f"cublasLt{self._kind}GetAttribute", name)
+        if written.value != ctypes.sizeof(buf):
+            raise CublasLtError(f"cublasLt{self._kind}GetAttribute", 0,
+                                f"{name}: wrote {written.value} bytes, expected {ctypes.sizeof(buf)}")
+        return buf.value
+
+    def close(self) -> None:
+        if getattr(self, "handle", None) is not None and self.handle.value:
+            check(self._destroy(self.handle), f"cublasLt{self._kind}Destroy")
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MatmulDesc(_Descriptor):
+    """``cublasLtMatmulDesc_t`` with a compute type and a scale (alpha/beta) type."""
+
+    _kind, _attrs = "MatmulDesc", MATMUL_DESC_ATTRS
+
+    def __init__(self, compute_type: int = E.CUBLAS_COMPUTE_32F, scale_type: int = E.CUDA_R_32F):
+        super().__init__((compute_type, scale_type))
+
+
+class MatrixLayout(_Descriptor):
+    """``cublasLtMatrixLayout_t``: column-major ``rows x cols`` of a cudaDataType, leading dim ``ld``."""
+
+    _kind, _attrs = "MatrixLayout", MATRIX_LAYOUT_ATTRS
+
+    def __init__(self, data_type: int, rows: int, cols: int, ld: int):
+        super().__init__((data_type, rows, cols, ld))
+        self.shape = (data_type, rows, cols, ld)
+
+
+class MatmulPreference(_Descriptor):
+    """``cublasLtMatmulPreference_t``: workspace limit and minimum pointer alignments."""
+
+    _kind, _attrs = "MatmulPreference", PREFERENCE_ATTRS
+
+    def __init__(self):
+        super().__init__(())
+
+
+class Handle:
+    """``cublasLtHandle_t`` for the current CUDA device (needs a driver and a device)."""
+
+    def __init__(self):
+        self._lib = lib()
+        h = ctypes.c_void_p()
+        check(self._lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate",
+              "needs a CUDA driver and a visible GPU")
+        self.handle = h
+
+    @property
+    def ptr(self) -> int:
+        return self.handle.value or 0
+
+    def close(self) -> None:
+        if getattr(self, "handle", None) is not None and self.handle.value:
+            check(self._lib.cublasLtDestroy(self.handle), "cublasLtDestroy")
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches.
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """What a matmul descriptor depends on (no shapes, no pointers): the cache key.
+
+    Types are cudaDataType_t values; ``bias_type`` is None without the bias epilogue;
+    ``scaled`` means A/B scale pointers are used (FP8).
+    """
+
+    a_type: int
+    b_type: int
+    d_type: int
+    transa: int
+    transb: int
+    bias_type: int | None = None
+    fast_accum: bool = False
+    scaled: bool = False
+
+    def attributes(self) -> dict[str, int]:
+        """Every attribute :func:`matmul_desc` sets besides the per-call pointers."""
+        attrs = {"TRANSA": self.transa, "TRANSB": self.transb,
+                 "POINTER_MODE": E.CUBLASLT_POINTER_MODE_HOST,
+                 "EPILOGUE": E.CUBLASLT_EPILOGUE_DEFAULT if self.bias_type is None
+                 else E.CUBLASLT_EPILOGUE_BIAS}
+        if self.bias_type is not None:
+            attrs["BIAS_DATA_TYPE"] = self.bias_type
+        if self.scaled:
+            attrs["FAST_ACCUM"] = int(self.fast_accum)
+        return attrs
+
+
+LAYOUT_CACHE_SIZE = 4096
+
+
+class _Caches(threading.local):
+    def __init__(self):
+        self.descs: dict[GemmConfig, MatmulDesc] = {}
+        self.layouts: collections.OrderedDict = collections.OrderedDict()
+        self.prefs: dict[tuple, MatmulPreference] = {}
+
+
+_caches = _Caches()
+
+
+def matmul_desc(config: GemmConfig) -> MatmulDesc:
+    """The cached descriptor of ``config`` (fp32 compute and fp32 alpha/beta)."""
+    desc = _caches.descs.get(config)
+    if desc is None:
+        desc = MatmulDesc(E.CUBLAS_COMPUTE_32F, E.CUDA_R_32F)
+        for name, value in config.attributes().items():
+            desc.set(name, value)
+        _caches.descs[config] = desc
+    return desc
+
+
+def matrix_layout(data_type: int, rows: int, cols: int, ld: int) -> MatrixLayout:
+    """A cached column-major layout (LRU over the last :data:`LAYOUT_CACHE_SIZE` shapes)."""
+    key = (data_type, rows, cols, ld)
+    cache = _caches.layouts
+    lay = cache.get(key)
+    if lay is None:
+        lay = cache[key] = MatrixLayout(data_type, rows, cols, ld)
+        if len(cache) > LAYOUT_CACHE_SIZE:
+            cache.popitem(last=False)[1].close()
+    else:
+        cache.move_to_end(key)
+    return lay
+
+
+def preference(workspace_bytes: int, align_a: int, align_b: int, align_c: int,
+               align_d: int) -> MatmulPreference:
+    """A cached preference with a workspace limit and the operands' real pointer alignments."""
+    key = (workspace_bytes, align_a, align_b, align_c, align_d)
+    pref = _caches.prefs.get(key)
+    if pref is None:
+        pref = MatmulPreference()
+        pref.set("MAX_WORKSPACE_BYTES", workspace_bytes)
+        for name, value in zip("ABCD", key[1:]):
+            pref.set(f"MIN_ALIGNMENT_{name}_BYTES", value)
+        _caches.prefs[key] = pref
+    return pref
+
+
+def clear_caches() -> None:
+    """Destroy every cached descriptor of this thread."""
+    for d in list(_caches.descs.values()) + list(_caches.layouts.values()) + list(_caches.prefs.values()):
+        d.close()
+    _caches.descs.clear()
+    _caches.layouts.clear()
+    _caches.prefs.clear()
