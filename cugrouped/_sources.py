@@ -21,22 +21,18 @@ _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 @functools.lru_cache(maxsize=None)
 def kernels_dir() -> Path:
-    """The folder that holds the ``.cu``/``.cuh`` sources of the installed (or checked-out) package."""
-    try:
-        from importlib.resources import files
+    """The folder that holds the ``.cu``/``.cuh`` sources of the installed (or checked-out) package.
 
-        path = Path(str(files("cugrouped.kernels_cu")))
-        if path.is_dir() and any(path.glob("*.cu*")):
+    A wheel installs them as ``cugrouped/kernels_cu/`` (package data); a checkout, also when it is
+    installed in editable mode, has them at the top level beside ``cugrouped/``.
+    """
+    here = Path(__file__).resolve().parent
+    for path in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if path.is_dir() and any(path.glob("*.cu")):
             return path
-    except ModuleNotFoundError:
-        pass
-    path = Path(__file__).resolve().parent.parent / "kernels_cu"
-    if path.is_dir():
-        return path
     raise FileNotFoundError(
-        "cugrouped: kernel sources not found (neither the installed cugrouped.kernels_cu package "
-        f"nor a checkout folder {path})"
-    )
+        f"cugrouped: kernel sources not found in {here / 'kernels_cu'} (installed package) nor in "
+        f"{here.parent / 'kernels_cu'} (checkout)")
 
 
 def list_sources(suffix: str = ".cu") -> list[str]:

@@ -8,8 +8,12 @@
 //   out_col[e]  (k, m_pad_e)  the same bytes transposed; columns m_e .. m_pad_e-1 are zero,
 //                             written here (m_pad_e = roundup(m_e, align)); no memset anywhere
 //   amax[e]     max |ftz(x)| over the unpadded input (NaN ignored, as fmaxf does)
-// The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1])
-// (at least one, so that an empty expert still writes its amax and scale_inv).
+//   colsum[e]   (k,) float32 column sums of the unscaled input (dbias of a gradient), optional,
+//               in a fixed summation order (see "Column sums" below), so every run gives the same
+//               bits and the NumPy reference can reproduce them
+// The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1]),
+// row-major over (tile row, tile column), at least one tile row, so that an empty expert still
+// writes its amax, scale_inv and (zero) column sums.
 //
 // Modes (template parameter MODE):
 //   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax) and
@@ -117,13 +121,18 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                           float* __restrict__ scale,       // read (CAST, CAST_AMAX) or written (AMAX_ONLY)
                           float* __restrict__ amax,        // written (AMAX_ONLY, CAST_AMAX)
                           float* __restrict__ scale_inv,   // written (AMAX_ONLY, CAST_AMAX)
-                          int* __restrict__ workspace)     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
+                          int* __restrict__ workspace,     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
+                          float* __restrict__ colsum,      // (experts, k) column sums, or null
+                          float* __restrict__ colsum_partial,  // one 128-float row per tile
+                          int* __restrict__ colsum_count)  // experts * tiles_k ints, zero on entry
 {
     using Traits = InTraits<IN>;
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
     constexpr bool kAmax = MODE != PctMode::CAST;
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
     __shared__ float warp_amax[PCT_THREADS / 32];
+    __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];
+    __shared__ int last_block;
 
     const int t = blockIdx.x;
     const int e = expert_of_tile(g, t);
@@ -133,13 +142,15 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     const i64 local = t - g.tile_start[e];
     const i64 row0 = (local / tiles_k) * PCT_TILE_M;
     const i64 col0 = (local % tiles_k) * PCT_TILE_K;
-    const float s = kCast ? scale[e] : 1.f;
+    const float s = kCast ? ftz(scale[e]) : 1.f;   // a denormal scale is 0 on the GPU (-ftz=true)
     const bool rowwise = g.out_row[e] != nullptr;
     const bool columnwise = g.out_col[e] != nullptr;
 
     // Phase 1: each thread reads 16 consecutive elements of one row, writes their 16 FP8 bytes to
     // the row-wise output and to the shared tile. Rows m .. of the tile are the zero padding.
     float local_amax = 0.f;
+    const bool want_colsum = kAmax && colsum != nullptr;
+    float csum[PCT_SEG];
 #pragma unroll
     for (int it = 0; it < PCT_SEG_ITERS; ++it) {
         const int seg = threadIdx.x + it * PCT_THREADS;
@@ -161,16 +172,22 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;
         }
+#pragma unroll
+        for (int j = 0; j < PCT_SEG; ++j) v[j] = ftz(v[j]);
         if (kAmax) {
 #pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(ftz(v[j])));
+            for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));
+        }
+        if (want_colsum) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
         }
         if (kCast) {
             u32 packed[4];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const u32 lo = float2_to_fp8x2<FMT>(ftz(ftz(v[4 * w]) * s), ftz(ftz(v[4 * w + 1]) * s));
-                const u32 hi = float2_to_fp8x2<FMT>(ftz(ftz(v[4 * w + 2]) * s), ftz(ftz(v[4 * w + 3]) * s));
+                const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * s), ftz(v[4 * w + 1] * s));
+                const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s), ftz(v[4 * w + 3] * s));
                 packed[w] = lo | (hi << 16);
             }
             *reinterpret_cast<uint4*>(&tile[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -209,6 +226,49 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             } else {
                 for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
             }
+        }
+    }
+
+    // Column sums, in a fixed order that the reference reproduces: per thread rows r + (r + 32);
+    // across the 4 row groups of a warp by xor-shuffles over lane bits 3 then 4, i.e.
+    // (g0 + g1) + (g2 + g3); across the 8 warps sequentially; across the tile rows of the expert
+    // sequentially, by the last block of each (expert, tile column), from one partial row per tile.
+    if (want_colsum) {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+        for (int j = 0; j < PCT_SEG; ++j) {
+            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 8));
+            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 16));
+        }
+        if (lane < PCT_SEGS_PER_ROW) {
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) warp_colsum[warp][lane * PCT_SEG + j] = csum[j];
+        }
+        __syncthreads();
+        const int c = threadIdx.x;
+        if (c < PCT_TILE_K) {
+            float acc = warp_colsum[0][c];
+            for (int w = 1; w < PCT_THREADS / 32; ++w) acc = ftz(acc + warp_colsum[w][c]);
+            colsum_partial[static_cast<i64>(t) * PCT_TILE_K + c] = acc;
+            __threadfence();
+        }
+        __syncthreads();
+        const i64 tile_col = local % tiles_k;
+        int* counter = colsum_count + static_cast<i64>(e) * tiles_k + tile_col;
+        const i64 tiles_m = (g.tile_start[e + 1] - g.tile_start[e]) / tiles_k;
+        if (threadIdx.x == 0) last_block = atomicAdd(counter, 1) == tiles_m - 1;
+        __syncthreads();
+        if (last_block) {
+            __threadfence();
+            if (c < PCT_TILE_K && col0 + c < k) {
+                const volatile float* part = colsum_partial;
+                const i64 first = static_cast<i64>(g.tile_start[e]) + tile_col;
+                float acc = part[first * PCT_TILE_K + c];
+                for (i64 tr = 1; tr < tiles_m; ++tr)
+                    acc = ftz(acc + part[(first + tr * tiles_k) * PCT_TILE_K + c]);
+                colsum[static_cast<i64>(e) * k + col0 + c] = acc;
+            }
+            if (threadIdx.x == 0) atomicExch(counter, 0);
         }
     }
 

@@ -18,7 +18,8 @@ from .._array import FLOAT_INPUT_DTYPES, ArrayView, as_view
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
 from . import _launch
 
-__all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "padded_splits",
+__all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
+           "padded_splits",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE"]
 
@@ -61,9 +62,10 @@ def padded_splits(m_splits: Sequence[int], align: int) -> tuple[int, ...]:
 
 
 def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
-    """Tiles (64 x 128) per expert; at least one, so an empty expert still writes its amax."""
+    """Tiles (64 x 128) per expert: at least one tile row, so that an empty expert still writes
+    its amax, scale_inv and (zero) column sums."""
     tiles_k = -(-k // TILE_K)
-    return tuple(max(1, -(-mp // TILE_M) * tiles_k) for mp in padded_splits(m_splits, align))
+    return tuple(max(1, -(-mp // TILE_M)) * tiles_k for mp in padded_splits(m_splits, align))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,11 +231,11 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     The FP8 GEMMs need ``k % 16 == 0``; this op is right for any ``k >= 1``.
     """
     _check_options(fp8_format, margin, align)
-    if column_sums:
-        raise NotImplementedError("column_sums=True is not implemented yet")
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
     g = normalize_inputs(inputs, m_splits, dtype)
+    m_pad = padded_splits(g.m_splits, align)
+    check_scale_and_out(g, m_pad, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)
     if g.kind == "torch":
         raise TypeError("inputs: torch tensors go through cugrouped.pytorch (not implemented yet); "
@@ -242,19 +244,21 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
 
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
-                   align=align, rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype)
+                   align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
+                   out=out, dtype=dtype)
     xp = np if backend == "emulate" else __import__("cupy")
-    m_pad = padded_splits(g.m_splits, align)
-    res = _outputs(g, xp, fp8_format, align, m_pad, rowwise, columnwise, scale, out)
+    res = _outputs(g, xp, fp8_format, align, m_pad, rowwise, columnwise, column_sums, scale, out)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
     for chunk in plan_launches(g.m_splits, g.k, align):
         arg = _pack_group(g, res, chunk)
         sl = slice(chunk.first, chunk.first + chunk.count)
-        ptrs = (_sub(res.scale, sl), _sub(res.amax, sl), _sub(res.scale_inv, sl))
+        ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
+        colsum = res.column_sums[sl] if column_sums else None
         passes = (mode,) if mode == "CAST_AMAX" else ("AMAX_ONLY", "CAST")
         for p in passes:
-            _run(backend, kernel_name(g.dtype, fp8_format, p), chunk.grid, arg, g.k, align, margin,
-                 ptrs)
+            # column sums are taken in the pass that computes amax (it reads the input anyway)
+            _run(backend, kernel_name(g.dtype, fp8_format, p), chunk, arg, g.k, align, margin,
+                 ptrs, colsum if p != "CAST" else None)
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -263,53 +267,71 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     return res
 
 
-def _sub(arr, sl):
-    return arr[sl]
+def _contiguous(v: ArrayView) -> bool:
+    expect, acc = [], 1
+    for n in reversed(v.shape):
+        expect.append(acc)
+        acc *= n
+    return all(s == e for s, e, n in zip(v.strides, reversed(expect), v.shape) if n > 1)
 
 
-def _outputs(g: GroupedInput, xp, fp8_format, align, m_pad, rowwise, columnwise, scale, out):
+def check_scale_and_out(g: GroupedInput, m_pad, rowwise, columnwise, column_sums, scale, out) -> None:
+    """Validate ``scale`` and ``out`` against the inputs before anything is launched or written."""
     E, k = len(g.m_splits), g.k
-    rows = sum(g.m_splits)
-    col_bytes = sum(mp * k for mp in m_pad)
     if scale is not None:
         sv = as_view(scale, arg="scale")
-        if sv.dtype != "float32" or sv.shape != (E,) or (sv.strides != (1,) and E > 1):
+        if sv.dtype != "float32" or sv.shape != (E,) or not _contiguous(sv):
             raise ValueError(f"scale: expected a contiguous float32 array of shape ({E},), got "
                              f"{sv.dtype} {sv.shape}")
         if sv.on_device != g.on_device or (g.on_device and sv.device != g.device):
             raise ValueError("scale: must live on the same device as inputs")
+    if out is None:
+        return
+    if not isinstance(out, GroupedFP8):
+        raise TypeError(f"out: expected a GroupedFP8 (e.g. the result of an earlier call), got "
+                        f"{type(out).__name__}")
+    want = {"data": ((sum(g.m_splits), k), 1) if rowwise else None,
+            "data_t": ((sum(mp * k for mp in m_pad),), 1) if columnwise else None,
+            "amax": ((E,), 4), "scale_inv": ((E,), 4),
+            "scale": ((E,), 4) if scale is None else None,
+            "column_sums": ((E, k), 4) if column_sums else None}
+    for name, spec in want.items():
+        if spec is None:
+            continue
+        buf = getattr(out, name)
+        if buf is None:
+            raise ValueError(f"out.{name}: expected a buffer of shape {spec[0]}, got None")
+        v = as_view(buf, arg=f"out.{name}")
+        if v.shape != spec[0] or v.itemsize != spec[1] or (v.on_device, v.device) != (g.on_device, g.device):
+            raise ValueError(f"out.{name}: expected shape {spec[0]} with {spec[1]}-byte items "
+                             f"on the inputs' device, got shape {v.shape} dtype {v.dtype}")
+        if not _contiguous(v):
+            raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
+
+
+def _outputs(g: GroupedInput, xp, fp8_format, align, m_pad, rowwise, columnwise, column_sums,
+             scale, out) -> GroupedFP8:
+    """Allocate the result (or adopt the checked ``out`` buffers)."""
+    E, k = len(g.m_splits), g.k
     if out is not None:
-        if not isinstance(out, GroupedFP8):
-            raise TypeError(f"out: expected a GroupedFP8, got {type(out).__name__}")
-        want = {"data": ((rows, k), 1) if rowwise else None,
-                "data_t": ((col_bytes,), 1) if columnwise else None,
-                "amax": ((E,), 4), "scale_inv": ((E,), 4)}
-        if scale is None:
-            want["scale"] = ((E,), 4)
-        for name, spec in want.items():
-            if spec is None:
-                continue
-            v = as_view(getattr(out, name), arg=f"out.{name}")
-            if v.shape != spec[0] or v.itemsize != spec[1] or v.on_device != g.on_device:
-                raise ValueError(f"out.{name}: expected shape {spec[0]} with {spec[1]}-byte items "
-                                 f"on the inputs' device, got {v.shape} {v.dtype}")
-            if v.size > 1 and v.strides[-1] != 1:
-                raise ValueError(f"out.{name}: must be contiguous")
         res = dataclasses.replace(out, m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format,
                                   k=k, align=align)
         res.data = _as_bytes(out.data, xp) if rowwise else None
         res.data_t = _as_bytes(out.data_t, xp) if columnwise else None
         if scale is not None:
             res.scale = scale
+        if not column_sums:
+            res.column_sums = None
         return res
     return GroupedFP8(
-        data=xp.empty((rows, k), dtype=np.uint8) if rowwise else None,
-        data_t=xp.empty((col_bytes,), dtype=np.uint8) if columnwise else None,
+        data=xp.empty((sum(g.m_splits), k), dtype=np.uint8) if rowwise else None,
+        data_t=xp.empty((sum(mp * k for mp in m_pad),), dtype=np.uint8) if columnwise else None,
         m_splits=g.m_splits, m_pad_splits=m_pad,
         amax=xp.empty((E,), dtype=np.float32),
         scale=scale if scale is not None else xp.empty((E,), dtype=np.float32),
         scale_inv=xp.empty((E,), dtype=np.float32),
-        fp8_format=fp8_format, k=k, align=align)
+        fp8_format=fp8_format, k=k, align=align,
+        column_sums=xp.empty((E, k), dtype=np.float32) if column_sums else None)
 
 
 def _as_bytes(a, xp):
@@ -342,21 +364,37 @@ def _pack_group(g: GroupedInput, res: GroupedFP8, chunk: ChunkLaunch) -> np.ndar
     return arg
 
 
-def _run(backend, name, grid, arg, k, align, margin, ptrs) -> None:
+def _nullable(*arrays):
+    """Pointer arguments that may be absent: a null pointer travels as an 8-byte zero by value."""
+    return tuple(np.uint64(0) if a is None else a for a in arrays)
+
+
+def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum) -> None:
     scale, amax, scale_inv = ptrs
+    grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
     scalars = (np.int64(k), np.int32(align), np.int32(margin))
+    tiles_k = -(-k // TILE_K)
     if backend == "cuda":
+        import cupy
+
         ws = _launch.device_workspace("pad_cast_transpose", 2 * MAX_EXPERTS_PER_LAUNCH)
+        if colsum is not None:
+            count = _launch.device_workspace("pad_cast_transpose.colsum", MAX_EXPERTS_PER_LAUNCH * tiles_k)
+            partial = cupy.empty(grid * TILE_K, dtype=np.float32)   # stream-ordered pool memory
+        else:
+            count = partial = None
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws))
+        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count))
     else:
         from .. import emulate
 
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
+        count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
+        partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
         mod = emulate.EmuModule(path=KERNEL_SPEC.source, name_expressions=KERNEL_SPEC.name_expressions)
         kern = mod.get_function(name)
-        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws),
+        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count),
              order=_launch.current_emulation_order())
-        if ws.any():
+        if ws.any() or (count is not None and count.any()):
             raise RuntimeError("pad_cast_transpose kernel left its workspace non-zero (kernel bug)")

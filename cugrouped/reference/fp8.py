@@ -141,7 +141,8 @@ def quantize(x, scale, fmt) -> np.ndarray:
     """``cast_to_fp8(ftz(ftz(x) * ftz(scale)))`` with a float32 multiply; ``scale`` broadcasts."""
     a = to_float32(x)
     s = ftz(np.asarray(scale, dtype=np.float32))
-    return cast_to_fp8(ftz(np.multiply(ftz(a), s, dtype=np.float32)), fmt)
+    with np.errstate(over="ignore", invalid="ignore"):   # overflow to inf saturates below
+        return cast_to_fp8(ftz(np.multiply(ftz(a), s, dtype=np.float32)), fmt)
 
 
 def dequantize(q, scale_inv, fmt) -> np.ndarray:

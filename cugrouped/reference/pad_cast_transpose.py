@@ -14,7 +14,33 @@ import numpy as np
 from ..grouped_fp8 import GroupedFP8
 from . import fp8 as rfp8
 
-__all__ = ["multi_pad_cast_transpose"]
+__all__ = ["multi_pad_cast_transpose", "column_sums_in_kernel_order"]
+
+TILE_M = 64   # the kernel's tile height: its column sums are ordered by tiles of 64 rows
+
+
+def column_sums_in_kernel_order(x: np.ndarray, m_pad: int) -> np.ndarray:
+    """Column sums of ``x`` (float32 ``(m, k)``, denormals already flushed) in the kernel's order.
+
+    Float addition is not associative, so the bits depend on the order; the kernel fixes it:
+    per 64-row tile (rows m .. m_pad are zeros), rows r and r + 32 first, then the four row groups
+    of a warp pairwise ``(g0 + g1) + (g2 + g3)`` (r = 4 * warp + g), then the 8 warps in order,
+    then the tiles in order. Every partial sum is flushed to zero if denormal, as on the GPU.
+    """
+    m, k = x.shape
+    tiles = max(1, -(-m_pad // TILE_M))
+    xp = np.zeros((tiles * TILE_M, k), dtype=np.float32)
+    xp[:m] = x
+    t = xp.reshape(tiles, TILE_M, k)
+    p = rfp8.ftz(t[:, :32] + t[:, 32:]).reshape(tiles, 8, 4, k)
+    w = rfp8.ftz(rfp8.ftz(p[:, :, 0] + p[:, :, 1]) + rfp8.ftz(p[:, :, 2] + p[:, :, 3]))
+    s = w[:, 0]
+    for i in range(1, 8):
+        s = rfp8.ftz(s + w[:, i])
+    acc = s[0]
+    for i in range(1, tiles):
+        acc = rfp8.ftz(acc + s[i])
+    return acc.astype(np.float32)
 
 _CARRIED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -41,8 +67,6 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
-    if column_sums:
-        raise NotImplementedError("column_sums=True is not implemented yet")
     g = normalize_inputs(inputs, m_splits, dtype)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
@@ -72,9 +96,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         data=data.view(fp8_dtype) if data is not None else None, data_t=data_t,
         m_splits=g.m_splits, m_pad_splits=m_pad, amax=amax,
         scale=sc if scale is None else scale, scale_inv=scale_inv, fp8_format=fp8_format, k=k,
-        align=align)
+        align=align,
+        column_sums=np.stack([column_sums_in_kernel_order(x, mp) for x, mp in zip(xs, m_pad)])
+        if column_sums else None)
     if out is not None:
-        for name in ("data", "data_t", "amax", "scale_inv") + (("scale",) if scale is None else ()):
+        names = ("data", "data_t", "amax", "scale_inv") + (("scale",) if scale is None else ()) + \
+            (("column_sums",) if column_sums else ())
+        for name in names:
             src = getattr(res, name)
             if src is not None:
                 dst = getattr(out, name)
