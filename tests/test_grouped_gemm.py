@@ -1,0 +1,706 @@
+"""Grouped GEMMs (fprop, dgrad, wgrad): planning as pure functions, descriptors built for every pass
+and dtype combination against the real libcublasLt, the NumPy reference against an independent
+float64 computation over the split taxonomy (design.md §6), argument checks, and (marked ``gpu``)
+the cuBLASLt path against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped
+from cugrouped.cublaslt import _enums as E
+from cugrouped.ops import grouped_gemm as gg
+from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+
+# name -> (m_splits, k, n); k, n multiples of 16 (FP8); token counts free.
+SPLITS = {
+    "uniform": ([32, 32, 32, 32], 64, 48),
+    "skewed": ([3, 130, 1, 70], 96, 32),
+    "empty_first": ([0, 33, 17], 64, 32),
+    "empty_middle": ([20, 0, 45], 48, 64),
+    "empty_last": ([29, 64, 0], 32, 48),
+    "single": ([77], 144, 16),
+    "not_mult16": ([17, 5, 31, 9], 32, 32),
+    "count_one": ([1, 1, 2], 64, 32),
+    "k_smallest": ([19, 40], 16, 16),
+}
+PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+NP_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+MANT_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+MIN_EXP = {"bfloat16": -126, "float16": -14, "float32": -126}
+
+
+def rand(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def make_fp8(m_splits, k, n, seed, x_fmt="e4m3", w_fmt="e4m3", g_fmt="e5m2", xp=np):
+    """x (m_i, k), w (n, k), dy (m_i, n) cast with multi_pad_cast_transpose (on xp's device)."""
+    rng = np.random.default_rng(seed)
+    xs = [xp.asarray(rand(rng, (m, k))) for m in m_splits]
+    ws = [xp.asarray(rand(rng, (n, k), 0.05)) for _ in m_splits]
+    dys = [xp.asarray(rand(rng, (m, n), 1e-3)) for m in m_splits]
+    X = cugrouped.multi_pad_cast_transpose(xs, fp8_format=x_fmt)
+    W = cugrouped.multi_pad_cast_transpose(ws, fp8_format=w_fmt, align=1)
+    DY = cugrouped.multi_pad_cast_transpose(dys, fp8_format=g_fmt)
+    return X, W, DY
+
+
+def independent(op, copy):
+    """float64 matrices straight from ml_dtypes' FP8 -> float64 cast (not the reference's path)."""
+    if not isinstance(op, cugrouped.GroupedFP8):
+        return [np.asarray(a).astype(np.float64) for a in op]
+    dt = ml_dtypes.float8_e4m3fn if op.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    out = []
+    for i, m in enumerate(op.m_splits):
+        if copy == "rowwise":
+            q = np.asarray(op.data).view(np.uint8)[sum(op.m_splits[:i]):sum(op.m_splits[:i + 1])]
+        else:
+            start = sum(mp * op.k for mp in op.m_pad_splits[:i])
+            q = np.asarray(op.data_t)[start:start + op.k * op.m_pad_splits[i]].reshape(
+                op.k, op.m_pad_splits[i])[:, :m].T
+        out.append(q.view(dt).astype(np.float64) * float(np.asarray(op.scale_inv)[i]))
+    return out
+
+
+def half_ulp(exact, out_dtype):
+    """Half a unit in the last place of ``out_dtype`` at each exact value (subnormals included)."""
+    a = np.maximum(np.abs(exact), np.finfo(np.float64).tiny)
+    e = np.maximum(np.floor(np.log2(a)), MIN_EXP[out_dtype])
+    return 0.5 * np.exp2(e - MANT_BITS[out_dtype])
+
+
+def assert_correctly_rounded(got, exact, out_dtype):
+    """The reference must be ``exact`` rounded once to ``out_dtype``: within half an ulp."""
+    g = np.asarray(got).astype(np.float64)
+    assert g.shape == exact.shape
+    err = np.abs(g - exact)
+    bound = half_ulp(exact, out_dtype) * (1 + 1e-6) + 1e-300
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference against an independent float64 computation.
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(p))
+def test_reference_fp8_fprop_dgrad_wgrad(split, pair):
+    m_splits, k, n = SPLITS[split]
+    # fprop pairs (w, x), dgrad (w, dy), wgrad (x, dy): pick formats so each pair is legal
+    w_fmt, x_fmt = pair
+    X, W, DY = make_fp8(m_splits, k, n, seed=len(split), x_fmt=x_fmt, w_fmt=w_fmt,
+                        g_fmt="e4m3" if "e5m2" in (x_fmt, w_fmt) else "e5m2")
+    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
+    dys = independent(DY, "rowwise")
+    for out_dtype in OUT_DTYPES:
+        y = grouped_fprop(X, W, out_dtype=out_dtype)
+        exact = np.concatenate([x @ w.T for x, w in zip(xs, ws)])
+        assert np.asarray(y).dtype == NP_DTYPE[out_dtype]
+        assert_correctly_rounded(y, exact, out_dtype)
+        dx = grouped_dgrad(DY, W, out_dtype=out_dtype)
+        assert_correctly_rounded(dx, np.concatenate([d @ w for d, w in zip(dys, ws)]), out_dtype)
+    dw = grouped_wgrad(X, DY)
+    assert dw.shape == (len(m_splits), n, k) and dw.dtype == np.float32
+    assert_correctly_rounded(dw, np.stack([d.T @ x for d, x in zip(dys, xs)]), "float32")
+    for i, m in enumerate(m_splits):
+        if m == 0:
+            assert not np.any(dw[i]), "an empty expert's weight gradient is zero"
+
+
+def test_reference_uses_the_transposed_copies_where_the_table_says():
+    """dgrad reads w's transposed copy, wgrad both transposed copies: dropping the row-wise copies
+    changes nothing; dropping the transposed ones is refused with a clear error."""
+    X, W, DY = make_fp8([5, 19], 32, 16, seed=3)
+    dx = grouped_dgrad(DY, W)
+    dw = grouped_wgrad(X, DY)
+    no_rows = lambda g: dataclasses.replace(g, data=None)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(grouped_dgrad(DY, dataclasses.replace(W, data=None))), dx)
+    np.testing.assert_array_equal(grouped_wgrad(no_rows(X), no_rows(DY)), dw)
+    with pytest.raises(ValueError, match="w: dgrad .* needs the columnwise FP8 copy"):
+        grouped_dgrad(DY, dataclasses.replace(W, data_t=None))
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_reference_bias(out_dtype):
+    m_splits, k, n = [7, 0, 21], 32, 48
+    X, W, _ = make_fp8(m_splits, k, n, seed=5)
+    bdt = gg.bias_dtype_for(out_dtype, fp8=True)
+    bias = np.random.default_rng(1).standard_normal((3, n)).astype(NP_DTYPE[bdt])
+    y = grouped_fprop(X, W, bias, out_dtype=out_dtype)
+    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
+    exact = np.concatenate([x @ w.T + bias[i].astype(np.float64) for i, (x, w) in enumerate(zip(xs, ws))])
+    assert_correctly_rounded(y, exact, out_dtype)
+    y2 = grouped_fprop(X, W, list(bias), out_dtype=out_dtype)  # list form
+    np.testing.assert_array_equal(np.asarray(y2).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_reference_wgrad_accumulate_and_empty_experts():
+    m_splits, k, n = [0, 33, 0, 16], 32, 16
+    X, _, DY = make_fp8(m_splits, k, n, seed=9)
+    rng = np.random.default_rng(2)
+    main_grad = [rand(rng, (n, k)) for _ in m_splits]
+    before = [g.copy() for g in main_grad]
+    res = grouped_wgrad(X, DY, out=main_grad, accumulate=True)
+    assert res is main_grad
+    xs, dys = independent(X, "columnwise"), independent(DY, "columnwise")
+    for i, m in enumerate(m_splits):
+        if m == 0:
+            np.testing.assert_array_equal(main_grad[i], before[i])  # untouched
+        else:
+            assert_correctly_rounded(main_grad[i], before[i].astype(np.float64) + dys[i].T @ xs[i],
+                                     "float32")
+    # not accumulating into a given buffer: overwritten, empty experts zeroed
+    out = np.full((4, n, k), 7.0, np.float32)
+    grouped_wgrad(X, DY, out=out)
+    assert not out[0].any() and not out[2].any()
+    assert_correctly_rounded(out[1], dys[1].T @ xs[1], "float32")
+
+
+@pytest.mark.parametrize("split", ["skewed", "empty_middle", "single", "count_one"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "float32"),
+                                             ("float16", "float16"), ("float32", "float32")])
+def test_reference_plain(split, dtype, out_dtype):
+    m_splits, k, n = SPLITS[split]
+    k, n = k + 3, n + 5  # plain GEMMs take any sizes
+    rng = np.random.default_rng(11)
+    xs = [rand(rng, (m, k)).astype(NP_DTYPE[dtype]) for m in m_splits]
+    ws = [rand(rng, (n, k), 0.1).astype(NP_DTYPE[dtype]) for _ in m_splits]
+    dys = [rand(rng, (m, n)).astype(NP_DTYPE[dtype]) for m in m_splits]
+    f = lambda a: [np.asarray(v).astype(np.float64) for v in a]  # noqa: E731
+    y = grouped_fprop(xs, ws, out_dtype=out_dtype)
+    assert_correctly_rounded(y, np.concatenate([x @ w.T for x, w in zip(f(xs), f(ws))]), out_dtype)
+    y3 = grouped_fprop(xs, np.stack(ws), out_dtype=out_dtype)  # (E, n, k) weights
+    np.testing.assert_array_equal(np.asarray(y3).view(np.uint8), np.asarray(y).view(np.uint8))
+    dx = grouped_dgrad(dys, ws, out_dtype=out_dtype)
+    assert_correctly_rounded(dx, np.concatenate([d @ w for d, w in zip(f(dys), f(ws))]), out_dtype)
+    dw = grouped_wgrad(xs, dys, out_dtype=out_dtype)
+    assert_correctly_rounded(dw, np.stack([d.T @ x for d, x in zip(f(dys), f(xs))]), out_dtype)
+
+
+def test_reference_writes_into_out():
+    X, W, DY = make_fp8([3, 0, 18], 32, 16, seed=4)
+    out = np.zeros((21, 16), ml_dtypes.bfloat16)
+    assert grouped_fprop(X, W, out=out) is out
+    np.testing.assert_array_equal(out.view(np.uint16),
+                                  np.asarray(grouped_fprop(X, W)).view(np.uint16))
+    out16 = np.zeros((21, 16), np.uint16)  # a bf16 carrier, tagged by out_dtype
+    grouped_fprop(X, W, out=out16)
+    np.testing.assert_array_equal(out16, out.view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: pure functions of sizes and pointers.
+
+def test_pointer_alignment():
+    assert gg.pointer_alignment(0) == 256
+    assert gg.pointer_alignment(0x7F0000001000) == 256
+    assert gg.pointer_alignment(0x7F0000001010) == 16
+    assert gg.pointer_alignment(0x7F0000001002) == 2
+    assert gg.pointer_alignment(0x7F0000001001) == 1
+    assert gg.pointer_alignment(0x40, cap=32) == 32
+
+
+def _fake_problem_fprop(m_splits, k, n, base_x=0x10000, base_w=0x900000):
+    left, right, off = [], [], 0
+    for i, m in enumerate(m_splits):
+        left.append(gg.Block(base_x + off * k, m, k, k, "float8_e4m3fn"))
+        right.append(gg.Block(base_w + i * n * k, n, k, k, "float8_e4m3fn"))
+        off += m
+    scales_x = tuple(0x5000 + 4 * i for i in range(len(m_splits)))
+    scales_w = tuple(0x6000 + 4 * i for i in range(len(m_splits)))
+    return gg.Problem("fprop", True, tuple(left), False, tuple(right), True, (k,) * len(m_splits),
+                      scales_x, scales_w, None, None, True, False, "bfloat16", (True, 0, "cupy"))
+
+
+def test_plan_fprop_fp8_is_tn_with_offsets_leading_dims_and_empty_experts_skipped():
+    m_splits, k, n = [5, 0, 19, 3], 64, 32
+    problem = _fake_problem_fprop(m_splits, k, n)
+    out_base = 0x200000
+    out, row = [], 0
+    for m in m_splits:
+        out.append(gg.Block(out_base + row * n * 2, m, n, n, "bfloat16"))
+        row += m
+    plan = gg.plan_problem(problem, out)
+    assert plan.skipped == (1,) and plan.zero == ()
+    assert [c.expert for c in plan.calls] == [0, 2, 3]
+    assert plan.config.transa == E.CUBLAS_OP_T and plan.config.transb == E.CUBLAS_OP_N
+    assert plan.config.scaled and plan.config.fast_accum
+    rows_before = {0: 0, 2: 5, 3: 24}
+    for c in plan.calls:
+        m = m_splits[c.expert]
+        assert (c.m, c.n, c.k) == (n, m, k)  # cuBLAS sizes: D is n x m col-major
+        assert c.a_layout == (E.CUDA_R_8F_E4M3, k, n, k)  # W_i (n, k) row-major, OP_T
+        assert c.b_layout == (E.CUDA_R_8F_E4M3, k, m, k)  # x_i (m, k) row-major, OP_N
+        assert c.d_layout == (E.CUDA_R_16BF, n, m, n)
+        assert c.a_ptr == 0x900000 + c.expert * n * k
+        assert c.b_ptr == 0x10000 + rows_before[c.expert] * k
+        assert c.d_ptr == out_base + rows_before[c.expert] * n * 2
+        assert c.a_scale_ptr == 0x6000 + 4 * c.expert and c.b_scale_ptr == 0x5000 + 4 * c.expert
+        assert c.alignments == tuple(gg.pointer_alignment(p) for p in
+                                     (c.a_ptr, c.b_ptr, c.d_ptr, c.d_ptr))
+        assert c.beta == 0.0
+    # expert 3 starts at row 24: x at +24*64 bytes (256-aligned), y at +24*32*2 (256-aligned)
+    assert plan.calls[1].alignments == (256, gg.pointer_alignment(0x10000 + 5 * 64), 64, 64)
+
+
+def test_plans_from_real_operands_for_every_pass():
+    m_splits, k, n = [5, 0, 19], 48, 32
+    X, W, DY = make_fp8(m_splits, k, n, seed=1)
+    base = lambda a: np.asarray(a).ctypes.data  # noqa: E731
+    # dgrad: A = W_iᵀ (k, n) from the transposed copy with ld = n_pad (= n with align=1), OP_T
+    p = gg.check_dgrad(DY, W)
+    out = np.empty((24, k), ml_dtypes.bfloat16)
+    _, blocks = gg.outputs(p, out, np)
+    plan = gg.plan_problem(p, blocks)
+    c = plan.calls[1]
+    assert (c.m, c.n, c.k) == (k, 19, n)
+    assert c.a_layout == (E.CUDA_R_8F_E4M3, n, k, n) and c.a_ptr == base(W.data_t) + 2 * k * n  # expert 2 (1 is skipped)
+    assert c.b_layout == (E.CUDA_R_8F_E5M2, n, 19, n) and c.b_ptr == base(DY.data) + 5 * n
+    assert c.d_layout == (E.CUDA_R_16BF, k, 19, k) and c.d_ptr == out.ctypes.data + 5 * k * 2
+    assert (c.transa, c.transb) == (E.CUBLAS_OP_T, E.CUBLAS_OP_N)
+    # wgrad: reduction over m_pad, A = x_iᵀ (k, m_pad) OP_T, B = dy_iᵀ (n, m_pad) OP_N, D (E, n, k)
+    p = gg.check_wgrad(X, DY)
+    _, blocks = gg.outputs(p, None, np)
+    plan = gg.plan_problem(p, blocks)
+    assert plan.zero == (1,) and plan.skipped == (1,)
+    c = plan.calls[1]
+    assert (c.m, c.n, c.k) == (k, n, 32)  # m_pad of 19 is 32
+    assert c.a_layout == (E.CUDA_R_8F_E4M3, 32, k, 32)
+    assert c.a_ptr == base(X.data_t) + k * 16  # expert 0's block is k x 16
+    assert c.b_layout == (E.CUDA_R_8F_E5M2, 32, n, 32) and c.b_ptr == base(DY.data_t) + n * 16
+    assert c.d_layout == (E.CUDA_R_32F, k, n, k)
+    # accumulating: nothing zeroed, beta = 1
+    p = gg.check_wgrad(X, DY, accumulate=True)
+    _, blocks = gg.outputs(p, np.zeros((3, n, k), np.float32), np)
+    plan = gg.plan_problem(p, blocks)
+    assert plan.zero == () and all(c.beta == 1.0 for c in plan.calls)
+
+
+def test_plain_layouts_are_natural():
+    """Without FP8 no TN rule: dgrad is NN on W (n, k), wgrad NT on x, dy (m, ·); no padding."""
+    rng = np.random.default_rng(0)
+    ms, k, n = [3, 7], 24, 40
+    xs = [rand(rng, (m, k)).astype(ml_dtypes.bfloat16) for m in ms]
+    ws = [rand(rng, (n, k)).astype(ml_dtypes.bfloat16) for _ in ms]
+    dys = [rand(rng, (m, n)).astype(ml_dtypes.bfloat16) for m in ms]
+    p = gg.check_dgrad(dys, ws)
+    plan = gg.plan_problem(p, gg.outputs(p, None, np)[1])
+    assert (plan.config.transa, plan.config.transb) == (E.CUBLAS_OP_N, E.CUBLAS_OP_N)
+    assert plan.calls[1].a_layout == (E.CUDA_R_16BF, k, n, k)
+    p = gg.check_wgrad(xs, dys)
+    plan = gg.plan_problem(p, gg.outputs(p, None, np)[1])
+    assert (plan.config.transa, plan.config.transb) == (E.CUBLAS_OP_N, E.CUBLAS_OP_T)
+    c = plan.calls[1]
+    assert (c.m, c.n, c.k) == (k, n, 7)
+    assert c.a_layout == (E.CUDA_R_16BF, k, 7, k) and c.b_layout == (E.CUDA_R_16BF, n, 7, n)
+    assert not plan.config.scaled
+
+
+def test_alignment_check_names_the_misaligned_operand():
+    X, W, _ = make_fp8([4, 4], 32, 16, seed=0)
+    p = gg.check_fprop(X, W)
+    buf = np.zeros(8 * 16 + 1, np.uint16)
+    out = buf[1:].reshape(8, 16)  # 2-byte aligned: fine for bf16 elements, not for FP8 GEMMs
+    _, blocks = gg.outputs(p, out.view(ml_dtypes.bfloat16), np)
+    with pytest.raises(ValueError, match=r"out of expert 0: address .* is not 16-byte aligned"):
+        gg.check_alignment(p, blocks)
+
+
+def test_workspace_per_stream():
+    assert gg.workspace_bytes_for(90) == 32 << 20 and gg.workspace_bytes_for(100) == 32 << 20
+    assert gg.workspace_bytes_for(89) == 4 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptors for every pass and dtype combination, against the real library (no GPU needed).
+
+def _combos():
+    for pass_name in ("fprop", "dgrad", "wgrad"):
+        for pair in PAIRS:
+            for out_dtype in OUT_DTYPES:
+                for extra in ((False, True) if pass_name == "fprop" else (False,)):
+                    yield pass_name, "x".join(pair), out_dtype, extra
+        for dtype, outs in (("bfloat16", ("bfloat16", "float32")), ("float16", ("float16", "float32")),
+                            ("float32", ("float32",))):
+            for out_dtype in outs:
+                yield pass_name, dtype, out_dtype, pass_name == "fprop"
+
+
+@pytest.mark.parametrize("pass_name,operands,out_dtype,bias", list(_combos()))
+def test_descriptors_accept_every_attribute_the_op_sets(pass_name, operands, out_dtype, bias):
+    pytest.importorskip("cugrouped.cublaslt").lib()
+    from cugrouped.cublaslt import descriptors as D
+
+    m_splits, k, n = [5, 0, 19], 32, 48
+    if "x" in operands:  # FP8: the pair is (A, B) of the cuBLAS call
+        a_fmt, b_fmt = operands.split("x")
+        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
+                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
+                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
+        X, W, DY = make_fp8(m_splits, k, n, seed=2, **fmts)
+    else:
+        rng = np.random.default_rng(0)
+        dt = NP_DTYPE[operands]
+        X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
+        W = [rand(rng, (n, k)).astype(dt) for _ in m_splits]
+        DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
+    bias_arr = None
+    if bias:
+        bias_arr = np.zeros((3, n), NP_DTYPE[gg.bias_dtype_for(out_dtype, "x" in operands)])
+    problem = {"fprop": lambda: gg.check_fprop(X, W, bias_arr, out_dtype=out_dtype),
+               "dgrad": lambda: gg.check_dgrad(DY, W, out_dtype=out_dtype),
+               "wgrad": lambda: gg.check_wgrad(X, DY, out_dtype=out_dtype)}[pass_name]()
+    _, blocks = gg.outputs(problem, None, np)
+    plan = gg.plan_problem(problem, blocks)
+    assert plan.calls
+    ws = gg.workspace_bytes_for(90)
+    for call in plan.calls:
+        desc, la, lb, ld, pref = gg.build_descriptors(plan.config, call, ws)
+        for name, value in plan.config.attributes().items():
+            assert desc.get(name) == value, name
+        assert desc.get("COMPUTE_TYPE") == E.CUBLAS_COMPUTE_32F
+        assert desc.get("SCALE_TYPE") == E.CUDA_R_32F
+        if plan.config.scaled:
+            assert desc.get("A_SCALE_POINTER") == call.a_scale_ptr != 0
+            assert desc.get("B_SCALE_POINTER") == call.b_scale_ptr != 0
+        if bias:
+            assert desc.get("BIAS_POINTER") == call.bias_ptr != 0
+            assert desc.get("EPILOGUE") == E.CUBLASLT_EPILOGUE_BIAS
+        for lay, want in ((la, call.a_layout), (lb, call.b_layout), (ld, call.d_layout)):
+            assert tuple(lay.get(a) for a in ("TYPE", "ROWS", "COLS", "LD")) == want
+            assert lay.get("ORDER") == E.CUBLASLT_ORDER_COL
+        assert pref.get("MAX_WORKSPACE_BYTES") == ws
+        assert tuple(pref.get(f"MIN_ALIGNMENT_{x}_BYTES") for x in "ABCD") == call.alignments
+    D.clear_caches()
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: clear errors before anything runs.
+
+@pytest.fixture(scope="module")
+def ops():
+    return make_fp8([5, 0, 19], 32, 48, seed=0)
+
+
+def test_e5m2_pair_refused(ops):
+    X, W, DY = ops
+    W5 = make_fp8([5, 0, 19], 32, 48, seed=0, w_fmt="e5m2")[1]
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        grouped_dgrad(DY, W5)  # dy is e5m2
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        grouped_wgrad(make_fp8([5, 0, 19], 32, 48, 0, x_fmt="e5m2")[0], DY)
+
+
+def test_fp8_dims_must_be_multiples_of_16():
+    X, W, DY = make_fp8([5, 3], 40, 48, seed=0)
+    with pytest.raises(ValueError, match=r"^k \(x.k, w.k\): FP8 GEMMs need a multiple of 16, got 40"):
+        grouped_fprop(X, W)
+    X, W, DY = make_fp8([5, 3], 32, 40, seed=0)
+    with pytest.raises(ValueError, match=r"^n \(w's rows per expert\): .* got 40"):
+        grouped_fprop(X, W)
+    with pytest.raises(ValueError, match=r"^n \(dy.k"):
+        grouped_dgrad(DY, W)
+
+
+def test_wgrad_needs_padding_to_16():
+    rng = np.random.default_rng(0)
+    xs = [rand(rng, (m, 32)) for m in (5, 3)]
+    X1 = cugrouped.multi_pad_cast_transpose(xs, align=1)
+    D1 = cugrouped.multi_pad_cast_transpose([rand(rng, (m, 16)) for m in (5, 3)], fp8_format="e5m2",
+                                            align=1)
+    with pytest.raises(ValueError, match="expert 0 has m_pad=5 .*align=16"):
+        grouped_wgrad(X1, D1)
+    D16 = cugrouped.multi_pad_cast_transpose([rand(rng, (m, 16)) for m in (5, 3)], fp8_format="e5m2")
+    with pytest.raises(ValueError, match="padded token counts differ"):
+        grouped_wgrad(X1, D16)
+
+
+def test_mismatched_experts_and_shapes(ops):
+    X, W, DY = ops
+    W2 = make_fp8([1, 1], 32, 48, seed=0)[1]
+    with pytest.raises(ValueError, match="w has 2 experts but x has 3"):
+        grouped_fprop(X, W2)
+    Xk = make_fp8([5, 0, 19], 64, 48, seed=0)[0]
+    with pytest.raises(ValueError, match="w: has k=32 columns but x has k=64"):
+        grouped_fprop(Xk, W)
+    X2 = make_fp8([5, 1, 19], 32, 48, seed=0)[0]
+    with pytest.raises(ValueError, match="token counts per expert differ"):
+        grouped_wgrad(X2, DY)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"w: every expert must have the same n"):
+        grouped_fprop([rand(rng, (3, 8))] * 2, [rand(rng, (4, 8)), rand(rng, (5, 8))],
+                      out_dtype="float32")
+
+
+def test_wrong_out(ops):
+    X, W, DY = ops
+    with pytest.raises(ValueError, match=r"out: expected shape \(24, 48\), got \(24, 47\)"):
+        grouped_fprop(X, W, out=np.zeros((24, 47), ml_dtypes.bfloat16))
+    with pytest.raises(TypeError, match="out: dtype float32 differs from out_dtype='bfloat16'"):
+        grouped_fprop(X, W, out=np.zeros((24, 48), np.float32))
+    with pytest.raises(ValueError, match="unit column stride"):
+        grouped_fprop(X, W, out=np.zeros((48, 24), ml_dtypes.bfloat16).T)
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 48, 32\)"):
+        grouped_wgrad(X, DY, out=np.zeros((3, 32, 48), np.float32))
+    with pytest.raises(ValueError, match="out: expected 3 per-expert arrays, got 2"):
+        grouped_wgrad(X, DY, out=[np.zeros((48, 32), np.float32)] * 2)
+    with pytest.raises(ValueError, match="accumulate=True adds into existing gradients"):
+        grouped_wgrad(X, DY, accumulate=True)
+    with pytest.raises(ValueError, match="out_dtype: got 'float64'"):
+        grouped_fprop(X, W, out_dtype="float64")
+
+
+def test_operand_kinds_and_dtypes(ops):
+    X, W, DY = ops
+    rng = np.random.default_rng(0)
+    plain = [rand(rng, (m, 32)) for m in (5, 0, 19)]
+    with pytest.raises(TypeError, match="w is a GroupedFP8 but x is not"):
+        grouped_fprop(plain, W)
+    with pytest.raises(TypeError, match=r"x: dtype float32 differs from w's float16"):
+        grouped_fprop(plain, [rand(rng, (48, 32)).astype(np.float16)] * 3, out_dtype="float32")
+    with pytest.raises(ValueError, match=r"out_dtype: float32 operands give \('float32',\) outputs"):
+        grouped_fprop(plain, [rand(rng, (48, 32))] * 3)  # default bf16 output
+    with pytest.raises(TypeError, match="expected a GroupedFP8 or a list of 2-D arrays"):
+        grouped_fprop(np.zeros((24, 32), np.float32), W)
+    with pytest.raises(TypeError, match=r"x\[0\]: expected dtype bfloat16, float16 or float32"):
+        grouped_fprop([np.zeros((2, 32), np.float64)], [np.zeros((16, 32), np.float64)])
+    with pytest.raises(ValueError, match="x: fprop needs the rowwise FP8 copy"):
+        grouped_fprop(dataclasses.replace(X, data=None), W)
+
+
+def test_bias_checks(ops):
+    X, W, _ = ops
+    with pytest.raises(TypeError, match=r"bias\[0\]: cuBLASLt's bias epilogue needs bfloat16"):
+        grouped_fprop(X, W, np.zeros((3, 48), np.float32), out_dtype="float32")
+    with pytest.raises(ValueError, match=r"bias: expected an \(3, 48\) array"):
+        grouped_fprop(X, W, np.zeros((48,), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match=r"bias\[1\]: expected a contiguous \(48,\) vector"):
+        grouped_fprop(X, W, [np.zeros(48, ml_dtypes.bfloat16), np.zeros(47, ml_dtypes.bfloat16),
+                             np.zeros(48, ml_dtypes.bfloat16)])
+
+
+def test_backends(ops):
+    X, W, _ = ops
+    with pytest.raises(ValueError, match="backend='emulate' is not available for the grouped GEMMs"):
+        grouped_fprop(X, W, backend="emulate")
+    with pytest.raises(ValueError, match="backend='cuda' needs device arrays"):
+        grouped_fprop(X, W, backend="cuda")
+    with cugrouped.record_launches() as log:
+        grouped_fprop(X, W, backend="reference")
+    assert log == []
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the cuBLASLt path against the reference.
+#
+# Tolerance. The reference is the exact product rounded once to the output dtype. cuBLASLt
+# dequantizes exactly (the per-tensor scales factor out of the sum), accumulates the k products in
+# fp32 -- on Hopper the FP8 tensor cores keep about 14 significant bits inside a block of the
+# reduction before promoting to fp32 (DeepSeek-V3 §3.3.2), and fewer promotions with FAST_ACCUM --
+# then rounds once to the output dtype. So elementwise
+#     |ours - ref| <= ulp_out(ref)  +  2^-11 · Σ_j |a_j b_j|
+# one ulp for the two roundings (ref's half ulp and ours), and 2^-11 of the absolute sum for the
+# accumulation: a relative 2^-14 per partial sum, summed over the few (<= 3) promotion blocks of
+# these k <= 160 tests with a 2x margin. Plain bf16/fp16 GEMMs accumulate in fp32: 2^-20 there.
+# QuACK's rule is checked as well where it is meaningful (16-bit outputs, no fast accumulation): our
+# max error vs the float64 reference is at most 2x that of CuPy's float32 matmul of the same
+# dequantized inputs rounded to the output dtype.
+
+def _host(g):
+    import cupy
+
+    dt = ml_dtypes.float8_e4m3fn if g.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    get = lambda a: None if a is None else cupy.asnumpy(a)  # noqa: E731
+    data = get(g.data)
+    return dataclasses.replace(g, data=None if data is None else data.view(dt), data_t=get(g.data_t),
+                               amax=get(g.amax), scale=get(g.scale), scale_inv=get(g.scale_inv))
+
+
+def _to_np(a, out_dtype):
+    import cupy
+
+    h = cupy.asnumpy(a)
+    return h.view(NP_DTYPE[out_dtype]) if out_dtype == "bfloat16" else h
+
+
+def _abs_sum(lefts, rights, form):
+    """Σ_j |a_j b_j| per output element, float64."""
+    pairs = [(np.abs(a), np.abs(b)) for a, b in zip(lefts, rights)]
+    if form == "fprop":
+        return np.concatenate([a @ b.T for a, b in pairs])
+    if form == "dgrad":
+        return np.concatenate([a @ b for a, b in pairs])
+    return np.stack([a.T @ b for a, b in pairs])
+
+
+def _assert_close(got, ref, abs_sum, out_dtype, acc_eps):
+    g, r = np.asarray(got).astype(np.float64), np.asarray(ref).astype(np.float64)
+    bound = 2 * half_ulp(r, out_dtype) + acc_eps * abs_sum
+    err = np.abs(g - r)
+    assert np.all(err <= bound), f"max err/bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(p))
+def test_gpu_fp8_passes_vs_reference(split, pair):
+    import cupy
+
+    m_splits, k, n = SPLITS[split]
+    w_fmt, x_fmt = pair
+    g_fmt = "e4m3" if "e5m2" in pair else "e5m2"
+    X, W, DY = make_fp8(m_splits, k, n, seed=len(split), x_fmt=x_fmt, w_fmt=w_fmt, g_fmt=g_fmt,
+                        xp=cupy)
+    hX, hW, hDY = _host(X), _host(W), _host(DY)
+    xs, ws, dys = independent(hX, "rowwise"), independent(hW, "rowwise"), independent(hDY, "rowwise")
+    for out_dtype in OUT_DTYPES:
+        for fast in (True, False):
+            y = grouped_fprop(X, W, out_dtype=out_dtype, fast_accum=fast)
+            ref = grouped_fprop(hX, hW, out_dtype=out_dtype)
+            _assert_close(_to_np(y, out_dtype), ref, _abs_sum(xs, ws, "fprop"), out_dtype, 2**-11)
+        dx = grouped_dgrad(DY, W, out_dtype=out_dtype)
+        ref = grouped_dgrad(hDY, hW, out_dtype=out_dtype)
+        _assert_close(_to_np(dx, out_dtype), ref, _abs_sum(dys, ws, "dgrad"), out_dtype, 2**-11)
+    dw = grouped_wgrad(X, DY)
+    ref = grouped_wgrad(hX, hDY)
+    _assert_close(cupy.asnumpy(dw), ref, _abs_sum(dys, xs, "wgrad"), "float32", 2**-11)
+    if sum(m_splits) >= 64:
+        # QuACK's rule on the bf16 output without fast accumulation, as RMS errors (stable over
+        # the few thousand elements here, where a max would hinge on one rounding tie)
+        y = _to_np(grouped_fprop(X, W, fast_accum=False), "bfloat16").astype(np.float64)
+        exact = np.concatenate([x @ w.T for x, w in zip(xs, ws)])
+        base = cupy.concatenate([cupy.asarray(x, dtype=cupy.float32)
+                                 @ cupy.asarray(w, dtype=cupy.float32).T for x, w in zip(xs, ws)])
+        base = cupy.asnumpy(base).astype(ml_dtypes.bfloat16).astype(np.float64)
+        rms = lambda e: np.sqrt(np.mean(e * e))  # noqa: E731
+        assert rms(y - exact) <= 2 * rms(base - exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["uniform", "skewed", "empty_first", "single", "count_one"])
+@pytest.mark.parametrize("dtype,out_dtype", [("float16", "float16"), ("float16", "float32"),
+                                             ("float32", "float32")])
+def test_gpu_plain_passes_vs_reference(split, dtype, out_dtype):
+    """Plain operands (CuPy has fp16/fp32; bf16 travels as GroupedFP8 or through torch)."""
+    import cupy
+
+    m_splits, k, n = SPLITS[split]
+    k, n = k + 8, n + 8  # any size; keep 16-byte rows for speed
+    rng = np.random.default_rng(3)
+    xs = [rand(rng, (m, k)).astype(dtype) for m in m_splits]
+    ws = [rand(rng, (n, k), 0.1).astype(dtype) for _ in m_splits]
+    dys = [rand(rng, (m, n)).astype(dtype) for m in m_splits]
+    d = lambda a: [cupy.asarray(v) for v in a]  # noqa: E731
+    f = lambda a: [v.astype(np.float64) for v in a]  # noqa: E731
+    eps = 2**-20
+    y = grouped_fprop(d(xs), d(ws), out_dtype=out_dtype)
+    _assert_close(cupy.asnumpy(y), grouped_fprop(xs, ws, out_dtype=out_dtype),
+                  _abs_sum(f(xs), f(ws), "fprop"), out_dtype, eps)
+    dx = grouped_dgrad(d(dys), d(ws), out_dtype=out_dtype)
+    _assert_close(cupy.asnumpy(dx), grouped_dgrad(dys, ws, out_dtype=out_dtype),
+                  _abs_sum(f(dys), f(ws), "dgrad"), out_dtype, eps)
+    dw = grouped_wgrad(d(xs), d(dys), out_dtype=out_dtype)
+    _assert_close(cupy.asnumpy(dw), grouped_wgrad(xs, dys, out_dtype=out_dtype),
+                  _abs_sum(f(dys), f(xs), "wgrad"), out_dtype, eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_gpu_bias(out_dtype):
+    import cupy
+
+    m_splits, k, n = [7, 0, 21, 40], 32, 48
+    X, W, _ = make_fp8(m_splits, k, n, seed=5, xp=cupy)
+    bdt = gg.bias_dtype_for(out_dtype, fp8=True)
+    bias = np.random.default_rng(1).standard_normal((4, n)).astype(NP_DTYPE[bdt])
+    dbias = cupy.asarray(bias.view(np.uint16) if bdt == "bfloat16" else bias)
+    y = _to_np(grouped_fprop(X, W, dbias, out_dtype=out_dtype), out_dtype)
+    hX, hW = _host(X), _host(W)
+    ref = grouped_fprop(hX, hW, bias, out_dtype=out_dtype)
+    xs, ws = independent(hX, "rowwise"), independent(hW, "rowwise")
+    _assert_close(y, ref, _abs_sum(xs, ws, "fprop") + np.abs(np.concatenate(
+        [np.broadcast_to(bias[i].astype(np.float64), (m, n)) for i, m in enumerate(m_splits)])),
+        out_dtype, 2**-11)
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_accumulate_into_main_grad():
+    import cupy
+
+    m_splits, k, n = [0, 33, 0, 16, 64], 32, 16
+    X, _, DY = make_fp8(m_splits, k, n, seed=9, xp=cupy)
+    rng = np.random.default_rng(2)
+    before = [rand(rng, (n, k)) for _ in m_splits]
+    main_grad = [cupy.asarray(b) for b in before]
+    grouped_wgrad(X, DY, out=main_grad, accumulate=True)
+    host = [b.copy() for b in before]
+    grouped_wgrad(_host(X), _host(DY), out=host, accumulate=True)
+    xs, dys = independent(_host(X), "columnwise"), independent(_host(DY), "columnwise")
+    for i, m in enumerate(m_splits):
+        got = cupy.asnumpy(main_grad[i])
+        if m == 0:
+            np.testing.assert_array_equal(got, before[i])
+        else:
+            _assert_close(got, host[i], np.abs(dys[i]).T @ np.abs(xs[i]) + np.abs(before[i]),
+                          "float32", 2**-11)
+    out = cupy.full((5, n, k), 7.0, cupy.float32)
+    grouped_wgrad(X, DY, out=out)
+    assert not cupy.asnumpy(out[0]).any() and not cupy.asnumpy(out[2]).any()
+
+
+@pytest.mark.gpu
+def test_gpu_launch_count_streams_and_out():
+    """One cublasLtMatmul per non-empty expert; a non-default caller stream is honoured; out=
+    buffers are written in place; more experts than side streams."""
+    import cupy
+
+    m_splits = [9, 0, 17, 0, 33, 1, 64, 2, 5, 0, 16]
+    X, W, _ = make_fp8(m_splits, 32, 16, seed=7, xp=cupy)
+    ref = grouped_fprop(_host(X), _host(W))
+    out = cupy.zeros((sum(m_splits), 16), cupy.uint16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, cugrouped.record_launches() as log:
+        res = grouped_fprop(X, W, out=out)
+    stream.synchronize()
+    assert res is out
+    assert len(log) == sum(1 for m in m_splits if m) and {e.kernel for e in log} == {"cublasLtMatmul"}
+    xs, ws = independent(_host(X), "rowwise"), independent(_host(W), "rowwise")
+    _assert_close(_to_np(out, "bfloat16"), ref, _abs_sum(xs, ws, "fprop"), "bfloat16", 2**-11)
+
+
+@pytest.mark.gpu
+def test_gpu_host_time_per_expert(record_property):
+    """Host cost of the loop once descriptors and heuristics are cached (target: <= 3 us/expert)."""
+    import cupy
+
+    m_splits = [128] * 64
+    X, W, _ = make_fp8(m_splits, 256, 256, seed=1, xp=cupy)
+    out = cupy.empty((sum(m_splits), 256), cupy.uint16)
+    for _ in range(3):
+        grouped_fprop(X, W, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        grouped_fprop(X, W, out=out)
+    host_us = (time.perf_counter() - t0) / reps / len(m_splits) * 1e6
+    cupy.cuda.get_current_stream().synchronize()
+    record_property("host_us_per_expert", host_us)
+    print(f"grouped_fprop host time: {host_us:.2f} us per expert")
+    assert host_us < 100, "pathologically slow host loop"
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_out_refused():
+    import cupy
+
+    X, W, _ = make_fp8([4, 4], 32, 16, seed=0, xp=cupy)
+    buf = cupy.zeros(8 * 16 + 1, cupy.uint16)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        grouped_fprop(X, W, out=buf[1:].reshape(8, 16))
