@@ -334,8 +334,13 @@ def _combos():
 
 @pytest.mark.parametrize("pass_name,operands,out_dtype,bias", list(_combos()))
 def test_descriptors_accept_every_attribute_the_op_sets(pass_name, operands, out_dtype, bias):
-    pytest.importorskip("cugrouped.cublaslt").lib()
+    from cugrouped import cublaslt
     from cugrouped.cublaslt import descriptors as D
+
+    try:
+        cublaslt.lib()
+    except OSError as exc:  # pragma: no cover - the test environment installs nvidia-cublas
+        pytest.skip(f"libcublasLt not installed: {exc}")
 
     m_splits, k, n = [5, 0, 19], 32, 48
     if "x" in operands:  # FP8: the pair is (A, B) of the cuBLAS call

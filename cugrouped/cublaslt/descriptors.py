@@ -82,8 +82,10 @@ class _Descriptor:
     def set(self, name: str, value) -> None:
         attr, ctype = self._attrs[name]
         buf = ctype(value)
-        check(self._setter(self.handle, attr, ctypes.byref(buf), ctypes.sizeof(buf)),
-              f"cublasLt{self._kind}SetAttribute", f"{name} = {value!r} ({ctypes.sizeof(buf)} bytes)")
+        status = self._setter(self.handle, attr, ctypes.byref(buf), ctypes.sizeof(buf))
+        if status:  # the message is built only on failure: this runs per expert
+            check(status, f"cublasLt{self._kind}SetAttribute",
+                  f"{name} = {value!r} ({ctypes.sizeof(buf)} bytes)")
 
     def get(self, name: str):
         attr, ctype = self._attrs[name]

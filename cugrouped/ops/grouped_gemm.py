@@ -31,6 +31,7 @@ import numpy as np
 
 from .._array import ArrayView, as_view
 from ..cublaslt import _enums as E
+from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from ..grouped_fp8 import GroupedFP8
 from . import _launch
 
@@ -226,18 +227,16 @@ def workspace_bytes_for(compute_capability: int) -> int:
 def build_descriptors(config, call: ExpertGemm, workspace_bytes: int):
     """Descriptors for one call, from the caches, with the per-call pointers set: returns
     ``(desc, a_layout, b_layout, d_layout, preference)``. Needs no GPU."""
-    from ..cublaslt import descriptors as D
-
-    desc = D.matmul_desc(config)
+    desc = _D.matmul_desc(config)
     if config.scaled:
         desc.set("A_SCALE_POINTER", call.a_scale_ptr)
         desc.set("B_SCALE_POINTER", call.b_scale_ptr)
     if config.bias_type is not None:
         desc.set("BIAS_POINTER", call.bias_ptr)
-    la = D.matrix_layout(*call.a_layout)
-    lb = D.matrix_layout(*call.b_layout)
-    ld = D.matrix_layout(*call.d_layout)
-    pref = D.preference(workspace_bytes, *call.alignments)
+    la = _D.matrix_layout(*call.a_layout)
+    lb = _D.matrix_layout(*call.b_layout)
+    ld = _D.matrix_layout(*call.d_layout)
+    pref = _D.preference(workspace_bytes, *call.alignments)
     return desc, la, lb, ld, pref
 
 
