@@ -27,7 +27,10 @@ class GroupedFP8:
         Transposed FP8, experts back to back; expert ``i`` is a ``(k, m_pad_splits[i])`` block
         (see :meth:`columnwise`) whose columns ``m_splits[i]:`` are zero.
     m_splits, m_pad_splits : tuple of int
-        Rows per expert, and the same rounded up to ``align``.
+        Rows per expert, and the same rounded up to ``align``. When the op was given the counts
+        as a device array (no host sync), ``m_splits`` is that array and ``m_pad_splits`` is None;
+        ``data_t`` is then sized for the worst case ``k * (sum(m) + E * (align - 1))`` and the
+        per-expert views below read the counts back to the host (a sync: for inspection only).
     amax, scale, scale_inv : float32 arrays ``(E,)``, on the data's device
         ``amax`` of the unscaled input, the scale used (``q = fp8(x * scale)``) and its inverse
         (what the GEMMs dequantize with).
@@ -50,13 +53,29 @@ class GroupedFP8:
     def num_experts(self) -> int:
         return len(self.m_splits)
 
+    @property
+    def splits_on_device(self) -> bool:
+        return not isinstance(self.m_splits, tuple)
+
+    def host_splits(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(m_splits, m_pad_splits)`` as host tuples; reads device counts back (a sync), clamped
+        to the rows of :attr:`data` exactly as the kernel clamps them."""
+        if not self.splits_on_device:
+            return self.m_splits, self.m_pad_splits
+        raw = self.m_splits
+        raw = np.asarray(raw.get() if hasattr(raw, "get") else raw, dtype=np.int64).reshape(-1)
+        rows = self.data.shape[0] if self.data is not None else int(raw.clip(0).sum())
+        ends = np.minimum(np.cumsum(raw.clip(0)), rows)
+        m = np.diff(np.concatenate([[0], ends]))
+        return tuple(int(v) for v in m), tuple(int(-(-v // self.align) * self.align) for v in m)
+
     def row_offsets(self) -> np.ndarray:
         """First row of each expert in :attr:`data` (length E + 1)."""
-        return np.concatenate([[0], np.cumsum(self.m_splits, dtype=np.int64)])
+        return np.concatenate([[0], np.cumsum(self.host_splits()[0], dtype=np.int64)])
 
     def col_offsets(self) -> np.ndarray:
         """First byte of each expert's transposed block in :attr:`data_t` (length E + 1)."""
-        return np.concatenate([[0], np.cumsum(np.asarray(self.m_pad_splits, np.int64) * self.k)])
+        return np.concatenate([[0], np.cumsum(np.asarray(self.host_splits()[1], np.int64) * self.k)])
 
     def _check_expert(self, i: int) -> None:
         if not 0 <= i < self.num_experts:
@@ -76,7 +95,7 @@ class GroupedFP8:
         if self.data_t is None:
             raise ValueError("this GroupedFP8 was made with columnwise=False")
         off = self.col_offsets()
-        return self.data_t[int(off[i]):int(off[i + 1])].reshape(self.k, self.m_pad_splits[i])
+        return self.data_t[int(off[i]):int(off[i + 1])].reshape(self.k, self.host_splits()[1][i])
 
     def dequantize(self) -> list:
         """Per-expert float32 ``(m_i, k)`` arrays ``fp8 * scale_inv`` (from the row-wise copy if
@@ -86,7 +105,7 @@ class GroupedFP8:
         table = xp.asarray(np.arange(256, dtype=np.uint8).view(_FP8_DTYPES[self.fp8_format])
                            .astype(np.float32))
         out = []
-        for i, m in enumerate(self.m_splits):
+        for i, m in enumerate(self.host_splits()[0]):
             if self.data is not None:
                 q = self.rowwise(i)
             else:

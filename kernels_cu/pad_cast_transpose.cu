@@ -47,7 +47,12 @@ static_assert(PCT_TILE_K * (PCT_TILE_M / PCT_COL_RUN) == PCT_THREADS, "one colum
 
 // Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
 // same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
-// layout on x86-64 and nvptx64. sizeof = 5*8*64 + 4*65 + 4 = 2824 bytes, within the 4 KB limit.
+// layout on x86-64 and nvptx64. sizeof = 5*8*64 + 4*65 + 4 + 4 + 8 + 8 = 2848 bytes (< 4 KB).
+//
+// Host splits: the host fills every per-expert field. Device splits (m_dev != null): the counts
+// live in device memory and the host knows only the total; it fills in[0], ld[0], out_row[0] and
+// out_col[0] with the bases of the whole buffers, and each block derives the per-expert fields
+// (block_plan_from_device_counts) -- no host sync, no extra launch.
 struct PctGroup {
     const void* in[CG_PCT_MAX_EXPERTS];
     u8* out_row[CG_PCT_MAX_EXPERTS];
@@ -56,6 +61,18 @@ struct PctGroup {
     i64 ld[CG_PCT_MAX_EXPERTS];
     i32 tile_start[CG_PCT_MAX_EXPERTS + 1];
     i32 num_experts;
+    i32 first_expert;        // device splits: index of this chunk's first expert in m_dev
+    const i64* m_dev;        // device splits: counts of all experts, or null
+    i64 total_rows;          // device splits: rows of the input; counts are clamped to it
+};
+
+// One expert of the chunk as a block sees it.
+struct PctExpert {
+    const void* in;
+    u8* out_row;
+    u8* out_col;
+    i64 m, ld;
+    i32 tile_begin, tile_end;
 };
 
 template <InDtype IN> struct InTraits;
@@ -100,13 +117,81 @@ CG_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15u
 
 // Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
 // binary search, the same in every thread, so no divergence).
-CG_DEVICE int expert_of_tile(const PctGroup& g, int t) {
-    int lo = 0, hi = g.num_experts - 1;
+CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
+    int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) >> 1;
-        if (g.tile_start[mid] <= t) lo = mid; else hi = mid - 1;
+        if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
     }
     return lo;
+}
+
+CG_DEVICE i64 round_up(i64 m, i64 align) { return (m + align - 1) / align * align; }
+CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k) {
+    const i64 rows = (m_pad + PCT_TILE_M - 1) / PCT_TILE_M;
+    return (rows > 0 ? rows : 1) * tiles_k;
+}
+
+// Inclusive sum over the block (PCT_THREADS threads) of one value per thread; `total` gets the sum.
+CG_DEVICE i64 block_inclusive_scan(i64 v, i64* warp_totals, i64& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const i64 up = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += up;
+    }
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    i64 before = 0;
+    total = 0;
+    for (int w = 0; w < PCT_THREADS / 32; ++w) {
+        if (w < warp) before += warp_totals[w];
+        total += warp_totals[w];
+    }
+    __syncthreads();
+    return before + v;
+}
+
+// Device splits: read the counts of experts [0, first + num) in passes of PCT_THREADS, clamp them so
+// that they never run past total_rows (clamped prefix = min(prefix, total_rows)), and fill the
+// chunk's per-expert rows, row offsets, padded-column offsets and tile offsets in shared memory.
+CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align, i64* sh_m,
+                                             i64* sh_row, i64* sh_col, i32* sh_tile_start,
+                                             i64* warp_totals) {
+    const int last = g.first_expert + g.num_experts;
+    i64 row_carry = 0, col_carry = 0;
+    for (int base = 0; base < last; base += PCT_THREADS) {
+        const int i = base + threadIdx.x;
+        i64 raw = i < last ? g.m_dev[i] : 0;
+        raw = raw > 0 ? raw : 0;
+        i64 total;
+        const i64 incl = block_inclusive_scan(raw, warp_totals, total);
+        const i64 hi = row_carry + incl < g.total_rows ? row_carry + incl : g.total_rows;
+        const i64 lo = row_carry + incl - raw < g.total_rows ? row_carry + incl - raw : g.total_rows;
+        const i64 m = hi - lo;                       // this expert's rows after clamping
+        const i64 padded = i < last ? round_up(m, align) : 0;
+        i64 col_total;
+        const i64 col_incl = block_inclusive_scan(padded, warp_totals, col_total);
+        const int j = i - g.first_expert;
+        if (j >= 0 && j < g.num_experts) {
+            sh_m[j] = m;
+            sh_row[j] = lo;
+            sh_col[j] = (col_carry + col_incl - padded) * k;
+        }
+        row_carry += total;
+        col_carry += col_total;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
+        i32 acc = 0;
+        for (int j = 0; j < g.num_experts; ++j) {
+            sh_tile_start[j] = acc;
+            acc += static_cast<i32>(tiles_of(round_up(sh_m[j], align), tiles_k));
+        }
+        sh_tile_start[g.num_experts] = acc;
+    }
+    __syncthreads();
 }
 
 CG_DEVICE float warp_max(float v) {
@@ -133,18 +218,36 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];
     __shared__ int last_block;
+    __shared__ i64 sh_m[CG_PCT_MAX_EXPERTS], sh_row[CG_PCT_MAX_EXPERTS], sh_col[CG_PCT_MAX_EXPERTS];
+    __shared__ i32 sh_tile_start[CG_PCT_MAX_EXPERTS + 1];
+    __shared__ i64 warp_totals[PCT_THREADS / 32];
 
     const int t = blockIdx.x;
-    const int e = expert_of_tile(g, t);
-    const i64 m = g.m[e];
-    const i64 m_pad = (m + align - 1) / align * align;
+    PctExpert x;
+    int e;
+    if (g.m_dev == nullptr) {
+        e = expert_of_tile(g.tile_start, g.num_experts, t);
+        x = PctExpert{g.in[e], g.out_row[e], g.out_col[e], g.m[e], g.ld[e], g.tile_start[e],
+                      g.tile_start[e + 1]};
+    } else {
+        block_plan_from_device_counts(g, k, align, sh_m, sh_row, sh_col, sh_tile_start, warp_totals);
+        if (t >= sh_tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
+        e = expert_of_tile(sh_tile_start, g.num_experts, t);
+        const i64 in_bytes = IN == InDtype::F32 ? 4 : 2;
+        x = PctExpert{static_cast<const char*>(g.in[0]) + sh_row[e] * g.ld[0] * in_bytes,
+                      g.out_row[0] ? g.out_row[0] + sh_row[e] * k : nullptr,
+                      g.out_col[0] ? g.out_col[0] + sh_col[e] : nullptr,
+                      sh_m[e], g.ld[0], sh_tile_start[e], sh_tile_start[e + 1]};
+    }
+    const i64 m = x.m;
+    const i64 m_pad = round_up(m, align);
     const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
-    const i64 local = t - g.tile_start[e];
+    const i64 local = t - x.tile_begin;
     const i64 row0 = (local / tiles_k) * PCT_TILE_M;
     const i64 col0 = (local % tiles_k) * PCT_TILE_K;
     const float s = kCast ? ftz(scale[e]) : 1.f;   // a denormal scale is 0 on the GPU (-ftz=true)
-    const bool rowwise = g.out_row[e] != nullptr;
-    const bool columnwise = g.out_col[e] != nullptr;
+    const bool rowwise = x.out_row != nullptr;
+    const bool columnwise = x.out_col != nullptr;
 
     // Phase 1: each thread reads 16 consecutive elements of one row, writes their 16 FP8 bytes to
     // the row-wise output and to the shared tile. Rows m .. of the tile are the zero padding.
@@ -160,7 +263,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         const i64 gcol = col0 + c;
         float v[PCT_SEG];
         if (grow < m && gcol < k) {
-            const void* src = static_cast<const char*>(g.in[e]) + (grow * g.ld[e] + gcol) * Traits::bytes;
+            const void* src = static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes;
             if (gcol + PCT_SEG <= k && aligned16(src)) {
                 Traits::load16(src, v);
             } else {
@@ -192,7 +295,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             }
             *reinterpret_cast<uint4*>(&tile[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
             if (rowwise && grow < m && gcol < k) {
-                u8* dst = g.out_row[e] + grow * k + gcol;
+                u8* dst = x.out_row + grow * k + gcol;
                 if (gcol + PCT_SEG <= k && aligned16(dst)) {
                     *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
                 } else {
@@ -213,7 +316,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         const i64 gcol = col0 + cc;
         const i64 grow = row0 + rr;
         if (columnwise && gcol < k && grow < m_pad) {
-            u8* dst = g.out_col[e] + gcol * m_pad + grow;
+            u8* dst = x.out_col + gcol * m_pad + grow;
             const i64 n = m_pad - grow < PCT_COL_RUN ? m_pad - grow : PCT_COL_RUN;
             if (n == PCT_COL_RUN && aligned16(dst)) {
                 u32 words[PCT_COL_RUN / 4];
@@ -255,14 +358,14 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         __syncthreads();
         const i64 tile_col = local % tiles_k;
         int* counter = colsum_count + static_cast<i64>(e) * tiles_k + tile_col;
-        const i64 tiles_m = (g.tile_start[e + 1] - g.tile_start[e]) / tiles_k;
+        const i64 tiles_m = (x.tile_end - x.tile_begin) / tiles_k;
         if (threadIdx.x == 0) last_block = atomicAdd(counter, 1) == tiles_m - 1;
         __syncthreads();
         if (last_block) {
             __threadfence();
             if (c < PCT_TILE_K && col0 + c < k) {
                 const volatile float* part = colsum_partial;
-                const i64 first = static_cast<i64>(g.tile_start[e]) + tile_col;
+                const i64 first = static_cast<i64>(x.tile_begin) + tile_col;
                 float acc = part[first * PCT_TILE_K + c];
                 for (i64 tr = 1; tr < tiles_m; ++tr)
                     acc = ftz(acc + part[(first + tr * tiles_k) * PCT_TILE_K + c]);
@@ -285,7 +388,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             // Non-negative floats order like their bit patterns as signed ints.
             atomicMax(ws_amax + e, __float_as_int(block_amax));
             __threadfence();
-            const int tiles_e = g.tile_start[e + 1] - g.tile_start[e];
+            const int tiles_e = x.tile_end - x.tile_begin;
             if (atomicAdd(ws_count + e, 1) == tiles_e - 1) {
                 __threadfence();
                 const float a = __int_as_float(atomicExch(ws_amax + e, 0));

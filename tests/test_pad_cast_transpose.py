@@ -64,20 +64,31 @@ def assert_same_bits(got, want, label=""):
         if w is None:
             assert g is None, f"{label} {name}"
             continue
+        if name == "data_t" and got.splits_on_device:
+            # device splits: data_t is sized for the worst case; the experts fill its prefix
+            assert g.shape[0] >= w.shape[0], f"{label} data_t too small"
+            g = g[: w.shape[0]]
         assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
         bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
         assert bad.size == 0, (f"{label} {name}: {bad.size} of {w.size} differ, first at {bad[0]}: "
                                f"{g.reshape(-1)[bad[0]]:#x} != {w.reshape(-1)[bad[0]]:#x}")
-    assert got.m_splits == want.m_splits and got.m_pad_splits == want.m_pad_splits
+    assert got.host_splits() == (want.m_splits, want.m_pad_splits), label
 
 
 def run_both(xs, m_splits, form, **kw):
+    """form: "list" of arrays, "tensor" + host splits, or "device": tensor + an int64 count array
+    that the kernel reads itself (as it reads device memory on a GPU)."""
     if form == "list":
         args = (xs, None)
     else:
         args = (np.concatenate(xs, axis=0), list(m_splits))
     want = reference.multi_pad_cast_transpose(*args, **kw)
-    got = cugrouped.multi_pad_cast_transpose(*args, backend="emulate", **kw)
+    if form == "device":
+        got = cugrouped.multi_pad_cast_transpose(args[0], np.array(m_splits, np.int64),
+                                                 splits_on_device=True, backend="emulate", **kw)
+        assert got.m_pad_splits is None
+    else:
+        got = cugrouped.multi_pad_cast_transpose(*args, backend="emulate", **kw)
     return got, want
 
 
@@ -92,7 +103,8 @@ def scales_for(m_splits, fmt, seed):
 CASES = [
     (split, dtype, fmt, given, align, form, ORDERS[i % len(ORDERS)])
     for i, (split, dtype, fmt, given, align, form) in enumerate(itertools.product(
-        SPLITS, DTYPES, ("e4m3", "e5m2"), (True, False), (1, 16, 32, 128), ("list", "tensor")))
+        SPLITS, DTYPES, ("e4m3", "e5m2"), (True, False), (1, 16, 32, 128),
+        ("list", "tensor", "device")))
 ]
 
 
@@ -113,7 +125,7 @@ def test_emulated_kernel_matches_reference(split, dtype, fmt, given, align, form
 
 
 @pytest.mark.parametrize("align", [1, 16, 32, 128])
-@pytest.mark.parametrize("form", ["list", "tensor"])
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
 def test_every_align_and_form_on_the_skewed_case(align, form):
     m_splits, k = SPLITS["skewed"]
     xs = make_inputs(m_splits, k, "bfloat16", 11, specials=True)
@@ -135,6 +147,39 @@ def test_more_experts_than_one_launch_holds():
                                  scale=scales_for(m_splits, "e5m2", 1) if given else None)
         assert_same_bits(got, want, f"chunked given={given}")
         assert len(log) == len(plans) * (1 if given else 2)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_device_splits_over_several_chunks(given):
+    m_splits = [(i * 5) % 19 for i in range(2 * pct.MAX_EXPERTS_PER_LAUNCH + 3)]
+    xs = make_inputs(m_splits, 40, "bfloat16", 6)
+    with cugrouped.record_launches() as log:
+        got, want = run_both(xs, m_splits, "device", align=32, column_sums=True,
+                             scale=scales_for(m_splits, "e4m3", 2) if given else None)
+    assert_same_bits(got, want, "device splits, 3 chunks")
+    assert len(log) == 3 * (1 if given else 2)
+
+
+def test_device_splits_are_clamped_to_the_rows_there_are():
+    xs = make_inputs([10, 6], 32, "float32", 1)
+    x = np.concatenate(xs)
+    got = cugrouped.multi_pad_cast_transpose(x, np.array([10, 50, 3], np.int64), splits_on_device=True,
+                                             backend="emulate")
+    assert got.host_splits()[0] == (10, 6, 0)
+    want = reference.multi_pad_cast_transpose(x, [10, 6, 0])
+    assert np.array_equal(got.data.view(np.uint8), want.data.view(np.uint8))
+    assert np.array_equal(got.data_t[: want.data_t.size], want.data_t)
+
+
+def test_planning_for_device_splits_bounds_every_split():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        E, align, k = int(rng.integers(1, 150)), int(rng.choice([1, 16, 128])), int(rng.integers(1, 600))
+        m = rng.multinomial(int(rng.integers(0, 5000)), np.ones(E) / E)
+        exact = pct.plan_launches(m, k, align)
+        bound = pct.plan_launches_device(E, int(m.sum()), k, align)
+        assert [(p.first, p.count) for p in exact] == [(p.first, p.count) for p in bound]
+        assert all(b.grid >= e.grid for b, e in zip(bound, exact))
 
 
 def test_launch_counts():
@@ -221,10 +266,36 @@ def test_planning_pure_functions():
     assert plans[0].tile_start[:3] == (0, 1, 2) and plans[2].grid == 2
 
 
-def test_group_struct_layout_fits_the_parameter_limit():
+def _layout_asserts(offsets: bool) -> str:
     dt = pct.group_dtype()
-    assert dt.itemsize == 2824            # = sizeof(cg::PctGroup), see the kernel source
-    assert dt.itemsize + 8 + 4 + 4 + 4 * 8 < 4096
+    lines = [f"static_assert(sizeof(cg::PctGroup) == {dt.itemsize}, \"sizeof\");",
+             "static_assert(alignof(cg::PctGroup) == 8, \"alignof\");"]
+    for name in dt.names if offsets else ():
+        field = {"in": "in"}.get(name, name)
+        lines.append(f"static_assert(__builtin_offsetof(cg::PctGroup, {field}) == {dt.fields[name][1]}, "
+                     f"\"{name}\");")
+    return "\n".join(lines)
+
+
+def test_group_struct_layout_matches_on_host_and_device():
+    """The NumPy twin of cg::PctGroup has the C++ layout: every offset under g++ (x86-64), size and
+    alignment under NVRTC (nvptx64, whose NVRTC has no offsetof; the data layout of pointers,
+    int64 and int32 is the same on both)."""
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    from cugrouped import _compile_check, emulate
+
+    dt = pct.group_dtype()
+    assert dt.itemsize + 8 + 4 + 4 + 7 * 8 < 4096           # the 4 KB kernel parameter limit
+    probe = '#include "pad_cast_transpose.cu"\n{}\n__global__ void layout_probe() {{}}\n'
+    spec = pct.KERNEL_SPEC
+    opts = tuple(o for o in _compile_check.offline_options(spec, "90", verbose_ptxas=False))
+    _NVRTCProgram(probe.format(_layout_asserts(False)), "layout.cu", name_expressions=["layout_probe"],
+                  method="cubin").compile(opts)
+    emulate.EmuModule(code=probe.format(_layout_asserts(True)), name_expressions=("layout_probe",))
+    kern = emulate.EmuModule(path=spec.source, name_expressions=spec.name_expressions).get_function(
+        spec.name_expressions[0])
+    assert kern.param_sizes[0] == dt.itemsize
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +321,10 @@ def test_group_struct_layout_fits_the_parameter_limit():
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float64)), ValueError, "scale"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, rowwise=False, columnwise=False), ValueError, "rowwise"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, out={"data": 1}), TypeError, "out"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], np.array([4, 6], np.int32), splits_on_device=True,
+                                                  backend="emulate"), TypeError, "int64"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, np.array([4, 6]), splits_on_device=True),
+     ValueError, "single inputs array"),
 ])
 def test_bad_input_is_rejected_clearly(call, exc, match):
     xs = [np.ones((10, 16), np.float32), np.ones((0, 16), np.float32)]

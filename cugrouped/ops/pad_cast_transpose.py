@@ -19,7 +19,7 @@ from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
 from . import _launch
 
 __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
-           "padded_splits",
+           "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE"]
 
@@ -50,7 +50,8 @@ def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
     e = max_experts
     return np.dtype([("in", "<u8", e), ("out_row", "<u8", e), ("out_col", "<u8", e),
                      ("m", "<i8", e), ("ld", "<i8", e), ("tile_start", "<i4", e + 1),
-                     ("num_experts", "<i4")], align=True)
+                     ("num_experts", "<i4"), ("first_expert", "<i4"), ("m_dev", "<u8"),
+                     ("total_rows", "<i8")], align=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,23 +71,21 @@ def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkLaunch:
-    """One launch: experts ``[first, first + count)`` of the group and their flat tile grid."""
+    """One launch: experts ``[first, first + count)`` of the group and its grid of tiles.
+
+    ``tile_start`` (count + 1 offsets) is known with host splits; with device splits it is empty,
+    the blocks derive it, and ``grid`` is an upper bound (surplus blocks exit at once).
+    """
 
     first: int
     count: int
-    tile_start: tuple[int, ...]   # count + 1 entries, starting at 0
-
-    @property
-    def grid(self) -> int:
-        return self.tile_start[-1]
+    tile_start: tuple[int, ...]
+    grid: int
 
 
 def plan_launches(m_splits: Sequence[int], k: int, align: int,
                   max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
-    """Split the experts into chunks that fit one argument block, with each chunk's tile offsets.
-
-    A chunk's grid must stay below 2^31 blocks; 2^31 tiles of 64 x 128 is far beyond any memory.
-    """
+    """Split the experts into chunks that fit one argument block, with each chunk's tile offsets."""
     tiles = tile_counts(m_splits, k, align)
     plans = []
     for first in range(0, len(tiles), max_experts):
@@ -94,8 +93,31 @@ def plan_launches(m_splits: Sequence[int], k: int, align: int,
         start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
         if start[-1] >= 2**31:
             raise ValueError(f"too many tiles ({start[-1]}) for one launch")
-        plans.append(ChunkLaunch(first, len(chunk), start))
+        plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
     return plans
+
+
+def plan_launches_device(num_experts: int, total_rows: int, k: int, align: int,
+                         max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
+    """Chunks for counts that stay on the device: each grid covers the worst case of its chunk,
+    ``tiles_k * (ceil((rows + count * (align - 1)) / 64) + count)`` (every expert rounds up to
+    ``align`` and to a tile row)."""
+    tiles_k = -(-k // TILE_K)
+    plans = []
+    for first in range(0, num_experts, max_experts):
+        count = min(max_experts, num_experts - first)
+        grid = tiles_k * (-(-(total_rows + count * (align - 1)) // TILE_M) + count)
+        if grid >= 2**31:
+            raise ValueError(f"too many tiles ({grid}) for one launch")
+        plans.append(ChunkLaunch(first, count, (), grid))
+    return plans
+
+
+def output_sizes(g: "GroupedInput", align: int) -> tuple[int, int]:
+    """(rows of ``data``, bytes of ``data_t``); with device splits ``data_t`` is the worst case."""
+    if g.m_dev is not None:
+        return g.total_rows, g.k * (g.total_rows + g.num_experts * (align - 1))
+    return g.total_rows, g.k * sum(padded_splits(g.m_splits, align))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,15 +125,19 @@ def plan_launches(m_splits: Sequence[int], k: int, align: int,
 
 @dataclasses.dataclass(frozen=True)
 class GroupedInput:
-    """Normalised input: one view per expert (``None`` for an empty expert with no array)."""
+    """Normalised input: one view per expert (host splits), or the whole array and the view of a
+    device-side count array (device splits: ``m_splits`` is None, ``experts`` the whole array)."""
 
-    experts: tuple[ArrayView | None, ...]
-    m_splits: tuple[int, ...]
+    experts: tuple[ArrayView, ...]
+    m_splits: tuple[int, ...] | None
     k: int
     dtype: str
     on_device: bool
     kind: str
     device: int
+    total_rows: int
+    num_experts: int
+    m_dev: ArrayView | None = None
 
 
 def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
@@ -136,9 +162,34 @@ def array_is_device(x: Any) -> bool:
         type(x).__module__.startswith("torch") and getattr(getattr(x, "device", None), "type", "") == "cuda")
 
 
-def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None) -> GroupedInput:
+def _device_splits(m_splits: Any, view: ArrayView) -> ArrayView:
+    mv = as_view(m_splits, arg="m_splits")
+    if mv.dtype != "int64" or len(mv.shape) != 1 or (mv.shape[0] > 1 and mv.strides[0] != 1):
+        raise TypeError(f"m_splits: a count array read by the kernel must be a contiguous 1-D int64 "
+                        f"array, got {mv.dtype} of shape {mv.shape} (use .astype(int64))")
+    if mv.shape[0] == 0:
+        raise ValueError("m_splits: expected at least one expert")
+    if (mv.on_device, mv.device) != (view.on_device, view.device):
+        raise ValueError("m_splits: the count array must live where inputs lives")
+    return mv
+
+
+def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None,
+                     splits_on_device: bool | None = None) -> GroupedInput:
     """Check ``inputs`` / ``m_splits`` and describe them; raises TypeError/ValueError naming the
     argument. Nothing is copied."""
+    if splits_on_device is None:
+        splits_on_device = m_splits is not None and array_is_device(m_splits)
+    if splits_on_device:
+        if isinstance(inputs, (list, tuple)):
+            raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
+        view = as_view(inputs, dtype=dtype, arg="inputs")
+        if len(view.shape) != 2:
+            raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array, got shape {view.shape}")
+        mv = _device_splits(m_splits, view)
+        _check_views([view], False)
+        return GroupedInput((view,), None, view.shape[1], view.dtype, view.on_device, view.kind,
+                            view.device, view.shape[0], mv.shape[0], mv)
     if isinstance(inputs, (list, tuple)):
         if len(inputs) == 0:
             raise ValueError("inputs: expected at least one expert, got an empty sequence")
@@ -168,10 +219,17 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
             views.append(dataclasses.replace(
                 view, ptr=view.ptr + row * view.strides[0] * view.itemsize, shape=(m, view.shape[1])))
             row += m
+    _check_views(views, isinstance(inputs, (list, tuple)))
+    first = views[0]
+    return GroupedInput(tuple(views), tuple(splits), first.shape[1], first.dtype, first.on_device,
+                        first.kind, first.device, sum(splits), len(splits))
+
+
+def _check_views(views: list[ArrayView], is_list: bool) -> None:
     first = views[0]
     k = first.shape[1]
     for i, v in enumerate(views):
-        name = f"inputs[{i}]" if isinstance(inputs, (list, tuple)) else "inputs"
+        name = f"inputs[{i}]" if is_list else "inputs"
         if v.dtype not in FLOAT_INPUT_DTYPES:
             raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {v.dtype}"
                             " (CuPy callers pass bfloat16 as a uint16 view with dtype='bfloat16')")
@@ -187,8 +245,6 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
                              f"strides {v.strides} (in elements) for shape {v.shape}")
     if k < 1:
         raise ValueError(f"inputs: expected k >= 1 columns, got {k}")
-    return GroupedInput(tuple(views), tuple(splits), k, first.dtype, first.on_device, first.kind,
-                        first.device)
 
 
 def _check_options(fp8_format: str, margin: int, align: int) -> None:
@@ -206,7 +262,8 @@ def _check_options(fp8_format: str, margin: int, align: int) -> None:
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3", scale=None,
                              margin: int = 0, align: int = 16, rowwise: bool = True,
                              columnwise: bool = True, column_sums: bool = False, out=None,
-                             dtype: str | None = None, backend: str | None = None) -> GroupedFP8:
+                             dtype: str | None = None, splits_on_device: bool | None = None,
+                             backend: str | None = None) -> GroupedFP8:
     """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
 
     Parameters
@@ -214,7 +271,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     inputs : list/tuple of 2-D arrays ``(m_i, k)``, or one 2-D array ``(sum(m_splits), k)``
         float32, float16 or bfloat16, one common ``k`` and dtype, rows contiguous (unit column
         stride; the row stride may be larger). ``m_i == 0`` is allowed anywhere. Never copied.
-    m_splits : host sequence of ints, required with a single array.
+    m_splits : required with a single array: a host sequence of ints, or a contiguous int64
+        device array. Device counts are read by the kernel itself (no host sync); the result's
+        ``data_t`` is then sized for the worst case and ``m_pad_splits`` is None. The counts must
+        sum to the rows of ``inputs``: that cannot be checked without a sync, so the kernel clamps
+        them to the rows there are.
+    splits_on_device : None (decide by where ``m_splits`` lives) or True to make the kernel read a
+        count array even on the emulator (where "device" memory is host memory; for tests).
     fp8_format : ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
     scale : float32 array ``(E,)`` on the data's device, or None
         Given (delayed scaling): ``q = fp8(x * scale[i])``, amax fused in the same pass, one launch.
@@ -233,9 +296,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     _check_options(fp8_format, margin, align)
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
-    g = normalize_inputs(inputs, m_splits, dtype)
-    m_pad = padded_splits(g.m_splits, align)
-    check_scale_and_out(g, m_pad, rowwise, columnwise, column_sums, scale, out)
+    g = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+    check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)
     if g.kind == "torch":
         raise TypeError("inputs: torch tensors go through cugrouped.pytorch (not implemented yet); "
@@ -243,13 +305,20 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     if backend == "reference":
         from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
 
+        if g.m_dev is not None:
+            raise ValueError("splits_on_device: the reference backend takes host counts")
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
                    out=out, dtype=dtype)
     xp = np if backend == "emulate" else __import__("cupy")
-    res = _outputs(g, xp, fp8_format, align, m_pad, rowwise, columnwise, column_sums, scale, out)
+    res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
+    if g.m_dev is not None:
+        res.m_splits, res.m_pad_splits = g.m_dev.owner, None
+        plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
+    else:
+        plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
-    for chunk in plan_launches(g.m_splits, g.k, align):
+    for chunk in plans:
         arg = _pack_group(g, res, chunk)
         sl = slice(chunk.first, chunk.first + chunk.count)
         ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
@@ -275,9 +344,10 @@ def _contiguous(v: ArrayView) -> bool:
     return all(s == e for s, e, n in zip(v.strides, reversed(expect), v.shape) if n > 1)
 
 
-def check_scale_and_out(g: GroupedInput, m_pad, rowwise, columnwise, column_sums, scale, out) -> None:
+def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out) -> None:
     """Validate ``scale`` and ``out`` against the inputs before anything is launched or written."""
-    E, k = len(g.m_splits), g.k
+    E, k = g.num_experts, g.k
+    rows, col_bytes = output_sizes(g, align)
     if scale is not None:
         sv = as_view(scale, arg="scale")
         if sv.dtype != "float32" or sv.shape != (E,) or not _contiguous(sv):
@@ -290,8 +360,8 @@ def check_scale_and_out(g: GroupedInput, m_pad, rowwise, columnwise, column_sums
     if not isinstance(out, GroupedFP8):
         raise TypeError(f"out: expected a GroupedFP8 (e.g. the result of an earlier call), got "
                         f"{type(out).__name__}")
-    want = {"data": ((sum(g.m_splits), k), 1) if rowwise else None,
-            "data_t": ((sum(mp * k for mp in m_pad),), 1) if columnwise else None,
+    want = {"data": ((rows, k), 1) if rowwise else None,
+            "data_t": ((col_bytes,), 1) if columnwise else None,
             "amax": ((E,), 4), "scale_inv": ((E,), 4),
             "scale": ((E,), 4) if scale is None else None,
             "column_sums": ((E, k), 4) if column_sums else None}
@@ -309,10 +379,12 @@ def check_scale_and_out(g: GroupedInput, m_pad, rowwise, columnwise, column_sums
             raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
 
 
-def _outputs(g: GroupedInput, xp, fp8_format, align, m_pad, rowwise, columnwise, column_sums,
-             scale, out) -> GroupedFP8:
+def _outputs(g: GroupedInput, xp, fp8_format, align, rowwise, columnwise, column_sums, scale,
+             out) -> GroupedFP8:
     """Allocate the result (or adopt the checked ``out`` buffers)."""
-    E, k = len(g.m_splits), g.k
+    E, k = g.num_experts, g.k
+    rows, col_bytes = output_sizes(g, align)
+    m_pad = padded_splits(g.m_splits, align) if g.m_splits is not None else None
     if out is not None:
         res = dataclasses.replace(out, m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format,
                                   k=k, align=align)
@@ -324,8 +396,8 @@ def _outputs(g: GroupedInput, xp, fp8_format, align, m_pad, rowwise, columnwise,
             res.column_sums = None
         return res
     return GroupedFP8(
-        data=xp.empty((sum(g.m_splits), k), dtype=np.uint8) if rowwise else None,
-        data_t=xp.empty((sum(mp * k for mp in m_pad),), dtype=np.uint8) if columnwise else None,
+        data=xp.empty((rows, k), dtype=np.uint8) if rowwise else None,
+        data_t=xp.empty((col_bytes,), dtype=np.uint8) if columnwise else None,
         m_splits=g.m_splits, m_pad_splits=m_pad,
         amax=xp.empty((E,), dtype=np.float32),
         scale=scale if scale is not None else xp.empty((E,), dtype=np.float32),
@@ -347,9 +419,16 @@ def _ptr(a) -> int:
 def _pack_group(g: GroupedInput, res: GroupedFP8, chunk: ChunkLaunch) -> np.ndarray:
     """Fill the by-value argument block for one chunk (pointers, sizes, tile offsets)."""
     arg = np.zeros((), dtype=group_dtype())
+    data_ptr, data_t_ptr = _ptr(res.data), _ptr(res.data_t)
+    arg["num_experts"] = chunk.count
+    if g.m_dev is not None:    # the blocks derive the per-expert fields from the device counts
+        v = g.experts[0]
+        arg["in"][0], arg["out_row"][0], arg["out_col"][0] = v.ptr, data_ptr, data_t_ptr
+        arg["ld"][0] = v.strides[0] if v.shape[0] > 1 else g.k
+        arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
+        return arg
     row_off = res.row_offsets()
     col_off = res.col_offsets()
-    data_ptr, data_t_ptr = _ptr(res.data), _ptr(res.data_t)
     for j in range(chunk.count):
         e = chunk.first + j
         v = g.experts[e]
@@ -360,7 +439,6 @@ def _pack_group(g: GroupedInput, res: GroupedFP8, chunk: ChunkLaunch) -> np.ndar
         arg["out_col"][j] = data_t_ptr + int(col_off[e]) if data_t_ptr else 0
     arg["tile_start"][: chunk.count + 1] = chunk.tile_start
     arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
-    arg["num_experts"] = chunk.count
     return arg
 
 
