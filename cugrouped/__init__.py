@@ -5,6 +5,9 @@ Public API::
 
     multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, ...)
     GroupedFP8                      # its result: FP8 row-wise + transposed copies, amax, scales
+    grouped_fprop(x, w, bias=None)  # y_i = x_i W_i^T for all experts (cuBLASLt; FP8 or bf16/fp16/fp32)
+    grouped_dgrad(dy, w)            # dx_i = dy_i W_i
+    grouped_wgrad(x, dy)            # dW_i = dy_i^T x_i (or accumulate into fp32 main_grad)
     warmup()                        # compile every kernel for the current GPU ahead of use
     kernel_sources()                # where the installed CUDA sources live
 
@@ -14,11 +17,12 @@ Every op takes ``backend="cuda" | "emulate" | "reference"``; see the README.
 from ._jit import warmup
 from ._sources import kernels_dir as kernel_sources
 from .grouped_fp8 import GroupedFP8
-from .ops import emulation_order, multi_pad_cast_transpose, record_launches
+from .ops import (emulation_order, grouped_dgrad, grouped_fprop, grouped_wgrad,
+                  multi_pad_cast_transpose, record_launches)
 
 __version__ = "0.1.0"
 
-__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "warmup", "kernel_sources",
+__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "warmup", "kernel_sources",
            "record_launches", "emulation_order", "gpu_available", "__version__"]
 
 

@@ -2,6 +2,8 @@
 every kernel spec with the JIT (compile-check and warmup rely on it)."""
 
 from ._launch import emulation_order, record_launches
+from .grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .pad_cast_transpose import multi_pad_cast_transpose
 
-__all__ = ["multi_pad_cast_transpose", "record_launches", "emulation_order"]
+__all__ = ["multi_pad_cast_transpose", "grouped_fprop", "grouped_dgrad", "grouped_wgrad",
+           "record_launches", "emulation_order"]
