@@ -1,23 +1,13 @@
-"""``python -m cugrouped bench [cast|gemm|layer|all]``: cugrouped against what users would pick instead.
-
-Timing: CUDA events around each call, median of many runs after warm-up, inputs rotated over
-several copies so that the working set exceeds the L2 cache. Peers run in the same process on the
-same data. Without a GPU the command times what can run on the CPU (host-side launch planning per
-call) and says what it skipped.
-"""
+"""Benchmark of ``multi_pad_cast_transpose`` against torch eager and ``torch.compile`` peers."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import os
-import platform
-import time
-from pathlib import Path
 
 import numpy as np
 
-from .ops import pad_cast_transpose as pct
+from ..ops import pad_cast_transpose as pct
+from .common import copy_bandwidth_gbs, median_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,32 +42,6 @@ CAST_CONFIGS = (
     CastConfig("mixtral-E8-jagged", 8, 4096, 4096, True),
 )
 QUICK_CAST = CAST_CONFIGS[:1] + CAST_CONFIGS[3:4]
-
-
-def _median_ms(fn, runs: int, warmup: int = 3) -> float:
-    import cupy
-
-    for _ in range(warmup):
-        fn(0)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for i in range(runs):
-        start.record()
-        fn(i)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Measured device-to-device copy bandwidth (read + write bytes per second), the roofline."""
-    import cupy
-
-    a = cupy.empty(nbytes, dtype=np.uint8)
-    b = cupy.empty_like(a)
-    ms = _median_ms(lambda i: b.__setitem__(slice(None), a), 20)
-    return 2 * nbytes / ms / 1e6
 
 
 def _torch_peers(cfg: CastConfig, x_torch, m_splits):
@@ -117,7 +81,7 @@ def bench_cast(quick: bool, rows: list[dict]) -> None:
               .view(cupy.uint16) for _ in range(copies)]
         for scaling in ("current", "delayed"):
             scale = None if scaling == "current" else cupy.ones(cfg.experts, np.float32)
-            ms = _median_ms(lambda i: pct.multi_pad_cast_transpose(
+            ms = median_ms(lambda i: pct.multi_pad_cast_transpose(
                 xs[i % copies], m_splits, dtype="float16", scale=scale), 30)
             reads = (2 if scaling == "current" else 1) * cfg.tokens * cfg.k * 2
             writes = cfg.tokens * cfg.k + sum(pct.padded_splits(m_splits, 16)) * cfg.k
@@ -131,71 +95,10 @@ def bench_cast(quick: bool, rows: list[dict]) -> None:
             continue
         xt = [torch.from_dlpack(x).view(torch.float16) for x in xs]
         for impl, fn in zip(("torch-eager", "torch-compile"), _torch_peers(cfg, xt[0], m_splits)):
-            ms = _median_ms(lambda i: fn(xt[i % copies]), 30)
+            ms = median_ms(lambda i: fn(xt[i % copies]), 30)
             ours = next(r["ms"] for r in rows if r["config"] == cfg.name and r["scaling"] == "current")
             rows.append(dict(op="cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
                              speedup_of_cugrouped=ms / ours))
             print(f"{cfg.name:<22} current  {impl:<14} {ms:8.3f} ms   cugrouped is {ms / ours:5.2f}x faster")
 
 
-def bench_planning(rows: list[dict]) -> None:
-    """Host cost per call that does not need a GPU: argument planning for E experts."""
-    for experts in (8, 64, 256):
-        m = [1000 + 17 * i for i in range(experts)]
-        t0 = time.perf_counter()
-        n = 200
-        for _ in range(n):
-            pct.plan_launches(m, 7168, 16)
-        us = (time.perf_counter() - t0) / n * 1e6
-        rows.append(dict(op="plan", config=f"E{experts}", impl="cugrouped", host_us=us,
-                         host_us_per_expert=us / experts))
-        print(f"launch planning, {experts:>3} experts: {us:8.1f} us per call ({us / experts:.2f} us per expert)")
-
-
-def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False) -> int:
-    from . import gpu_available
-
-    rows: list[dict] = []
-    bench_planning(rows)
-    if not gpu_available():
-        print(f"bench {what}: no GPU here; skipped the device timings (cast vs torch eager/compile, "
-              "gemm, layer). Run scripts/gpu_check.sh on a GPU machine.")
-    else:
-        if what in ("cast", "all"):
-            bench_cast(quick, rows)
-        if what in ("gemm", "layer", "all"):
-            print(f"bench {what}: the grouped GEMM and the PyTorch layer are not built yet; skipped")
-    if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        env = _environment()
-        keys = sorted({k for r in rows for k in r} | set(env))
-        with open(out / "bench.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            for r in rows:
-                w.writerow({**env, **r})
-        print(f"wrote {out / 'bench.csv'}")
-    return 0
-
-
-def _environment() -> dict:
-    env = {"host": platform.node(), "date": time.strftime("%Y-%m-%d"), "numpy": np.__version__}
-    try:
-        import cupy
-
-        env["cupy"] = cupy.__version__
-        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-        env["driver"] = cupy.cuda.runtime.driverGetVersion()
-        env["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception:
-        env["gpu"] = "none"
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-    except ImportError:
-        pass
-    env["python"] = platform.python_version()
-    env["cwd"] = os.getcwd()
-    return env
