@@ -1,0 +1,102 @@
+// cugrouped/kernels_cu/scale_update.cu
+//
+// Delayed scaling (design.md §3): update the amax histories and the scales of every FP8 tensor of
+// every expert in one launch, on the device, with no host sync.
+//
+// T tensors (for a GroupedLinear of E experts: E inputs, E weights, E grad outputs), one block per
+// tensor. Tensor t owns
+//   history[t * L .. t * L + L)   float32, most recent first (history[t*L + 0] is the newest amax)
+//   amax[t]                       the amax the cast kernel measured this step
+//   scale[t], scale_inv[t]        float32, written here
+// and the block
+//   1. rolls the history by one and inserts the new amax at the front:
+//        h'[0] = amax[t],  h'[j] = h[j - 1]  (j = 1 .. L-1; the oldest value drops out);
+//      values are moved bit for bit (no arithmetic touches them, so FTZ cannot change them);
+//   2. reduces:  MOST_RECENT -> amax[t];  MAX -> the maximum of h'[0 .. L) where any NaN in the
+//      window gives NaN (a NaN amax must not be forgotten silently);
+//   3. scale = compute_scale<F>(reduced, margin)  (amax 0, denormal, negative, inf or NaN -> 1),
+//      scale_inv = scale_inverse(scale)  (both from fp8.cuh: the bits the reference reproduces).
+// Tensors [0, num_e4m3) use E4M3's maximum, the rest E5M2's (HYBRID: inputs and weights E4M3,
+// grad outputs E5M2), so one launch serves every tensor of the layer.
+//
+// The roll is done in place, in chunks of THREADS entries from the oldest end to the newest: every
+// thread reads its source h[i - 1], the block synchronises, then writes h[i]. A chunk writes only
+// its own entries, which no later (lower) chunk reads, and it reads the last entry of the chunk
+// below before that chunk is written (the barrier orders them), so no entry is lost.
+//
+// The reduction is order independent: the maximum of floats is exact, the NaN flag is an OR, and a
+// -0 / +0 tie (the only order-dependent bits) feeds compute_scale, which maps both to 1.
+#include "common.cuh"
+#include "fp8.cuh"
+
+#ifndef CG_SU_THREADS
+#define CG_SU_THREADS 128
+#endif
+
+namespace cg {
+
+constexpr int SU_THREADS = CG_SU_THREADS;
+
+enum class AmaxAlgo : int { MAX = 0, MOST_RECENT = 1 };
+
+template <AmaxAlgo ALGO>
+__global__ void __launch_bounds__(SU_THREADS)
+scale_update_kernel(float* __restrict__ history, const float* __restrict__ amax,
+                    float* __restrict__ scale, float* __restrict__ scale_inv, i64 num_tensors,
+                    i64 history_len, i64 num_e4m3, int margin) {
+    const i64 t = (i64)blockIdx.x;
+    if (t >= num_tensors) return;  // uniform per block: no thread is left at a barrier
+    const int tid = (int)threadIdx.x;
+    const i64 L = history_len;
+    float* h = history + t * L;
+    const float newest = amax[t];
+
+    float best = 0.f;    // max over this thread's entries (only read when have_any)
+    bool have_any = false;
+    bool nan = false;
+    const i64 chunks = (L + SU_THREADS - 1) / SU_THREADS;
+    for (i64 c = chunks - 1; c >= 0; --c) {
+        const i64 i = c * SU_THREADS + tid;
+        float v = 0.f;
+        if (i < L) v = (i == 0) ? newest : h[i - 1];
+        __syncthreads();  // every source of this chunk is read before any entry of it is written
+        if (i < L) {
+            h[i] = v;
+            if (ALGO == AmaxAlgo::MAX) {
+                if (v != v) {
+                    nan = true;
+                } else if (!have_any || v > best) {
+                    best = v;
+                    have_any = true;
+                }
+            }
+        }
+    }
+
+    float reduced = newest;
+    if (ALGO == AmaxAlgo::MAX) {
+        __shared__ float s_best[SU_THREADS];
+        __shared__ int s_flags[SU_THREADS];  // bit 0: has a value, bit 1: saw a NaN
+        s_best[tid] = best;
+        s_flags[tid] = (have_any ? 1 : 0) | (nan ? 2 : 0);
+        __syncthreads();
+        for (int stride = SU_THREADS / 2; stride > 0; stride >>= 1) {
+            if (tid < stride) {
+                const int fa = s_flags[tid], fb = s_flags[tid + stride];
+                const float a = s_best[tid], b = s_best[tid + stride];
+                if ((fb & 1) && (!(fa & 1) || b > a)) s_best[tid] = b;
+                s_flags[tid] = fa | fb;
+            }
+            __syncthreads();
+        }
+        reduced = (s_flags[0] & 2) ? bits_f32(0x7FFFFFFFu) : s_best[0];
+    }
+    if (tid == 0) {
+        const float s = t < num_e4m3 ? compute_scale<Fp8Format::E4M3>(reduced, margin)
+                                     : compute_scale<Fp8Format::E5M2>(reduced, margin);
+        scale[t] = s;
+        scale_inv[t] = scale_inverse(s);
+    }
+}
+
+}  // namespace cg

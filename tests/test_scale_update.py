@@ -1,0 +1,155 @@
+"""update_scales (delayed scaling): the CUDA kernel run on the CPU emulator must give the NumPy
+reference's bits (history, scale, scale_inv) for special amaxes (0, denormal, inf, NaN, negative),
+history lengths 1 .. 1024 (+ a length that is not a multiple of the block), both reductions, both
+formats and a mixed HYBRID boundary, over several steps and fiber orders. Plus the NVRTC compile
+for sm_80/89/90/100 without spills, argument checks, launch counts, and the GPU twin (``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cugrouped import reference
+from cugrouped.ops import _launch
+from cugrouped.ops import scale_update as su
+from cugrouped.reference.scale_update import update_scales as ref_update
+
+SPECIALS = np.array([0.0, -0.0, 1e-40, np.inf, -np.inf, np.nan, -3.0, 448.0, 57344.0, 3e38,
+                     1e-30, 2.5], dtype=np.float32)
+
+
+def _state(T, L, seed):
+    rng = np.random.default_rng(seed)
+    h = (np.exp2(rng.uniform(-20, 20, size=(T, L)))).astype(np.float32)
+    h[rng.random((T, L)) < 0.05] = 0.0
+    if L > 3:
+        h[0, L - 1] = np.nan     # drops out of the window at the next roll
+        h[1 % T, L // 2] = np.inf
+    return h
+
+
+def _amax(T, seed):
+    rng = np.random.default_rng(seed)
+    a = np.exp2(rng.uniform(-30, 30, size=T)).astype(np.float32)
+    a[: min(T, SPECIALS.size)] = SPECIALS[: min(T, SPECIALS.size)]
+    return a
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint32)
+
+
+def _run(backend, h, amaxes, fmt, algo, margin, order="forward"):
+    h = h.copy()
+    T = h.shape[0]
+    scale = np.full(T, 7.0, np.float32)
+    scale_inv = np.full(T, 7.0, np.float32)
+    outs = []
+    with _launch.emulation_order(order):
+        for a in amaxes:
+            su.update_scales(h, a, scale, scale_inv, fp8_format=fmt, amax_compute_algo=algo,
+                             margin=margin, backend=backend)
+            outs.append((h.copy(), scale.copy(), scale_inv.copy()))
+    return outs
+
+
+@pytest.mark.parametrize("L", [1, 2, 127, 128, 300, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hybrid"])
+def test_emulated_matches_reference(L, algo, fmt):
+    T = 14
+    fmts = ["e4m3"] * 9 + ["e5m2"] * 5 if fmt == "hybrid" else fmt
+    h = _state(T, L, seed=L)
+    amaxes = [_amax(T, s) for s in range(3)]
+    want = _run("reference", h, amaxes, fmts, algo, margin=1 if L == 127 else 0)
+    got = _run("emulate", h, amaxes, fmts, algo, margin=1 if L == 127 else 0,
+               order="reverse" if L % 2 else "shuffle")
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name, gi, wi in zip(("history", "scale", "scale_inv"), g, w):
+            assert np.array_equal(_bits(gi), _bits(wi)), f"step {step} {name}"
+
+
+def test_reference_semantics():
+    h = np.array([[1.0, 2.0, 3.0], [5.0, np.nan, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    amax = np.array([0.5, 1.0, 0.0], np.float32)
+    scale, scale_inv = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    ref_update(h, amax, scale, scale_inv, fp8_format=["e4m3", "e4m3", "e5m2"])
+    np.testing.assert_array_equal(h[0], [0.5, 1.0, 2.0])          # 3.0 rolled out
+    assert np.isnan(h[1, 2]) and h[1, 0] == 1.0
+    assert scale[0] == np.float32(448.0 / 2.0)                     # max of the new window
+    assert scale[1] == 1.0                                          # NaN in the window
+    assert scale[2] == 1.0                                          # amax 0
+    assert scale_inv[0] == np.float32(1 / 224.0)
+    ref_update(h, np.array([8.0, 1.0, 4.0], np.float32), scale, scale_inv, fp8_format="e5m2",
+               amax_compute_algo="most_recent", margin=2)
+    np.testing.assert_array_equal(scale, np.float32([57344 / 8 / 4, 57344 / 4, 57344 / 4 / 4]))
+
+
+def test_one_launch_for_all_tensors():
+    T, L = 3 * 5, 16
+    h = _state(T, L, 0)
+    with _launch.record_launches() as log:
+        su.update_scales(h, _amax(T, 1), np.zeros(T, np.float32), np.zeros(T, np.float32),
+                         fp8_format=["e4m3"] * 10 + ["e5m2"] * 5, backend="emulate")
+    assert [(x.grid, x.block) for x in log] == [(T, su.THREADS)]
+    assert su.plan_update(0, 4, 0, "max", 0).grid == 0
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, amax_compute_algo="mean"), ValueError,
+     "amax_compute_algo"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, margin=-1), ValueError, "margin"),
+    (lambda h, a, s, si: su.update_scales(h.astype(np.float64), a, s, si), ValueError, "amax_history"),
+    (lambda h, a, s, si: su.update_scales(h[:, :0], a, s, si), ValueError, "history_len"),
+    (lambda h, a, s, si: su.update_scales(h.T, a[:4], s[:4], si[:4]), ValueError, "contiguous"),
+    (lambda h, a, s, si: su.update_scales(h, a[:2], s, si), ValueError, "amax"),
+    (lambda h, a, s, si: su.update_scales(h, a, s[::2], si), ValueError, "scale"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format="e3m4"), ValueError, "fp8_format"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format=["e5m2", "e4m3", "e4m3"]),
+     ValueError, "before"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format=["e4m3"]), ValueError, "one per"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, backend="cuda"), ValueError, "backend"),
+])
+def test_bad_arguments(call, exc, match):
+    h = np.zeros((3, 4), np.float32)
+    with pytest.raises(exc, match=match):
+        call(h, np.zeros(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32))
+
+
+def test_compile_check_all_archs_no_spills():
+    pytest.importorskip("cupy")
+    from cugrouped import _compile_check as cc
+
+    for arch in cc.ARCHS:
+        try:
+            _, mapping, log = cc.compile_offline(su.KERNEL_SPEC, arch)
+        except Exception as exc:  # no NVRTC on this machine
+            if "nvrtc" in str(exc).lower() and "compile" not in str(exc).lower():
+                pytest.skip(f"NVRTC unavailable: {exc}")
+            raise
+        found = cc.parse_ptxas_log(log, arch, mapping)
+        assert {r.name for r in found} == set(su.KERNEL_SPEC.name_expressions), arch
+        assert all(r.spills == 0 for r in found), found
+
+
+def test_reference_exported():
+    assert callable(reference.fp8.compute_scale)   # the twin builds on the FP8 reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [1, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_gpu_matches_reference(L, algo):
+    import cupy
+
+    T = 3 * 8
+    fmts = ["e4m3"] * 16 + ["e5m2"] * 8
+    h = _state(T, L, 3)
+    amaxes = [_amax(T, s) for s in range(3)]
+    want = _run("reference", h, amaxes, fmts, algo, margin=0)
+    hd = cupy.asarray(h)
+    sd, sid = cupy.zeros(T, np.float32), cupy.zeros(T, np.float32)
+    for step, a in enumerate(amaxes):
+        su.update_scales(hd, cupy.asarray(a), sd, sid, fp8_format=fmts, amax_compute_algo=algo)
+        for name, gi, wi in zip(("history", "scale", "scale_inv"), (hd, sd, sid), want[step]):
+            assert np.array_equal(_bits(cupy.asnumpy(gi)), _bits(wi)), f"step {step} {name}"
