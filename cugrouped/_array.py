@@ -75,6 +75,17 @@ class ArrayView:
             (self.shape[0] <= 1 or self.strides[0] >= self.shape[1])
 
 
+_NP_NAMES: dict = {}
+
+
+def _np_name(dt: np.dtype) -> str:
+    """``dt.name``, memoised (NumPy computes it from scratch on every access)."""
+    name = _NP_NAMES.get(dt)
+    if name is None:
+        name = _NP_NAMES[dt] = dt.name
+    return name
+
+
 def _retag(name: str, dtype: str | None, arg: str) -> str:
     if dtype is None or dtype == name:
         return name
@@ -92,7 +103,9 @@ def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayVie
     """
     kind = array_kind(x)
     if kind == "numpy":
-        name = _retag(x.dtype.name, dtype, arg)
+        name = _np_name(x.dtype)
+        if dtype is not None:
+            name = _retag(name, dtype, arg)
         if name not in DTYPE_ITEMSIZE:
             raise TypeError(f"{arg}: unsupported dtype {x.dtype}")
         strides = tuple(s // x.itemsize for s in x.strides)

@@ -8,6 +8,7 @@ emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_tran
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
 ))
 
 
+@functools.lru_cache(maxsize=None)
 def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
     """NumPy twin of ``struct cg::PctGroup`` (passed to the kernel by value)."""
     e = max_experts
@@ -56,6 +58,10 @@ def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
 
 # ---------------------------------------------------------------------------------------------
 # Planning: pure functions of sizes, no arrays.
+
+def padded_array(m: np.ndarray, align: int) -> np.ndarray:
+    return (m + (align - 1)) // align * align
+
 
 def padded_splits(m_splits: Sequence[int], align: int) -> tuple[int, ...]:
     """``m_pad_i = ceil(m_i / align) * align``."""
@@ -86,6 +92,11 @@ class ChunkLaunch:
 def plan_launches(m_splits: Sequence[int], k: int, align: int,
                   max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
     """Split the experts into chunks that fit one argument block, with each chunk's tile offsets."""
+    return list(_plan_cached(tuple(int(v) for v in m_splits), k, align, max_experts))
+
+
+@functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
+def _plan_cached(m_splits: tuple[int, ...], k: int, align: int, max_experts: int) -> tuple:
     tiles = tile_counts(m_splits, k, align)
     plans = []
     for first in range(0, len(tiles), max_experts):
@@ -94,7 +105,7 @@ def plan_launches(m_splits: Sequence[int], k: int, align: int,
         if start[-1] >= 2**31:
             raise ValueError(f"too many tiles ({start[-1]}) for one launch")
         plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
-    return plans
+    return tuple(plans)
 
 
 def plan_launches_device(num_experts: int, total_rows: int, k: int, align: int,
@@ -125,10 +136,10 @@ def output_sizes(g: "GroupedInput", align: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedInput:
-    """Normalised input: one view per expert (host splits), or the whole array and the view of a
-    device-side count array (device splits: ``m_splits`` is None, ``experts`` the whole array)."""
+    """Normalised input. Host splits: per-expert row pointers and row strides (``ptrs``, ``lds``).
+    Device splits: ``m_splits`` is None, ``base`` is the whole array and ``m_dev`` the counts."""
 
-    experts: tuple[ArrayView, ...]
+    base: ArrayView
     m_splits: tuple[int, ...] | None
     k: int
     dtype: str
@@ -137,6 +148,8 @@ class GroupedInput:
     device: int
     total_rows: int
     num_experts: int
+    ptrs: np.ndarray | None = None      # uint64 (E,): first element of each expert
+    lds: np.ndarray | None = None       # int64 (E,): row stride of each expert, in elements
     m_dev: ArrayView | None = None
 
 
@@ -174,55 +187,55 @@ def _device_splits(m_splits: Any, view: ArrayView) -> ArrayView:
     return mv
 
 
+def _row_stride(v: ArrayView) -> int:
+    return v.strides[0] if v.shape[0] > 1 else v.shape[1]
+
+
 def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None,
                      splits_on_device: bool | None = None) -> GroupedInput:
     """Check ``inputs`` / ``m_splits`` and describe them; raises TypeError/ValueError naming the
     argument. Nothing is copied."""
     if splits_on_device is None:
         splits_on_device = m_splits is not None and array_is_device(m_splits)
-    if splits_on_device:
-        if isinstance(inputs, (list, tuple)):
-            raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
-        view = as_view(inputs, dtype=dtype, arg="inputs")
-        if len(view.shape) != 2:
-            raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array, got shape {view.shape}")
-        mv = _device_splits(m_splits, view)
-        _check_views([view], False)
-        return GroupedInput((view,), None, view.shape[1], view.dtype, view.on_device, view.kind,
-                            view.device, view.shape[0], mv.shape[0], mv)
     if isinstance(inputs, (list, tuple)):
+        if splits_on_device:
+            raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
         if len(inputs) == 0:
             raise ValueError("inputs: expected at least one expert, got an empty sequence")
         views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
-        if m_splits is not None:
-            given = _host_splits(m_splits, sum(v.shape[0] if len(v.shape) == 2 else 0 for v in views))
-            if len(given) != len(views) or any(g != v.shape[0] for g, v in zip(given, views)):
-                raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
-                                 f"a list; got {given}")
-        splits = []
         for i, v in enumerate(views):
             if len(v.shape) != 2:
                 raise ValueError(f"inputs[{i}]: expected a 2-D (m_i, k) array, got shape {v.shape}")
-            splits.append(v.shape[0])
-    else:
-        view = as_view(inputs, dtype=dtype, arg="inputs")
-        if len(view.shape) != 2:
-            raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array or a list of 2-D "
-                             f"arrays, got shape {view.shape}")
-        if m_splits is None:
-            raise ValueError("m_splits: required when inputs is a single array")
-        splits = list(_host_splits(m_splits, view.shape[0]))
-        if len(splits) == 0:
-            raise ValueError("m_splits: expected at least one expert")
-        views, row = [], 0
-        for m in splits:
-            views.append(dataclasses.replace(
-                view, ptr=view.ptr + row * view.strides[0] * view.itemsize, shape=(m, view.shape[1])))
-            row += m
-    _check_views(views, isinstance(inputs, (list, tuple)))
-    first = views[0]
-    return GroupedInput(tuple(views), tuple(splits), first.shape[1], first.dtype, first.on_device,
-                        first.kind, first.device, sum(splits), len(splits))
+        splits = tuple(v.shape[0] for v in views)
+        if m_splits is not None and _host_splits(m_splits, sum(splits)) != splits:
+            raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
+                             f"a list; got {m_splits}")
+        _check_views(views, True)
+        first = views[0]
+        return GroupedInput(first, splits, first.shape[1], first.dtype, first.on_device, first.kind,
+                            first.device, sum(splits), len(splits),
+                            np.array([v.ptr for v in views], dtype=np.uint64),
+                            np.array([_row_stride(v) for v in views], dtype=np.int64))
+    view = as_view(inputs, dtype=dtype, arg="inputs")
+    if len(view.shape) != 2:
+        raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array or a list of 2-D "
+                         f"arrays, got shape {view.shape}")
+    if m_splits is None:
+        raise ValueError("m_splits: required when inputs is a single array")
+    _check_views([view], False)
+    if splits_on_device:
+        mv = _device_splits(m_splits, view)
+        return GroupedInput(view, None, view.shape[1], view.dtype, view.on_device, view.kind,
+                            view.device, view.shape[0], mv.shape[0], m_dev=mv)
+    splits = _host_splits(m_splits, view.shape[0])
+    if len(splits) == 0:
+        raise ValueError("m_splits: expected at least one expert")
+    ld = _row_stride(view)
+    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
+    ptrs = (np.uint64(view.ptr) + (first_rows * (ld * view.itemsize)).astype(np.uint64))
+    return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
+                        view.device, view.shape[0], len(splits), ptrs,
+                        np.full(len(splits), ld, dtype=np.int64))
 
 
 def _check_views(views: list[ArrayView], is_list: bool) -> None:
@@ -318,8 +331,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     else:
         plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
-    for chunk in plans:
-        arg = _pack_group(g, res, chunk)
+    for chunk, arg in zip(plans, _pack_groups(g, res, plans, align)):
         sl = slice(chunk.first, chunk.first + chunk.count)
         ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
         colsum = res.column_sums[sl] if column_sums else None
@@ -413,33 +425,44 @@ def _as_bytes(a, xp):
 def _ptr(a) -> int:
     if a is None:
         return 0
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
     return as_view(a).ptr
 
 
-def _pack_group(g: GroupedInput, res: GroupedFP8, chunk: ChunkLaunch) -> np.ndarray:
-    """Fill the by-value argument block for one chunk (pointers, sizes, tile offsets)."""
-    arg = np.zeros((), dtype=group_dtype())
-    data_ptr, data_t_ptr = _ptr(res.data), _ptr(res.data_t)
-    arg["num_experts"] = chunk.count
+def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
+    """The by-value argument block of every chunk (pointers, sizes, tile offsets), vectorised."""
+    dt = group_dtype()
+    data_ptr = _ptr(res.data)
+    data_t_ptr = _ptr(res.data_t)
+    args = []
     if g.m_dev is not None:    # the blocks derive the per-expert fields from the device counts
-        v = g.experts[0]
-        arg["in"][0], arg["out_row"][0], arg["out_col"][0] = v.ptr, data_ptr, data_t_ptr
-        arg["ld"][0] = v.strides[0] if v.shape[0] > 1 else g.k
-        arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
-        return arg
-    row_off = res.row_offsets()
-    col_off = res.col_offsets()
-    for j in range(chunk.count):
-        e = chunk.first + j
-        v = g.experts[e]
-        arg["in"][j] = v.ptr
-        arg["ld"][j] = v.strides[0] if v.shape[0] > 1 else g.k
-        arg["m"][j] = g.m_splits[e]
-        arg["out_row"][j] = data_ptr + int(row_off[e]) * g.k if data_ptr else 0
-        arg["out_col"][j] = data_t_ptr + int(col_off[e]) if data_t_ptr else 0
-    arg["tile_start"][: chunk.count + 1] = chunk.tile_start
-    arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
-    return arg
+        for chunk in plans:
+            arg = np.zeros((), dtype=dt)
+            arg["num_experts"] = chunk.count
+            arg["in"][0], arg["out_row"][0], arg["out_col"][0] = g.base.ptr, data_ptr, data_t_ptr
+            arg["ld"][0] = _row_stride(g.base)
+            arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
+            args.append(arg)
+        return args
+    m = np.asarray(g.m_splits, dtype=np.int64)
+    row_first = np.concatenate([[0], np.cumsum(m[:-1])])
+    col_first = np.concatenate([[0], np.cumsum(padded_array(m[:-1], align) * g.k)])
+    out_row = (np.uint64(data_ptr) + (row_first * g.k).astype(np.uint64)) if data_ptr else np.zeros_like(g.ptrs)
+    out_col = (np.uint64(data_t_ptr) + col_first.astype(np.uint64)) if data_t_ptr else np.zeros_like(g.ptrs)
+    for chunk in plans:
+        sl = slice(chunk.first, chunk.first + chunk.count)
+        arg = np.zeros((), dtype=dt)
+        arg["num_experts"] = chunk.count
+        arg["in"][: chunk.count] = g.ptrs[sl]
+        arg["ld"][: chunk.count] = g.lds[sl]
+        arg["m"][: chunk.count] = m[sl]
+        arg["out_row"][: chunk.count] = out_row[sl]
+        arg["out_col"][: chunk.count] = out_col[sl]
+        arg["tile_start"][: chunk.count + 1] = chunk.tile_start
+        arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
+        args.append(arg)
+    return args
 
 
 def _nullable(*arrays):
