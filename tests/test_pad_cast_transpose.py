@@ -108,14 +108,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("split,dtype,fmt,given,align,form,order", CASES,
-                         ids=["-".join(map(str, c)) for c in CASES])
-def test_emulated_kernel_matches_reference(split, dtype, fmt, given, align, form, order):
+def case_data(split, dtype, fmt, given):
+    """Inputs and scales of one matrix case, the same on every backend and run."""
     m_splits, k = SPLITS[split]
     seed = zlib.crc32(repr((split, dtype, fmt, given)).encode())
     xs = make_inputs(m_splits, k, dtype, seed, specials=(split == "skewed"))
-    kw = dict(fp8_format=fmt, align=align, scale=scales_for(m_splits, fmt, seed) if given else None,
-              column_sums=True)
+    return m_splits, xs, scales_for(m_splits, fmt, seed) if given else None
+
+
+@pytest.mark.parametrize("split,dtype,fmt,given,align,form,order", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_emulated_kernel_matches_reference(split, dtype, fmt, given, align, form, order):
+    m_splits, xs, scale = case_data(split, dtype, fmt, given)
+    kw = dict(fp8_format=fmt, align=align, scale=scale, column_sums=True)
     with cugrouped.emulation_order(order):
         got, want = run_both(xs, m_splits, form, **kw)
     assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/given={given}/align={align}/{form}")
@@ -352,16 +357,14 @@ def test_bad_out_buffer_is_rejected_before_anything_is_written():
 def test_cuda_matches_reference(split, dtype, fmt, given, align, form, order):
     import cupy
 
-    m_splits, k = SPLITS[split]
-    seed = zlib.crc32(repr((split, dtype, fmt, given)).encode())
-    xs = make_inputs(m_splits, k, dtype, seed, specials=(split == "skewed"))
-    scale = scales_for(m_splits, fmt, seed) if given else None
+    m_splits, xs, scale = case_data(split, dtype, fmt, given)
     carrier = {"bfloat16": np.uint16}.get(dtype)
     dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    splits = None
     if form == "tensor":
         dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
-    else:
-        splits = None
+    elif form == "device":   # counts in device memory, read by the kernel
+        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
     want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, align=align, scale=scale,
                                               column_sums=True)
     got = cugrouped.multi_pad_cast_transpose(
