@@ -282,6 +282,82 @@ def test_plans_from_real_operands_for_every_pass():
     assert plan.zero == () and all(c.beta == 1.0 for c in plan.calls)
 
 
+def test_vectorized_plan_equals_the_per_expert_mapping():
+    """The launch's vectorized plan (plan_arrays) makes exactly the calls plan_expert describes,
+    for every pass, FP8 and plain, with empty experts and accumulation."""
+    m_splits, k, n = [5, 0, 19, 1, 0, 33], 48, 32
+    X, W, DY = make_fp8(m_splits, k, n, seed=4)
+    rng = np.random.default_rng(0)
+    xs = [rand(rng, (m, k)).astype(ml_dtypes.bfloat16) for m in m_splits]
+    ws = [rand(rng, (n, k)).astype(ml_dtypes.bfloat16) for _ in m_splits]
+    dys = [rand(rng, (m, n)).astype(ml_dtypes.bfloat16) for m in m_splits]
+    bias = np.zeros((6, n), ml_dtypes.bfloat16)
+    for p in (gg.check_fprop(X, W, bias), gg.check_dgrad(DY, W), gg.check_wgrad(X, DY),
+              gg.check_wgrad(X, DY, accumulate=True), gg.check_fprop(xs, ws, out_dtype="float32"),
+              gg.check_dgrad(dys, ws), gg.check_wgrad(xs, dys)):
+        out = np.zeros((6, n, k), np.float32) if p.accumulate else None
+        _, blocks = gg.outputs(p, out, np)
+        want, zero, skipped = [], [], []
+        for i, (left, right, o, r) in enumerate(zip(p.left, p.right, blocks, p.reduction)):
+            if o.rows == 0 or o.cols == 0 or r == 0:
+                skipped.append(i)
+                if r == 0 and o.rows * o.cols and not p.accumulate:
+                    zero.append(i)
+                continue
+            want.append(gg.plan_expert(
+                i, left, p.left_t, right, p.right_t, o, r, beta=1.0 if p.accumulate else 0.0,
+                a_scale_ptr=p.right_scale[i] if p.right_scale is not None else 0,
+                b_scale_ptr=p.left_scale[i] if p.left_scale is not None else 0,
+                bias_ptr=p.bias[i] if p.bias is not None else 0))
+        plan = gg.plan_problem(p, blocks)
+        assert plan.calls == tuple(want), p.pass_name
+        assert (plan.zero, plan.skipped) == (tuple(zero), tuple(skipped))
+        vp = gg.plan_arrays(p, blocks)
+        assert [tuple(r) for r in vp.keys[:, 12:16].tolist()] == [c.alignments for c in want]
+
+
+def test_plan_names_the_expert_with_a_wrong_shape():
+    p = _fake_problem_fprop([4, 7], 32, 16)
+    bad = (p.left[0], gg.Block(p.left[1].ptr, 7, 48, 48, "float8_e4m3fn"))
+    p = dataclasses.replace(p, left=bad)
+    out = [gg.Block(0x100000, 4, 16, 16, "bfloat16"), gg.Block(0x100100, 7, 16, 16, "bfloat16")]
+    with pytest.raises(ValueError, match="expert 1: left operand is 7x48, expected 7x32"):
+        gg.plan_problem(p, out)
+
+
+def test_host_loop_runs_on_the_cpu_with_real_descriptors():
+    """The launch loop itself (templates, per-expert descriptors, pointer updates) with only the
+    device calls faked, as the host benchmark runs it; pointers that move are re-set."""
+    from cugrouped.bench.gemm import host_loop_state
+    from cugrouped.cublaslt import descriptors as D
+
+    st = host_loop_state()
+    seen = []
+    st.matmul = lambda *args: seen.append(args) or 0
+    X, W, _ = make_fp8([5, 0, 19, 3], 32, 16, seed=1)
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    vp = gg.plan_arrays(p, blocks)
+    with cugrouped.record_launches() as log:
+        gg._launch_plan(vp, p, blocks, st)
+    assert len(log) == len(seen) == 3
+    calls = vp.calls()
+    for args, c in zip(seen, calls):
+        assert (args[3], args[5], args[8], args[10]) == (c.a_ptr, c.b_ptr, c.d_ptr, c.d_ptr)
+        desc = D.expert_desc(vp.config, c.expert)
+        assert desc.handle.value == args[1].value
+        assert (desc.get("A_SCALE_POINTER"), desc.get("B_SCALE_POINTER")) == (c.a_scale_ptr, c.b_scale_ptr)
+    assert len(st.templates[vp.config]) == 3  # three distinct token counts, three templates
+    # the scales move: the descriptors follow
+    X2 = dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv).copy())
+    p2 = gg.check_fprop(X2, W)
+    vp2 = gg.plan_arrays(p2, blocks)
+    gg._launch_plan(vp2, p2, blocks, st)
+    for c in vp2.calls():
+        assert D.expert_desc(vp2.config, c.expert).get("B_SCALE_POINTER") == c.b_scale_ptr
+    D.clear_caches()
+
+
 def test_plain_layouts_are_natural():
     """Without FP8 no TN rule: dgrad is NN on W (n, k), wgrad NT on x, dy (m, ·); no padding."""
     rng = np.random.default_rng(0)

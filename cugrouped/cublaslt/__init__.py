@@ -5,10 +5,11 @@ header values used, ``descriptors`` wraps the opaque objects and caches them. Ev
 :class:`Handle` (and the heuristic query and the matmul, which need one) works without a GPU.
 """
 
-from ._lib import CublasLtError, HeuristicResult, MatmulAlgo, cudart_version, lib, library_path, version
+from ._lib import (CublasLtError, HeuristicResult, MatmulAlgo, check, cudart_version, lib,
+                   library_path, version)
 from .descriptors import (GemmConfig, Handle, MatmulDesc, MatmulPreference, MatrixLayout,
                           clear_caches, matmul_desc, matrix_layout, preference)
 
-__all__ = ["CublasLtError", "HeuristicResult", "MatmulAlgo", "lib", "library_path", "version",
+__all__ = ["check", "CublasLtError", "HeuristicResult", "MatmulAlgo", "lib", "library_path", "version",
            "cudart_version", "GemmConfig", "Handle", "MatmulDesc", "MatmulPreference",
            "MatrixLayout", "matmul_desc", "matrix_layout", "preference", "clear_caches"]

@@ -23,7 +23,8 @@ from ._lib import CublasLtError, check, lib
 
 __all__ = ["MatmulDesc", "MatrixLayout", "MatmulPreference", "Handle", "GemmConfig",
            "MATMUL_DESC_ATTRS", "MATRIX_LAYOUT_ATTRS", "PREFERENCE_ATTRS", "matmul_desc",
-           "matrix_layout", "preference", "clear_caches", "LAYOUT_CACHE_SIZE"]
+           "matrix_layout", "preference", "clear_caches", "LAYOUT_CACHE_SIZE", "expert_desc",
+           "expert_descs"]
 
 _u8p = ctypes.c_uint64  # a pointer-valued attribute (void*, 8 bytes on every supported platform)
 
@@ -116,12 +117,32 @@ class _Descriptor:
 
 
 class MatmulDesc(_Descriptor):
-    """``cublasLtMatmulDesc_t`` with a compute type and a scale (alpha/beta) type."""
+    """``cublasLtMatmulDesc_t`` with a compute type and a scale (alpha/beta) type.
+
+    :meth:`set_pointers` is the per-call fast path for the A/B scale and bias pointers of a
+    descriptor made by :func:`expert_desc`; ``ptrs`` holds the values last set (a call compares
+    and skips when nothing changed).
+    """
 
     _kind, _attrs = "MatmulDesc", MATMUL_DESC_ATTRS
 
     def __init__(self, compute_type: int = E.CUBLAS_COMPUTE_32F, scale_type: int = E.CUDA_R_32F):
         super().__init__((compute_type, scale_type))
+        self.ptrs = [None, None, None]  # A scale, B scale, bias last set through set_pointers
+        self._pointer_attrs: tuple = ()
+        self._buf = _u8p()
+        self._ref = ctypes.byref(self._buf)
+
+    def set_pointers(self, a_scale: int, b_scale: int, bias: int) -> None:
+        """Set the pointer attributes this descriptor's config uses (see :func:`expert_desc`)."""
+        vals = (a_scale, b_scale, bias)
+        for slot, attr in self._pointer_attrs:
+            self._buf.value = vals[slot]
+            status = self._setter(self.handle, attr, self._ref, 8)
+            if status:
+                check(status, "cublasLtMatmulDescSetAttribute",
+                      f"pointer attribute {attr} = {vals[slot]:#x}")
+        self.ptrs = list(vals)
 
 
 class MatrixLayout(_Descriptor):
@@ -208,6 +229,7 @@ LAYOUT_CACHE_SIZE = 4096
 class _Caches(threading.local):
     def __init__(self):
         self.descs: dict[GemmConfig, MatmulDesc] = {}
+        self.expert_descs: dict[GemmConfig, list] = {}
         self.layouts: collections.OrderedDict = collections.OrderedDict()
         self.prefs: dict[tuple, MatmulPreference] = {}
 
@@ -219,11 +241,37 @@ def matmul_desc(config: GemmConfig) -> MatmulDesc:
     """The cached descriptor of ``config`` (fp32 compute and fp32 alpha/beta)."""
     desc = _caches.descs.get(config)
     if desc is None:
-        desc = MatmulDesc(E.CUBLAS_COMPUTE_32F, E.CUDA_R_32F)
-        for name, value in config.attributes().items():
-            desc.set(name, value)
-        _caches.descs[config] = desc
+        desc = _caches.descs[config] = _new_desc(config)
     return desc
+
+
+def _new_desc(config: GemmConfig) -> MatmulDesc:
+    desc = MatmulDesc(E.CUBLAS_COMPUTE_32F, E.CUDA_R_32F)
+    for name, value in config.attributes().items():
+        desc.set(name, value)
+    attrs = []
+    if config.scaled:
+        attrs += [(0, E.CUBLASLT_MATMUL_DESC_A_SCALE_POINTER), (1, E.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER)]
+    if config.bias_type is not None:
+        attrs.append((2, E.CUBLASLT_MATMUL_DESC_BIAS_POINTER))
+    desc._pointer_attrs = tuple(attrs)
+    return desc
+
+
+def expert_descs(config: GemmConfig, count: int) -> list:
+    """This thread's per-expert-slot descriptors of ``config`` (at least ``count`` of them): each
+    keeps its own scale/bias pointers, so a step whose pointers did not move sets nothing."""
+    lst = _caches.expert_descs.get(config)
+    if lst is None:
+        lst = _caches.expert_descs[config] = []
+    while len(lst) < count:
+        lst.append(_new_desc(config))
+    return lst
+
+
+def expert_desc(config: GemmConfig, expert: int) -> MatmulDesc:
+    """The descriptor of expert slot ``expert`` (see :func:`expert_descs`)."""
+    return expert_descs(config, expert + 1)[expert]
 
 
 def matrix_layout(data_type: int, rows: int, cols: int, ld: int) -> MatrixLayout:
@@ -256,8 +304,11 @@ def preference(workspace_bytes: int, align_a: int, align_b: int, align_c: int,
 
 def clear_caches() -> None:
     """Destroy every cached descriptor of this thread."""
-    for d in list(_caches.descs.values()) + list(_caches.layouts.values()) + list(_caches.prefs.values()):
+    slots = [d for lst in _caches.expert_descs.values() for d in lst]
+    for d in (list(_caches.descs.values()) + slots + list(_caches.layouts.values())
+              + list(_caches.prefs.values())):
         d.close()
     _caches.descs.clear()
+    _caches.expert_descs.clear()
     _caches.layouts.clear()
     _caches.prefs.clear()

@@ -76,10 +76,75 @@ class Block:
         return _ITEMSIZE[self.dtype]
 
 
+class Blocks(Sequence):
+    """The per-expert blocks of one operand (or output) as int64 arrays: what the hot path plans
+    with, vectorized over experts. Indexing gives a :class:`Block`; a tuple of blocks converts with
+    :func:`as_blocks`."""
+
+    __slots__ = ("ptr", "rows", "cols", "ld", "dtype")
+
+    def __init__(self, ptr, rows, cols, ld, dtype: str):
+        self.ptr = np.asarray(ptr, dtype=np.int64).reshape(-1)
+        n = self.ptr.shape[0]
+        self.rows, self.cols, self.ld = (v if type(v) is np.ndarray and v.dtype == np.int64
+                                         else np.full(n, v, np.int64) if isinstance(v, (int, np.integer))
+                                         else np.asarray(v, dtype=np.int64).reshape(-1)
+                                         for v in (rows, cols, ld))
+        self.dtype = dtype
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    def __len__(self) -> int:
+        return self.ptr.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return Block(int(self.ptr[i]), int(self.rows[i]), int(self.cols[i]), int(self.ld[i]),
+                     self.dtype)
+
+    def __iter__(self):
+        for p, r, c, l in zip(self.ptr.tolist(), self.rows.tolist(), self.cols.tolist(),
+                              self.ld.tolist()):
+            yield Block(p, r, c, l, self.dtype)
+
+    def __eq__(self, other):
+        return tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Blocks({list(self)!r})"
+
+    def replace(self, **kw) -> "Blocks":
+        f = {k: getattr(self, k) for k in self.__slots__}
+        f.update(kw)
+        return Blocks(**f)
+
+
+def as_blocks(blocks) -> Blocks:
+    """``blocks`` as a :class:`Blocks` (a sequence of :class:`Block` of one dtype is converted)."""
+    if isinstance(blocks, Blocks):
+        return blocks
+    blocks = tuple(blocks)
+    if not blocks:
+        return Blocks(np.zeros(0, np.int64), 0, 0, 1, "float32")
+    cols = np.array([(b.ptr, b.rows, b.cols, b.ld) for b in blocks], dtype=np.int64)
+    return Blocks(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], blocks[0].dtype)
+
+
 def pointer_alignment(ptr: int, cap: int = 256) -> int:
     """Largest power of two (at most ``cap``, cuBLASLt's default assumption) dividing ``ptr``."""
     ptr = int(ptr)
     return cap if ptr == 0 else min(ptr & -ptr, cap)
+
+
+def pointer_alignments(ptrs, cap: int = 256) -> np.ndarray:
+    """:func:`pointer_alignment` of every pointer of an int64 array."""
+    p = np.asarray(ptrs, dtype=np.int64)
+    return np.where(p == 0, cap, np.minimum(p & -p, cap))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,48 +261,101 @@ def gemm_config(problem: Problem, transa: int, transb: int):
         fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class VecPlan:
+    """:func:`plan_problem` vectorized over the non-empty experts: what the launch iterates over.
+
+    ``keys`` is ``(calls, 17)`` int64: A layout, B layout, D layout (each ``(cudaDataType, rows,
+    cols, ld)``), the A, B, C, D pointer alignments and the bias pointer's (0 without bias); a
+    row is the shape signature that selects the cached layouts and algorithm. ``ptrs`` is
+    ``(calls, 7)``: expert, A, B, D, A scale, B scale and bias pointers. ``mnk`` is ``(calls, 3)``.
+    """
+
+    config: Any
+    keys: np.ndarray
+    ptrs: np.ndarray
+    mnk: np.ndarray
+    beta: float
+    zero: tuple[int, ...]
+    skipped: tuple[int, ...]
+
+    @property
+    def experts(self) -> np.ndarray:
+        return self.ptrs[:, 0]
+
+    def calls(self) -> tuple[ExpertGemm, ...]:
+        t = self.config.transa, self.config.transb
+        return tuple(ExpertGemm(e, *t, m, n, k, a, tuple(key[0:4]), b, tuple(key[4:8]), d,
+                                tuple(key[8:12]), self.beta, sa, sb, bias)
+                     for key, (e, a, b, d, sa, sb, bias), (m, n, k)
+                     in zip(self.keys.tolist(), self.ptrs.tolist(), self.mnk.tolist()))
+
+
+def plan_arrays(problem: Problem, out) -> VecPlan:
+    """The per-expert cuBLASLt calls of ``problem`` writing ``out``, vectorized over experts with
+    exactly :func:`plan_expert`'s mapping (a test checks that the two agree): cuBLAS's A is the
+    right operand, B the left one, ``D = Yᵀ`` is ``(q, p)``. Experts with nothing to compute are
+    skipped (``m_i == 0`` in fprop/dgrad: an empty output; an empty reduction in wgrad: zeroed, or
+    left untouched when accumulating)."""
+    L, R, O = as_blocks(problem.left), as_blocks(problem.right), as_blocks(out)
+    r = np.asarray(problem.reduction, dtype=np.int64)
+    p, q = O.rows, O.cols
+    lt, rt = problem.left_t, problem.right_t
+    lr, lc = (r, p) if lt else (p, r)
+    rr, rc = (q, r) if rt else (r, q)
+    empty = (p == 0) | (q == 0) | (r == 0)
+    bad = ~empty & ((L.rows != lr) | (L.cols != lc) | (R.rows != rr) | (R.cols != rc))
+    if bad.any():
+        i = int(np.nonzero(bad)[0][0])
+        name, blk, want = (("left", L, (lr, lc)) if (L.rows[i], L.cols[i]) != (lr[i], lc[i])
+                           else ("right", R, (rr, rc)))
+        raise ValueError(f"expert {i}: {name} operand is {int(blk.rows[i])}x{int(blk.cols[i])}, "
+                         f"expected {int(want[0][i])}x{int(want[1][i])}")
+    num = r.shape[0]
+    ct = E.DTYPE_TO_CUDA
+    K = np.empty((num, 17), np.int64)
+    K[:, 0], K[:, 3] = ct[R.dtype], R.ld
+    K[:, 1], K[:, 2] = (r, q) if rt else (q, r)
+    K[:, 4], K[:, 7] = ct[L.dtype], L.ld
+    K[:, 5], K[:, 6] = (p, r) if lt else (r, p)
+    K[:, 8], K[:, 9], K[:, 10], K[:, 11] = ct[O.dtype], q, p, O.ld
+    P = np.zeros((num, 7), np.int64)
+    P[:, 0], P[:, 1], P[:, 2], P[:, 3] = np.arange(num), R.ptr, L.ptr, O.ptr
+    if problem.right_scale is not None:
+        P[:, 4] = problem.right_scale
+    if problem.left_scale is not None:
+        P[:, 5] = problem.left_scale
+    if problem.bias is not None:
+        P[:, 6] = problem.bias
+    al = pointer_alignments(P[:, 1:7])
+    K[:, 12], K[:, 13], K[:, 14], K[:, 15] = al[:, 0], al[:, 1], al[:, 2], al[:, 2]
+    K[:, 16] = al[:, 5] if problem.bias is not None else 0
+    mnk = np.stack([q, p, r], axis=1)
+    skipped = np.nonzero(empty)[0]
+    if skipped.shape[0]:
+        keep = ~empty
+        K, P, mnk = K[keep], P[keep], mnk[keep]
+        zero = () if problem.accumulate else tuple(
+            np.nonzero((r == 0) & (p * q > 0))[0].tolist())
+    else:
+        zero = ()
+    transa = E.CUBLAS_OP_T if rt else E.CUBLAS_OP_N
+    transb = E.CUBLAS_OP_T if lt else E.CUBLAS_OP_N
+    return VecPlan(gemm_config(problem, transa, transb), K, P, mnk,
+                   1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()))
+
+
 def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
-    """Per-expert calls for ``problem`` writing ``out``; experts with nothing to compute are
-    skipped (``m_i == 0`` in fprop/dgrad: an empty output; an empty reduction in wgrad: zeroed,
-    or left untouched when accumulating)."""
-    calls, zero, skipped = [], [], []
-    beta = 1.0 if problem.accumulate else 0.0
-    for i, (left, right, o, r) in enumerate(zip(problem.left, problem.right, out, problem.reduction)):
-        if o.rows == 0 or o.cols == 0 or r == 0:
-            skipped.append(i)
-            if r == 0 and o.rows * o.cols > 0 and not problem.accumulate:
-                zero.append(i)
-            continue
-        calls.append(plan_expert(
-            i, left, problem.left_t, right, problem.right_t, o, r, beta=beta,
-            a_scale_ptr=problem.right_scale[i] if problem.right_scale else 0,
-            b_scale_ptr=problem.left_scale[i] if problem.left_scale else 0,
-            bias_ptr=problem.bias[i] if problem.bias is not None else 0))
-    transa = E.CUBLAS_OP_T if problem.right_t else E.CUBLAS_OP_N
-    transb = E.CUBLAS_OP_T if problem.left_t else E.CUBLAS_OP_N
-    return GemmPlan(gemm_config(problem, transa, transb), tuple(calls), tuple(zero), tuple(skipped))
+    """Per-expert calls for ``problem`` writing ``out`` (:func:`plan_arrays` as one
+    :class:`ExpertGemm` per non-empty expert)."""
+    vp = plan_arrays(problem, out)
+    return GemmPlan(vp.config, vp.calls(), vp.zero, vp.skipped)
 
 
 def workspace_bytes_for(compute_capability: int) -> int:
     """cuBLASLt workspace per stream: 32 MiB on Hopper and newer (what its FP8 kernels want, as in
     TransformerEngine), 4 MiB before."""
     return (32 << 20) if compute_capability >= 90 else (4 << 20)
-
-
-def build_descriptors(config, call: ExpertGemm, workspace_bytes: int):
-    """Descriptors for one call, from the caches, with the per-call pointers set: returns
-    ``(desc, a_layout, b_layout, d_layout, preference)``. Needs no GPU."""
-    desc = _D.matmul_desc(config)
-    if config.scaled:
-        desc.set("A_SCALE_POINTER", call.a_scale_ptr)
-        desc.set("B_SCALE_POINTER", call.b_scale_ptr)
-    if config.bias_type is not None:
-        desc.set("BIAS_POINTER", call.bias_ptr)
-    la = _D.matrix_layout(*call.a_layout)
-    lb = _D.matrix_layout(*call.b_layout)
-    ld = _D.matrix_layout(*call.d_layout)
-    pref = _D.preference(workspace_bytes, *call.alignments)
-    return desc, la, lb, ld, pref
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,22 +406,22 @@ def _fp8_operand(g: GroupedFP8, copy: str, arg: str, need: str) -> _Operand:
     on_device, device, kind = _where([dv, sv], arg)
     k = g.k
     dtype = _FP8_DTYPE[g.fp8_format]
-    blocks = []
     if copy == "rowwise":
-        rows = sum(g.m_splits)
+        m = np.asarray(g.m_splits, dtype=np.int64)
+        rows = int(m.sum())
         if dv.shape != (rows, k) or (rows > 1 and dv.strides != (k, 1)):
             raise ValueError(f"{arg}.data: expected a contiguous ({rows}, {k}) array, got shape "
                              f"{dv.shape} strides {dv.strides}")
-        for m, off in zip(g.m_splits, g.row_offsets()):
-            blocks.append(Block(dv.ptr + int(off) * k, m, k, k, dtype))
+        blocks = Blocks(dv.ptr + (np.cumsum(m) - m) * k, m, k, k, dtype)
     else:
-        total = int(g.col_offsets()[-1])
+        mp = np.asarray(g.m_pad_splits, dtype=np.int64)
+        ends = np.cumsum(mp) * k
+        total = int(ends[-1]) if E_ else 0
         if dv.size != total or (total > 1 and dv.strides[-1] != 1):
             raise ValueError(f"{arg}.data_t: expected {total} contiguous bytes, got shape {dv.shape}")
-        for mp, off in zip(g.m_pad_splits, g.col_offsets()):
-            blocks.append(Block(dv.ptr + int(off), k, mp, mp, dtype))
-    scales = tuple(sv.ptr + 4 * i for i in range(E_))
-    return _Operand(tuple(blocks), dtype, scales, g.fp8_format, on_device, device, kind,
+        blocks = Blocks(dv.ptr + ends - mp * k, k, mp, mp, dtype)
+    scales = sv.ptr + 4 * np.arange(E_, dtype=np.int64)
+    return _Operand(blocks, dtype, scales, g.fp8_format, on_device, device, kind,
                     tuple(g.m_splits))
 
 
@@ -342,9 +460,10 @@ def _plain_operand(x: Any, arg: str, expect_3d: bool = False) -> _Operand:
             raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
                              f"strides {v.strides} (elements) for shape {v.shape}")
         ld = v.strides[0] if rows > 1 else cols
-        blocks.append(Block(v.ptr, rows, cols, max(ld, 1), dtype))
-    return _Operand(tuple(blocks), dtype, None, None, on_device, device, kind,
-                    tuple(b.rows for b in blocks))
+        blocks.append((v.ptr, rows, cols, max(ld, 1)))
+    b = np.array(blocks, dtype=np.int64).reshape(-1, 4)
+    return _Operand(Blocks(b[:, 0], b[:, 1], b[:, 2], b[:, 3], dtype), dtype, None, None,
+                    on_device, device, kind, tuple(b[:, 1].tolist()))
 
 
 def _operand(x: Any, arg: str, copy: str, need: str, expect_3d: bool = False) -> _Operand:
@@ -383,11 +502,13 @@ def _check_fp8_dim(value: int, name: str) -> None:
         raise ValueError(f"{name}: FP8 GEMMs need a multiple of {FP8_MULTIPLE}, got {value}")
 
 
-def _uniform(blocks: Sequence[Block], attr: str, arg: str, what: str) -> int:
-    vals = {getattr(b, attr) for b in blocks}
-    if len(vals) != 1:
-        raise ValueError(f"{arg}: every expert must have the same {what}, got {sorted(vals)}")
-    return vals.pop()
+def _uniform(blocks: Blocks, attr: str, arg: str, what: str) -> int:
+    vals = getattr(blocks, attr)
+    lo, hi = int(vals.min()), int(vals.max())
+    if lo != hi:
+        raise ValueError(f"{arg}: every expert must have the same {what}, got "
+                         f"{np.unique(vals).tolist()}")
+    return lo
 
 
 def _tagged_view(a, dtype: str, arg: str) -> ArrayView:
@@ -460,7 +581,7 @@ def check_dgrad(dy, w, *, out_dtype="bfloat16", fast_accum=False) -> Problem:
             raise ValueError(f"w: every expert must have the same n (rows), got {sorted(w_n)}")
         wn = w_n.pop()
         k = wo.blocks[0].rows
-        right = tuple(dataclasses.replace(b, cols=wn) for b in wo.blocks)
+        right = wo.blocks.replace(cols=wn)
     else:
         wn = _uniform(wo.blocks, "rows", "w", "n (rows)")
         k = _uniform(wo.blocks, "cols", "w", "k (columns)")
@@ -487,10 +608,10 @@ def check_wgrad(x, dy, *, out_dtype="float32", fast_accum=False, accumulate=Fals
         raise ValueError(f"x, dy: token counts per expert differ: {xo.m_splits} vs {dyo.m_splits}")
     if xo.fmt:
         k, n = xo.blocks[0].rows, dyo.blocks[0].rows
-        pads = tuple(b.cols for b in xo.blocks)
-        if pads != tuple(b.cols for b in dyo.blocks):
+        pads = tuple(xo.blocks.cols.tolist())
+        if pads != tuple(dyo.blocks.cols.tolist()):
             raise ValueError(f"x, dy: padded token counts differ ({pads} vs "
-                             f"{tuple(b.cols for b in dyo.blocks)}): cast both with the same align")
+                             f"{tuple(dyo.blocks.cols.tolist())}): cast both with the same align")
         for i, mp in enumerate(pads):
             if mp % FP8_MULTIPLE:
                 raise ValueError(f"x, dy: FP8 wgrad reduces over the padded token count, which must "
@@ -547,13 +668,10 @@ def _out_rows(out, rows: int, cols: int, out_dtype: str, place, xp) -> tuple[Any
     return out, v
 
 
-def _row_blocks(v: ArrayView, m_splits: Sequence[int], dtype: str) -> tuple[Block, ...]:
+def _row_blocks(v: ArrayView, m_splits, dtype: str) -> Blocks:
     ld = v.strides[0] if v.shape[0] > 1 else v.shape[1]
-    blocks, row = [], 0
-    for m in m_splits:
-        blocks.append(Block(v.ptr + row * ld * v.itemsize, m, v.shape[1], max(ld, 1), dtype))
-        row += m
-    return tuple(blocks)
+    m = np.asarray(m_splits, dtype=np.int64)
+    return Blocks(v.ptr + (np.cumsum(m) - m) * ld * v.itemsize, m, v.shape[1], max(ld, 1), dtype)
 
 
 def _wgrad_out(out, num: int, n: int, k: int, out_dtype: str, place, xp, accumulate):
@@ -588,20 +706,31 @@ def _wgrad_out(out, num: int, n: int, k: int, out_dtype: str, place, xp, accumul
             raise ValueError(f"{name}: must be a {place[2]} array on the operands' device "
                              f"({place[1]}), got {v.kind}@{v.device}")
         blocks.append(Block(v.ptr, n, k, v.strides[0] if n > 1 else k, out_dtype))
-    return out, tuple(blocks)
+    return out, as_blocks(blocks)
 
 
-def check_alignment(problem: Problem, out: Sequence[Block]) -> None:
+def check_alignment(problem: Problem, out) -> None:
     """FP8 operands and outputs must be 16-byte aligned; plain ones aligned to their element."""
-    for i, (left, right, o) in enumerate(zip(problem.left, problem.right, out)):
-        for name, b in (("left operand", left), ("right operand", right), ("out", o)):
-            need = FP8_MULTIPLE if problem.fp8 else b.itemsize
-            if b.rows and b.cols and pointer_alignment(b.ptr) < need:
-                raise ValueError(f"{name} of expert {i}: address {b.ptr:#x} is not {need}-byte "
-                                 f"aligned (cuBLASLt {'FP8 ' if problem.fp8 else ''}GEMMs need it)")
-            if problem.fp8 and b.rows > 1 and (b.ld * b.itemsize) % FP8_MULTIPLE:
-                raise ValueError(f"{name} of expert {i}: row stride {b.ld * b.itemsize} bytes is "
-                                 f"not a multiple of {FP8_MULTIPLE} (FP8 GEMMs need it)")
+    bad = []  # (expert, order, message) of the first failure of each operand
+    for order, (name, b) in enumerate((("left operand", as_blocks(problem.left)),
+                                       ("right operand", as_blocks(problem.right)),
+                                       ("out", as_blocks(out)))):
+        need = FP8_MULTIPLE if problem.fp8 else b.itemsize
+        nonempty = (b.rows > 0) & (b.cols > 0)
+        mis = np.nonzero(nonempty & (pointer_alignments(b.ptr) < need))[0]
+        if mis.size:
+            i = int(mis[0])
+            bad.append((i, 2 * order, f"{name} of expert {i}: address {int(b.ptr[i]):#x} is not "
+                        f"{need}-byte aligned (cuBLASLt {'FP8 ' if problem.fp8 else ''}GEMMs need it)"))
+        if problem.fp8:
+            st = np.nonzero((b.rows > 1) & ((b.ld * b.itemsize) % FP8_MULTIPLE != 0))[0]
+            if st.size:
+                i = int(st[0])
+                bad.append((i, 2 * order + 1, f"{name} of expert {i}: row stride "
+                            f"{int(b.ld[i]) * b.itemsize} bytes is not a multiple of "
+                            f"{FP8_MULTIPLE} (FP8 GEMMs need it)"))
+    if bad:  # the error the per-expert scan in expert order would meet first
+        raise ValueError(min(bad)[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,8 +809,7 @@ def _run(pass_name: str, problem: Problem, out, backend, args, kwargs):
     with cupy.cuda.Device(problem.place[1]):
         out, blocks = outputs(problem, out, cupy)
         check_alignment(problem, blocks)
-        plan = plan_problem(problem, blocks)
-        _launch_plan(plan, problem, blocks, problem.place[1])
+        _launch_plan(plan_arrays(problem, blocks), problem, blocks, _state(problem.place[1]))
     return out
 
 
@@ -694,7 +822,7 @@ def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:
         n = problem.left[0].rows if problem.fp8 else problem.left[0].cols
         k = problem.right[0].rows if problem.fp8 else problem.right[0].cols
         return _wgrad_out(out, num, n, k, out_dtype, place, xp, problem.accumulate)
-    m_splits = tuple(b.rows for b in problem.left)
+    m_splits = as_blocks(problem.left).rows
     cols = problem.right[0].rows if problem.right_t else problem.right[0].cols
     out, v = _out_rows(out, sum(m_splits), cols, out_dtype, place, xp)
     return out, _row_blocks(v, m_splits, out_dtype)
@@ -702,113 +830,200 @@ def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:
 
 # ---------------------------------------------------------------------------------------------
 # The launch (CUDA only).
+#
+# Host cost per expert is what limits small-expert MoE layers, so the loop does as little as it
+# can: the plan is vectorized (NumPy, above); each distinct per-expert shape (its layouts, pointer
+# alignments and bias alignment) maps to a cached template holding its three layouts and its
+# heuristic result; every expert slot owns a matmul descriptor whose scale/bias pointers are set
+# only when they change; events, workspaces and the ctypes scalars are made once per device. What
+# is left per expert is a list lookup, a dict lookup and the ``cublasLtMatmul`` call.
+# ``_DeviceState`` takes the device calls as arguments, so the CPU benchmark
+# (:func:`cugrouped.bench.gemm.bench_host_loop`) runs this very loop with fakes for them.
+
+HEURISTIC_CACHE_SIZE = 1 << 14
+
 
 class _DeviceState:
-    """One cuBLASLt handle per device, side streams, a workspace per stream, heuristic results."""
+    """Per device: the cuBLASLt handle, side streams with a workspace each, reusable events, the
+    shape templates, and the device calls (``heuristic``, ``matmul``, ``memset``, stream/event
+    functions), injectable so that the host loop can be timed without a GPU."""
 
-    def __init__(self, device: int):
-        import cupy
-
-        from ..cublaslt import Handle
-
+    def __init__(self, device: int, compute_capability: int, handle, streams, workspace_ptrs,
+                 current_stream, make_event, heuristic, matmul, memset):
         self.device = device
-        dev = cupy.cuda.Device(device)
-        cc = int(dev.compute_capability)
-        self.compute_capability = cc
-        self.workspace_bytes = workspace_bytes_for(cc)
-        self.handle = Handle()
-        self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(NUM_STREAMS)]
-        self.workspaces: dict[int, Any] = {}
-        self.algos: dict[tuple, Any] = {}
+        self.compute_capability = int(compute_capability)
+        self.workspace_bytes = workspace_bytes_for(self.compute_capability)
+        self.handle = handle                      # ctypes.c_void_p (or an object ctypes accepts)
+        self.streams = list(streams)              # objects with .ptr and .wait_event(event)
+        self.stream_ptrs = [s.ptr for s in self.streams]
+        self.ws_ptrs = list(workspace_ptrs)       # one workspace per side stream
+        self.current_stream = current_stream
+        self.fork_event = make_event()
+        self.done_events = [make_event() for _ in self.streams]
+        self.make_event = make_event
+        self.caller_ws: dict[int, int] = {}
+        self.heuristic = heuristic
+        self.matmul = matmul
+        self.memset = memset
+        self.templates: dict[Any, dict] = {}
+        self.alpha = ctypes.c_float(1.0)
+        self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
+        self.grouped = None                       # grouped-GEMM state, made on first use
 
-    def workspace(self, stream_ptr: int):
+    @classmethod
+    def for_device(cls, device: int) -> "_DeviceState":
         import cupy
 
-        ws = self.workspaces.get(stream_ptr)
+        from ..cublaslt import Handle, lib
+
+        cc = int(cupy.cuda.Device(device).compute_capability)
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(NUM_STREAMS)]
+        nbytes = workspace_bytes_for(cc)
+        keep = [cupy.empty(nbytes, dtype=np.uint8) for _ in streams]
+        handle = Handle()
+        st = cls(device, cc, handle.handle, streams, [w.data.ptr for w in keep],
+                 cupy.cuda.get_current_stream, lambda: cupy.cuda.Event(disable_timing=True),
+                 _real_heuristic(handle), lib().cublasLtMatmul,
+                 lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream))
+        st._keep = (handle, keep)  # owners of the handle and workspaces
+        return st
+
+    def caller_workspace(self, stream_ptr: int) -> int:
+        """A workspace for a call made on the caller's own stream (a single expert)."""
+        ws = self.caller_ws.get(stream_ptr)
         if ws is None:
-            ws = self.workspaces[stream_ptr] = cupy.empty(self.workspace_bytes, dtype=np.uint8)
+            import cupy
+
+            buf = cupy.empty(self.workspace_bytes, dtype=np.uint8)
+            self._keep = self._keep + (buf,)
+            ws = self.caller_ws[stream_ptr] = buf.data.ptr
         return ws
 
 
+def _real_heuristic(handle):
+    from ..cublaslt import CublasLtError, HeuristicResult, lib
+
+    get = lib().cublasLtMatmulAlgoGetHeuristic
+
+    def heuristic(desc, la, lb, ld, pref, what: str):
+        res, count = HeuristicResult(), ctypes.c_int(0)
+        status = get(handle.handle, desc.handle, la.handle, lb.handle, ld.handle, ld.handle,
+                     pref.handle, 1, ctypes.byref(res), ctypes.byref(count))
+        if status != 0 or count.value == 0:
+            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic",
+                                status or E.CUBLAS_STATUS_NOT_SUPPORTED, f"no algorithm for {what}")
+        return res
+
+    return heuristic
+
+
 _states: dict[int, _DeviceState] = {}
-HEURISTIC_CACHE_SIZE = 1 << 16
 
 
 def _state(device: int) -> _DeviceState:
     st = _states.get(device)
     if st is None:
-        st = _states[device] = _DeviceState(device)
+        st = _states[device] = _DeviceState.for_device(device)
     return st
 
 
-def _algo(st: _DeviceState, config, call: ExpertGemm, descs):
-    from ..cublaslt import CublasLtError, HeuristicResult, lib
+class _Template:
+    """What every expert with one shape signature shares: three layouts and the algorithm."""
 
-    key = (config, call.a_layout, call.b_layout, call.d_layout, call.alignments,
-           pointer_alignment(call.bias_ptr) if config.bias_type is not None else 0)
-    res = st.algos.get(key)
-    if res is None:
-        desc, la, lb, ld, pref = descs
-        res, count = HeuristicResult(), ctypes.c_int(0)
-        status = lib().cublasLtMatmulAlgoGetHeuristic(
-            st.handle.handle, desc.handle, la.handle, lb.handle, ld.handle, ld.handle, pref.handle,
-            1, ctypes.byref(res), ctypes.byref(count))
-        if status != 0 or count.value == 0:
-            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", status or E.CUBLAS_STATUS_NOT_SUPPORTED,
-                                f"no algorithm for {config} with A{call.a_layout} B{call.b_layout} "
-                                f"D{call.d_layout} alignments {call.alignments}")
-        if len(st.algos) >= HEURISTIC_CACHE_SIZE:
-            st.algos.clear()
-        st.algos[key] = res
-    return res
+    __slots__ = ("layouts", "pref", "result", "la", "lb", "ld", "algo")
+
+    def __init__(self, layouts, pref, result):
+        self.layouts, self.pref, self.result = layouts, pref, result  # owners
+        self.la, self.lb, self.ld = (lay.handle for lay in layouts)
+        self.algo = ctypes.byref(result.algo)
 
 
-def _launch_plan(plan: GemmPlan, problem: Problem, out: Sequence[Block], device: int) -> None:
-    import cupy
+def _template(st: _DeviceState, config, key: tuple, desc) -> _Template:
+    """Build the template of one shape signature ``key`` = A layout (4), B layout (4), D layout
+    (4), alignments (4), bias alignment: the same descriptors :func:`build_descriptors` makes."""
+    layouts = tuple(_D.MatrixLayout(*key[i:i + 4]) for i in (0, 4, 8))
+    pref = _D.preference(st.workspace_bytes, *key[12:16])
+    what = f"{config} with A{key[0:4]} B{key[4:8]} D{key[8:12]} alignments {key[12:16]}"
+    return _Template(layouts, pref, st.heuristic(desc, *layouts, pref, what))
 
-    from ..cublaslt import check, lib
 
-    caller = cupy.cuda.get_current_stream()
-    for i in plan.zero:  # empty reduction, not accumulating: dW_i = 0
-        o = out[i]
-        nbytes = ((o.rows - 1) * o.ld + o.cols) * o.itemsize
-        if o.ld == o.cols:
-            cupy.cuda.runtime.memsetAsync(o.ptr, 0, nbytes, caller.ptr)
+def build_descriptors(config, call: ExpertGemm, workspace_bytes: int):
+    """Descriptors for one call with its pointers set, as the launch makes them: the expert slot's
+    matmul descriptor (:func:`~cugrouped.cublaslt.descriptors.expert_desc`), the layouts and the
+    preference. Returns ``(desc, a_layout, b_layout, d_layout, preference)``. Needs no GPU."""
+    desc = _D.expert_desc(config, call.expert)
+    desc.set_pointers(call.a_scale_ptr, call.b_scale_ptr, call.bias_ptr)
+    la = _D.matrix_layout(*call.a_layout)
+    lb = _D.matrix_layout(*call.b_layout)
+    ld = _D.matrix_layout(*call.d_layout)
+    pref = _D.preference(workspace_bytes, *call.alignments)
+    return desc, la, lb, ld, pref
+
+
+def _zero_outputs(st: _DeviceState, vp: VecPlan, out, caller_ptr: int) -> None:
+    o = as_blocks(out)
+    for i in vp.zero:  # empty reduction, not accumulating: dW_i = 0
+        rows, cols, ld, ptr, isz = int(o.rows[i]), int(o.cols[i]), int(o.ld[i]), int(o.ptr[i]), o.itemsize
+        if ld == cols:
+            st.memset(ptr, ((rows - 1) * ld + cols) * isz, caller_ptr)
         else:
-            for r in range(o.rows):
-                cupy.cuda.runtime.memsetAsync(o.ptr + r * o.ld * o.itemsize, 0,
-                                              o.cols * o.itemsize, caller.ptr)
-    if not plan.calls:
+            for r in range(rows):
+                st.memset(ptr + r * ld * isz, cols * isz, caller_ptr)
+
+
+def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
+    """The per-expert ``cublasLtMatmul`` loop over the side streams (forked from and joined back to
+    the caller's stream)."""
+    ncalls = vp.experts.shape[0]
+    if ncalls == 0:
         return
-    st = _state(device)
-    if problem.fp8 and st.compute_capability < 89:
+    if fp8 and st.compute_capability < 89:
         raise RuntimeError(f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); device "
-                           f"{device} is sm_{st.compute_capability}")
-    streams = st.streams if len(plan.calls) > 1 else [caller]
-    if len(streams) > 1:
-        fork = cupy.cuda.Event(disable_timing=True)
-        fork.record(caller)
-        for s in streams:
-            s.wait_event(fork)
-    matmul = lib().cublasLtMatmul
-    alpha = ctypes.c_float(1.0)
-    betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
-    used = set()
-    for j, call in enumerate(plan.calls):
-        s = streams[j % len(streams)]
-        used.add(j % len(streams))
-        descs = build_descriptors(plan.config, call, st.workspace_bytes)
-        res = _algo(st, plan.config, call, descs)
-        desc, la, lb, ld, _ = descs
-        ws = st.workspace(s.ptr)
-        _launch.note_launch("cuda", "cublasLtMatmul", 1, 1)
-        check(matmul(st.handle.handle, desc.handle, ctypes.byref(alpha), call.a_ptr, la.handle,
-                     call.b_ptr, lb.handle, ctypes.byref(betas[call.beta]), call.d_ptr, ld.handle,
-                     call.d_ptr, ld.handle, ctypes.byref(res.algo), ws.data.ptr,
-                     st.workspace_bytes, s.ptr),
-              "cublasLtMatmul", f"expert {call.expert}")
-    if len(streams) > 1:
-        for idx in sorted(used):
-            done = cupy.cuda.Event(disable_timing=True)
-            done.record(streams[idx])
-            caller.wait_event(done)
+                           f"{st.device} is sm_{st.compute_capability}")
+    caller = st.current_stream()
+    config = vp.config
+    if ncalls > 1:
+        streams, ws = st.stream_ptrs, st.ws_ptrs
+        st.fork_event.record(caller)
+        for s in st.streams:
+            s.wait_event(st.fork_event)
+    else:
+        streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
+    nstreams = len(streams)
+    templates = st.templates.get(config)
+    if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
+        templates = st.templates[config] = {}
+    rows = vp.ptrs.tolist()
+    keys = vp.keys.tolist()
+    descs = _D.expert_descs(config, rows[-1][0] + 1)
+    recorders = _launch._recorders.get()
+    matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
+    beta = ctypes.byref(st.betas[vp.beta])
+    wsb = st.workspace_bytes
+    for j in range(ncalls):
+        e, a, b, d, sa, sb, bias = rows[j]
+        desc = descs[e]
+        if desc.ptrs[0] != sa or desc.ptrs[1] != sb or desc.ptrs[2] != bias:
+            desc.set_pointers(sa, sb, bias)
+        key = tuple(keys[j])
+        t = templates.get(key)
+        if t is None:
+            t = templates[key] = _template(st, config, key, desc)
+        for log in recorders:
+            log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
+        status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
+                        t.algo, ws[j % nstreams], wsb, streams[j % nstreams])
+        if status:
+            from ..cublaslt import check
+
+            check(status, "cublasLtMatmul", f"expert {e}")
+    if ncalls > 1:
+        for idx in range(min(nstreams, ncalls)):
+            ev = st.done_events[idx]
+            ev.record(st.streams[idx])
+            caller.wait_event(ev)
+
+
+def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState) -> None:
+    _zero_outputs(st, vp, out, st.current_stream().ptr)
+    _launch_loop(st, vp, problem.fp8)
