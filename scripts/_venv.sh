@@ -18,7 +18,11 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
         | grep -v "^WARNING: Location" >&2 || true
     python -m pip install -q --disable-pip-version-check -e "$ROOT[cuda13,test]" 2>&1 \
         | grep -v "^WARNING: Location" >&2 || true
-    python -c "import cugrouped, cupy, ml_dtypes, pytest" || { echo "[cugrouped] install failed" >&2; exit 1; }
+    # PyTorch for cugrouped.pytorch and its tests: the CPU build 2.13.0 (on this project's machines
+    # it is a local file that pip picks up; anything newer would pull a multi-GB CUDA build).
+    python -c "import torch" 2>/dev/null || python -m pip install -q --disable-pip-version-check \
+        "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    python -c "import cugrouped, cupy, ml_dtypes, pytest, torch" || { echo "[cugrouped] install failed" >&2; exit 1; }
     touch "$stamp"
 fi
 cd "$ROOT"
