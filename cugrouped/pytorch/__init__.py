@@ -1,0 +1,27 @@
+"""cugrouped for PyTorch: ``GroupedLinear`` over a list of per-expert tensors, FP8 recipes and
+``fp8_autocast`` (TransformerEngine-style). The only part of cugrouped that imports torch.
+
+::
+
+    import torch
+    from cugrouped.pytorch import GroupedLinear, fp8_autocast, DelayedScaling, Format
+
+    layer = GroupedLinear(num_gemms=8, in_features=1024, out_features=4096, device="cuda",
+                          params_dtype=torch.bfloat16)
+    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID)):
+        ys = layer([x0, x1, ..., x7])          # list in -> list out (views of one buffer)
+        y = layer(x, m_splits=[m0, ..., m7])   # one tensor + split sizes -> one tensor
+
+CUDA tensors run the NVRTC kernels and cuBLASLt on ``torch.cuda.current_stream()``; CPU tensors
+run the same kernels on the CPU emulator and the GEMMs' NumPy reference (for debugging and tests).
+"""
+
+from . import _custom_ops  # noqa: F401  (registers the torch.library ops)
+from .fp8_state import DelayedScalingState
+from .grouped_linear import GroupedLinear, cpu_cast_backend, set_cpu_cast_backend
+from .recipe import (DelayedScaling, Float8CurrentScaling, Format, fp8_autocast, get_fp8_recipe,
+                     is_fp8_enabled)
+
+__all__ = ["GroupedLinear", "fp8_autocast", "DelayedScaling", "Float8CurrentScaling", "Format",
+           "get_fp8_recipe", "is_fp8_enabled", "DelayedScalingState", "set_cpu_cast_backend",
+           "cpu_cast_backend"]

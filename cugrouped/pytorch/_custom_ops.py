@@ -1,0 +1,215 @@
+"""The cugrouped ops as ``torch.library`` custom ops, with fake implementations.
+
+torch.compile cannot trace into NumPy / CuPy / cuBLASLt calls; as custom ops with fake (shape
+only) implementations they are opaque nodes of the graph, so ``torch.compile(layer,
+fullgraph=True)`` traces the whole layer, forward and backward. Every output is allocated here by
+torch and handed to the op as an ``out=`` buffer.
+
+Backends: CUDA tensors run ``"cuda"`` (kernels via NVRTC, GEMMs via cuBLASLt) on
+``torch.cuda.current_stream()``. CPU tensors run the casts and the scale update with
+``cast_backend`` (``"emulate"``: the CUDA kernels on the CPU emulator, bit-exact; or
+``"reference"``: their NumPy twins, same bits, faster) and the GEMMs with ``"reference"``.
+
+Token counts ``m_splits`` are host ints: the per-expert GEMM loop needs them on the host.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional  # noqa: UP035  (torch.library's schema inference reads them)
+
+import torch
+
+from .. import ops as _ops
+from ..grouped_fp8 import GroupedFP8
+from ..ops.grouped_gemm import bias_dtype_for
+from ..ops.scale_update import update_scales
+from ._adapters import dtype_name, launch_context, to_array
+
+__all__ = ["fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "scale_update",
+           "padded", "fused_bias_dtype"]
+
+
+def padded(m: int, align: int) -> int:
+    return -(-m // align) * align
+
+
+def fused_bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The bias dtype cuBLASLt's FP8 bias epilogue takes for an ``out_dtype`` output."""
+    return getattr(torch, bias_dtype_for(dtype_name(out_dtype), True))
+
+
+def _backend(t: torch.Tensor, cpu_backend: str) -> str:
+    return "cuda" if t.device.type == "cuda" else cpu_backend
+
+
+def _arr(t):
+    return to_array(t)[0]
+
+
+def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align) -> GroupedFP8:
+    """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read)."""
+    return GroupedFP8(data=None if data is None else _arr(data),
+                      data_t=None if data_t is None else _arr(data_t),
+                      m_splits=tuple(m_splits), m_pad_splits=tuple(padded(m, align) for m in m_splits),
+                      amax=None, scale=None, scale_inv=_arr(scale_inv), fp8_format=fmt, k=k,
+                      align=align)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cast: pad + FP8 cast + transpose (+ amax, + column sums) of all experts, one op.
+
+def _quantize_shapes(xs, align, rowwise, columnwise, column_sums):
+    k = xs[0].shape[1]
+    rows = sum(x.shape[0] for x in xs)
+    col_bytes = k * sum(padded(x.shape[0], align) for x in xs)
+    return ((rows if rowwise else 0, k), (col_bytes if columnwise else 0,), (len(xs),),
+            (len(xs) if column_sums else 0, k))
+
+
+@torch.library.custom_op("cugrouped::fp8_quantize", mutates_args=("amax_out",))
+def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: int, rowwise: bool,
+                 columnwise: bool, column_sums: bool, scale: Optional[torch.Tensor],
+                 amax_out: Optional[torch.Tensor], offset: int, cast_backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``multi_pad_cast_transpose`` of the experts ``xs`` (2-D, one dtype, one k).
+
+    ``scale`` (float32, ``offset + E`` or more entries) given: delayed scaling with
+    ``scale[offset:offset+E]``; None: current scaling. ``amax_out`` given: the experts' amaxes are
+    written to ``amax_out[offset:offset+E]``. Returns ``(data (Σm, k) uint8 or (0, k),
+    data_t (bytes,) uint8 or (0,), scale_inv (E,), column_sums (E, k) or (0, k))``.
+    """
+    E = len(xs)
+    dev = xs[0].device
+    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
+    data = torch.empty(s_data, dtype=torch.uint8, device=dev)
+    data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
+    scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
+    colsum = torch.empty(s_cs, dtype=torch.float32, device=dev)
+    amax = amax_out[offset:offset + E] if amax_out is not None else \
+        torch.empty(s_e, dtype=torch.float32, device=dev)
+    sc = scale[offset:offset + E] if scale is not None else None
+    scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
+    out = GroupedFP8(data=_arr(data) if rowwise else None,
+                     data_t=_arr(data_t) if columnwise else None,
+                     m_splits=(), m_pad_splits=(), amax=_arr(amax), scale=_arr(scale_buf),
+                     scale_inv=_arr(scale_inv), fp8_format=fp8_format, k=xs[0].shape[1],
+                     align=align, column_sums=_arr(colsum) if column_sums else None)
+    arrays = [to_array(x) for x in xs]
+    with launch_context(dev):
+        _ops.multi_pad_cast_transpose(
+            [a for a, _ in arrays], fp8_format=fp8_format, scale=_arr(sc) if sc is not None else None,
+            margin=margin, align=align, rowwise=rowwise, columnwise=columnwise,
+            column_sums=column_sums, out=out, dtype=arrays[0][1],
+            backend=_backend(xs[0], cast_backend))
+    return data, data_t, scale_inv, colsum
+
+
+@fp8_quantize.register_fake
+def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, amax_out, offset,
+      cast_backend):
+    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
+    dev = xs[0].device
+    return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
+            torch.empty(s_e, dtype=torch.float32, device=dev),
+            torch.empty(s_cs, dtype=torch.float32, device=dev))
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMMs.
+
+@torch.library.custom_op("cugrouped::fp8_fprop", mutates_args=())
+def fp8_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
+              w_data: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str,
+              bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``y_i = x_i · W_iᵀ (+ b_i)``: x row-wise ``(Σm, k)``, W row-wise ``(E·n, k)``; bias (one per
+    expert, of :func:`fused_bias_dtype`) or an empty list. Returns ``(Σm, n)``."""
+    E, k = len(m_splits), x_data.shape[1]
+    n = w_data.shape[0] // E
+    y = torch.empty((x_data.shape[0], n), dtype=out_dtype, device=x_data.device)
+    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16)
+    wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1)
+    backend = "cuda" if x_data.is_cuda else "reference"
+    with launch_context(x_data.device):
+        _ops.grouped_fprop(xg, wg, [_arr(b) for b in bias] if bias else None, out=_arr(y),
+                           out_dtype=dtype_name(out_dtype), fast_accum=True, backend=backend)
+    return y
+
+
+@fp8_fprop.register_fake
+def _(x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits, out_dtype):
+    return x_data.new_empty((x_data.shape[0], w_data.shape[0] // len(m_splits)), dtype=out_dtype)
+
+
+@torch.library.custom_op("cugrouped::fp8_dgrad", mutates_args=())
+def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
+              w_t: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str, k: int,
+              m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``dx_i = dy_i · W_i``: dy row-wise ``(Σm, n)``, W transposed (``(k, n)`` per expert, packed).
+    Returns ``(Σm, k)``."""
+    E, n = len(m_splits), dy_data.shape[1]
+    dx = torch.empty((dy_data.shape[0], k), dtype=out_dtype, device=dy_data.device)
+    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16)
+    wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1)
+    backend = "cuda" if dy_data.is_cuda else "reference"
+    with launch_context(dy_data.device):
+        _ops.grouped_dgrad(dyg, wg, out=_arr(dx), out_dtype=dtype_name(out_dtype), backend=backend)
+    return dx
+
+
+@fp8_dgrad.register_fake
+def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits, out_dtype):
+    return dy_data.new_empty((dy_data.shape[0], k), dtype=out_dtype)
+
+
+@torch.library.custom_op("cugrouped::fp8_wgrad", mutates_args=("main_grads",))
+def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
+              dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
+              out_dtype: torch.dtype, main_grads: List[torch.Tensor]) -> torch.Tensor:
+    """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``).
+
+    ``main_grads`` empty: returns ``(E, n, k)`` of ``out_dtype``. Otherwise (one fp32 ``(n, k)``
+    per expert) the gradients are accumulated into them (``beta = 1``) and an empty tensor is
+    returned."""
+    E = len(m_splits)
+    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16)
+    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16)
+    backend = "cuda" if x_t.is_cuda else "reference"
+    if main_grads:
+        dw = x_t.new_empty((0, n, k), dtype=out_dtype)
+        out, acc, odt = [_arr(g) for g in main_grads], True, "float32"
+    else:
+        dw = torch.empty((E, n, k), dtype=out_dtype, device=x_t.device)
+        out, acc, odt = _arr(dw), False, dtype_name(out_dtype)
+    with launch_context(x_t.device):
+        _ops.grouped_wgrad(xg, dyg, out=out, accumulate=acc, out_dtype=odt, backend=backend)
+    return dw
+
+
+@fp8_wgrad.register_fake
+def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype,
+      main_grads):
+    return x_t.new_empty((0 if main_grads else len(m_splits), n, k), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Delayed scaling: one launch for every tensor of every expert.
+
+@torch.library.custom_op("cugrouped::scale_update",
+                         mutates_args=("amax_history", "scale", "scale_inv"))
+def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor,
+                 scale_inv: torch.Tensor, num_e4m3: int, amax_compute_algo: str, margin: int,
+                 count: int, cast_backend: str) -> None:
+    """``update_scales`` on the first ``count`` tensors of the state (E4M3 for the first
+    ``num_e4m3`` of them, E5M2 for the rest)."""
+    fmts = ["e4m3"] * min(num_e4m3, count) + ["e5m2"] * max(0, count - num_e4m3)
+    with launch_context(amax_history.device):
+        update_scales(_arr(amax_history[:count]), _arr(amax[:count]), _arr(scale[:count]),
+                      _arr(scale_inv[:count]), fp8_format=fmts,
+                      amax_compute_algo=amax_compute_algo, margin=margin,
+                      backend=_backend(amax_history, cast_backend))
+
+
+@scale_update.register_fake
+def _(amax_history, amax, scale, scale_inv, num_e4m3, amax_compute_algo, margin, count,
+      cast_backend):
+    return None

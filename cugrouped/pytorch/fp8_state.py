@@ -1,0 +1,81 @@
+"""Delayed-scaling state of one grouped layer: per expert amax histories and scales of its input,
+weight and grad output, on the layer's device.
+
+Tensor ``t`` of the state, for E experts: ``t = e`` input of expert e, ``E + e`` its weight,
+``2E + e`` its grad output; so with HYBRID the first 2E are E4M3 and the last E are E5M2, which is
+the single format boundary the update kernel takes (one launch for all 3E tensors).
+
+``amax`` holds the amaxes measured by the latest casts (each cast writes its slice); the update
+(:meth:`DelayedScalingState.update`, once per step, at the end of backward) rolls them into
+``amax_history`` and recomputes ``scale`` / ``scale_inv``. A cast in step t therefore uses the
+scale derived from the amaxes of steps < t (TransformerEngine's delayed scaling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .recipe import DelayedScaling
+
+__all__ = ["DelayedScalingState", "INPUT", "WEIGHT", "GRAD_OUTPUT"]
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+_NAMES = ("amax_history", "amax", "scale", "scale_inv")
+
+
+class DelayedScalingState:
+    """Device buffers: ``amax_history (3E, L)`` (newest first), ``amax``, ``scale``,
+    ``scale_inv`` ``(3E,)``, all float32. Fresh state: zero history, scale 1."""
+
+    def __init__(self, num_experts: int, recipe: DelayedScaling, device, tensors=None):
+        self.num_experts = num_experts
+        self.recipe = recipe
+        T, L = 3 * num_experts, recipe.amax_history_len
+        if tensors is None:
+            tensors = {"amax_history": torch.zeros((T, L), dtype=torch.float32, device=device),
+                       "amax": torch.zeros(T, dtype=torch.float32, device=device),
+                       "scale": torch.ones(T, dtype=torch.float32, device=device),
+                       "scale_inv": torch.ones(T, dtype=torch.float32, device=device)}
+        self.tensors = tensors
+
+    def matches(self, recipe: DelayedScaling, num_experts: int) -> bool:
+        return (num_experts == self.num_experts
+                and recipe.amax_history_len == self.tensors["amax_history"].shape[1])
+
+    def offset(self, which: int) -> int:
+        return which * self.num_experts
+
+    def num_e4m3(self) -> int:
+        """Tensors before the E5M2 boundary: all of them unless the recipe is HYBRID."""
+        return 3 * self.num_experts if self.recipe.fp8_format.backward == "e4m3" else 2 * self.num_experts
+
+    def to_dict(self) -> dict:
+        r = self.recipe
+        return {"recipe": {"margin": r.margin, "fp8_format": r.fp8_format.value,
+                           "amax_history_len": r.amax_history_len,
+                           "amax_compute_algo": r.amax_compute_algo},
+                "num_experts": self.num_experts,
+                **{k: self.tensors[k] for k in _NAMES}}
+
+    @classmethod
+    def from_dict(cls, state: dict, device) -> DelayedScalingState:
+        from .recipe import Format
+
+        missing = [k for k in ("recipe", "num_experts", *_NAMES) if k not in state]
+        if missing:
+            raise ValueError(f"state_dict: FP8 extra state lacks {missing}")
+        r = state["recipe"]
+        recipe = DelayedScaling(margin=r["margin"], fp8_format=Format(r["fp8_format"]),
+                                amax_history_len=r["amax_history_len"],
+                                amax_compute_algo=r["amax_compute_algo"])
+        E = int(state["num_experts"])
+        want = {"amax_history": (3 * E, recipe.amax_history_len), "amax": (3 * E,),
+                "scale": (3 * E,), "scale_inv": (3 * E,)}
+        tensors = {}
+        for k, shape in want.items():
+            t = state[k]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"state_dict: FP8 extra state {k} has shape {tuple(t.shape)}, "
+                                 f"expected {shape}")
+            tensors[k] = t.detach().to(device=device, dtype=torch.float32, copy=True).contiguous()
+        return cls(E, recipe, device, tensors)

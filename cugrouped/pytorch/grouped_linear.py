@@ -1,0 +1,449 @@
+"""``GroupedLinear``: E expert linear layers ``y_i = x_i · W_iᵀ + b_i`` over a list of per-expert
+tensors (or one tensor and its split sizes), in FP8 under :func:`fp8_autocast`.
+
+FP8 path, per step (all experts at once in every launch):
+
+* forward: one cast of the input (row-wise for fprop; the transposed, zero-padded copy only when
+  the weights need a gradient), the weights' cast (cached across micro-batches with
+  ``is_first_microbatch``), one grouped fprop GEMM writing the unpadded output. Saved for
+  backward: the transposed FP8 input and its ``scale_inv`` (not the high-precision input), and
+  the transposed FP8 weights.
+* backward: one cast of the grad output (row-wise if dgrad is needed, transposed + padded if wgrad
+  is, column sums if dbias is; E5M2 under HYBRID), the delayed-scaling update of every tensor of
+  every expert (one launch), the grouped dgrad and wgrad GEMMs, each skipped when
+  ``ctx.needs_input_grad`` says so. ``fuse_wgrad_accumulation`` accumulates into
+  ``weight.main_grad`` (fp32) inside the wgrad GEMM.
+
+Without FP8 the same autograd function runs plain torch matmuls (any float dtype, float64 too).
+CPU tensors run the cast kernels on the CPU emulator (bit-exact; :func:`set_cpu_cast_backend`
+switches to their NumPy twins, same bits, faster) and the GEMMs' NumPy reference.
+
+Host syncs: none, given ``m_splits`` as a host list. A CUDA ``m_splits`` tensor is read back with
+``tolist()`` (one sync per call): the per-expert GEMM loop needs host counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from . import _custom_ops as cops
+from .fp8_state import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScalingState
+from .recipe import DelayedScaling, Float8CurrentScaling, get_fp8_recipe
+
+__all__ = ["GroupedLinear", "set_cpu_cast_backend", "cpu_cast_backend"]
+
+FP8_ALIGN = 16          # token padding of the transposed copies (the wgrad GEMM reduces over it)
+FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CPU_CAST_BACKEND = ["emulate"]
+
+
+def set_cpu_cast_backend(name: str) -> None:
+    """How CPU tensors run the cast and scale-update kernels: ``"emulate"`` (default: the CUDA
+    sources on the CPU emulator) or ``"reference"`` (their NumPy twins; same bits, faster)."""
+    if name not in ("emulate", "reference"):
+        raise ValueError(f"name: expected 'emulate' or 'reference', got {name!r}")
+    _CPU_CAST_BACKEND[0] = name
+
+
+@contextlib.contextmanager
+def cpu_cast_backend(name: str):
+    """Context-manager form of :func:`set_cpu_cast_backend`."""
+    old = _CPU_CAST_BACKEND[0]
+    set_cpu_cast_backend(name)
+    try:
+        yield
+    finally:
+        _CPU_CAST_BACKEND[0] = old
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything the autograd function needs that is not a tensor (hashable, for torch.compile)."""
+
+    list_mode: bool
+    num_experts: int
+    k: int
+    n: int
+    has_bias: bool
+    fp8: bool
+    fmt_fwd: str = "e4m3"
+    fmt_bwd: str = "e5m2"
+    margin: int = 0
+    delayed: bool = False
+    amax_compute_algo: str = "max"
+    num_e4m3: int = 0
+    fuse_bias: bool = False
+    fuse_wgrad: bool = False
+    cast_backend: str = "emulate"
+
+    def unpack(self, flat):
+        E = self.num_experts
+        nx = E if self.list_mode else 1
+        xs, flat = flat[:nx], flat[nx:]
+        ws, flat = flat[:E], flat[E:]
+        bs, flat = (flat[:E], flat[E:]) if self.has_bias else ((), flat)
+        wq, flat = (flat[:3], flat[3:]) if self.fp8 else ((), flat)
+        state, flat = (flat[:4], flat[4:]) if self.delayed else ((), flat)
+        main_grads = flat[:E] if self.fuse_wgrad else ()
+        return xs, ws, bs, wq, state, main_grads
+
+
+def _split(t: torch.Tensor, m_splits) -> list[torch.Tensor]:
+    return list(torch.split(t, list(m_splits)))
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads)."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, m_splits: tuple, *flat):
+        xs, ws, bs, wq, state, main_grads = cfg.unpack(flat)
+        E = cfg.num_experts
+        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+        nx = len(xs)
+        need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
+        need_wgrad = ctx.needs_input_grad[2 + nx]
+        ctx.cfg, ctx.m_splits = cfg, m_splits
+        ctx.x_dtype, ctx.w_dtype = xs[0].dtype, ws[0].dtype
+        ctx.b_dtype = bs[0].dtype if bs else None
+        ctx.main_grads = main_grads
+        ctx.ws = ws if cfg.fuse_wgrad else ()
+        if not cfg.fp8:
+            ys = [torch.addmm(b, x, w.t()) if bs else x @ w.t()
+                  for x, w, b in zip(x_list, ws, bs if bs else [None] * E)]
+            y = torch.cat(ys) if E > 1 else ys[0]
+            ctx.save_for_backward(*(xs if need_wgrad else ()), *ws)
+            ctx.saved_x = need_wgrad
+            return y
+        history, amax, scale, scale_inv = state if state else (None,) * 4
+        x_data, x_t, x_si, _ = cops.fp8_quantize(
+            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad, False, scale, amax,
+            INPUT * E, cfg.cast_backend)
+        w_data, w_t, w_si = wq
+        y = cops.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
+                           list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
+        if bs and not cfg.fuse_bias:
+            for part, b in zip(_split(y, m_splits), bs):
+                part.add_(b)
+        if cfg.delayed and not (need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
+            # no backward will run: fold this step's input and weight amaxes in now
+            cops.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                              cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
+        ctx.state = state
+        ctx.save_for_backward(x_t, x_si, w_t, w_si)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg, m_splits = ctx.cfg, ctx.m_splits
+        E, k, n = cfg.num_experts, cfg.k, cfg.n
+        nx = E if cfg.list_mode else 1
+        need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
+        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
+        dy = dy.contiguous()
+        dy_list = _split(dy, m_splits)
+        dx = dws = dbs = None
+        if not cfg.fp8:
+            saved = ctx.saved_tensors
+            xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
+            if need_dgrad:
+                parts = [d @ w for d, w in zip(dy_list, ws)]
+                dx = torch.cat(parts) if E > 1 else parts[0]
+            if need_wgrad:
+                x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+                if cfg.fuse_wgrad:
+                    for g, d, x in zip(ctx.main_grads, dy_list, x_list):
+                        g.add_((d.t() @ x).float())
+                else:
+                    dws = [d.t() @ x for d, x in zip(dy_list, x_list)]
+            if need_dbias:
+                dbs = [d.sum(0) for d in dy_list]
+        else:
+            x_t, x_si, w_t, w_si = ctx.saved_tensors
+            history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
+            dy_data, dy_t, dy_si, colsum = cops.fp8_quantize(
+                dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not need_wgrad,
+                need_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
+            if cfg.delayed:   # one launch: every tensor of every expert
+                cops.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                                  cfg.amax_compute_algo, cfg.margin, 3 * E, cfg.cast_backend)
+            if need_dgrad:
+                dx = cops.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd, k,
+                                    list(m_splits), ctx.x_dtype)
+            if need_wgrad:
+                dw = cops.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k, n,
+                                    list(m_splits), ctx.w_dtype, list(ctx.main_grads))
+                if not cfg.fuse_wgrad:
+                    dws = list(dw.unbind(0))
+            if need_dbias:
+                dbs = list(colsum.to(ctx.b_dtype).unbind(0))
+        if cfg.fuse_wgrad and need_wgrad:
+            for w in ctx.ws:
+                w.grad_added_to_main_grad = True
+        dxs = [None] * nx
+        if dx is not None:
+            dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
+        grads = [None, None, *dxs, *(dws if dws is not None else [None] * E)]
+        if cfg.has_bias:
+            grads += dbs if dbs is not None else [None] * E
+        grads += [None] * (len(ctx.needs_input_grad) - len(grads))
+        return tuple(grads)
+
+
+class GroupedLinear(torch.nn.Module):
+    """E independent linear layers applied to E groups of rows (TransformerEngine-compatible).
+
+    Parameters
+    ----------
+    num_gemms : int  number of experts E.
+    in_features, out_features : int  k and n (multiples of 16 for FP8).
+    bias : bool  per-expert biases ``bias{i}``.
+    params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)``
+        (default ``torch.get_default_dtype()``).
+    device : ``"cuda"`` (default, as in TransformerEngine) or ``"cpu"``.
+    fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
+        which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``;
+        sets ``weight{i}.grad_added_to_main_grad = True``.
+    init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
+        TransformerEngine); biases start at zero.
+    sequence_parallel, tp_group, tp_size, parallel_mode : accepted for compatibility with their
+        single-GPU values only (no tensor parallelism here).
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: torch.dtype | None = None, device="cuda",
+                 fuse_wgrad_accumulation: bool = False, init_method=None,
+                 sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
+                 parallel_mode: str | None = None):
+        super().__init__()
+        for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
+                        ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if sequence_parallel or tp_group is not None or tp_size != 1 or parallel_mode is not None:
+            raise ValueError("sequence_parallel, tp_group, tp_size, parallel_mode: tensor "
+                             "parallelism is not supported; leave them at their defaults")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bool(bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        params_dtype = params_dtype or torch.get_default_dtype()
+        init = init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023))
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype,
+                                               device=device))
+            with torch.no_grad():
+                init(w)
+            self.register_parameter(f"weight{i}", w)
+            if self.use_bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(
+                    torch.zeros(out_features, dtype=params_dtype, device=device)))
+        for name in ("amax_history", "amax", "scale", "scale_inv"):
+            self.register_buffer(f"fp8_{name}", None, persistent=False)
+        self._fp8_recipe: DelayedScaling | None = None
+        self._fp8_weight_cache: tuple | None = None
+
+    # -- parameters ---------------------------------------------------------------------------
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def biases(self) -> list[torch.Tensor]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}")
+
+    # -- delayed-scaling state (saved in state_dict as extra state) ---------------------------
+    def fp8_state(self) -> DelayedScalingState | None:
+        """The delayed-scaling state (None until a DelayedScaling forward created it)."""
+        if self.fp8_amax_history is None:
+            return None
+        return DelayedScalingState(self.num_gemms, self._fp8_recipe, self.fp8_scale.device,
+                                   {n: getattr(self, f"fp8_{n}") for n in
+                                    ("amax_history", "amax", "scale", "scale_inv")})
+
+    def init_fp8_state(self, recipe: DelayedScaling) -> DelayedScalingState:
+        """Create (or keep, if compatible) the delayed-scaling buffers for ``recipe`` (forward does
+        this on first use; call it before ``torch.compile`` to keep the graph free of it)."""
+        st = self.fp8_state()
+        if st is not None and st.matches(recipe, self.num_gemms):
+            self._fp8_recipe = recipe
+            return self.fp8_state()
+        st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
+        self._set_state(st)
+        return st
+
+    def _set_state(self, st: DelayedScalingState | None) -> None:
+        for name in ("amax_history", "amax", "scale", "scale_inv"):
+            setattr(self, f"fp8_{name}", None if st is None else st.tensors[name])
+        self._fp8_recipe = None if st is None else st.recipe
+        self._fp8_weight_cache = None
+
+    def get_extra_state(self):
+        st = self.fp8_state()
+        return None if st is None else st.to_dict()
+
+    def set_extra_state(self, state) -> None:
+        if state is None:
+            self._set_state(None)
+            return
+        if not isinstance(state, dict):
+            raise TypeError(f"state_dict: expected the FP8 extra state as a dict, got "
+                            f"{type(state).__name__}")
+        if int(state.get("num_experts", -1)) != self.num_gemms:
+            raise ValueError(f"state_dict: FP8 extra state is for {state.get('num_experts')} "
+                             f"experts, this layer has {self.num_gemms}")
+        self._set_state(DelayedScalingState.from_dict(state, self.weight0.device))
+
+    # -- forward ------------------------------------------------------------------------------
+    def _check_input(self, inp, m_splits):
+        E, k = self.num_gemms, self.in_features
+        w0 = self.weight0
+        if isinstance(inp, (list, tuple)):
+            if len(inp) != E:
+                raise ValueError(f"inp: expected a list of {E} tensors (one per expert), got {len(inp)}")
+            for i, x in enumerate(inp):
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"inp[{i}]: expected a torch.Tensor, got {type(x).__name__}")
+                if x.dim() != 2 or x.shape[1] != k:
+                    raise ValueError(f"inp[{i}]: expected shape (m_{i}, in_features={k}), got "
+                                     f"{tuple(x.shape)}")
+                if x.dtype != inp[0].dtype:
+                    raise TypeError(f"inp[{i}]: dtype {x.dtype} differs from inp[0]'s {inp[0].dtype}")
+                if x.device != inp[0].device:
+                    raise ValueError(f"inp[{i}]: on {x.device}, inp[0] is on {inp[0].device}")
+            splits = tuple(int(x.shape[0]) for x in inp)
+            if m_splits is not None and tuple(self._host_splits(m_splits)) != splits:
+                raise ValueError(f"m_splits: must be None (or the row counts {splits}) when inp "
+                                 f"is a list")
+            first = inp[0]
+        else:
+            if not isinstance(inp, torch.Tensor):
+                raise TypeError(f"inp: expected a tensor or a list of tensors, got "
+                                f"{type(inp).__name__}")
+            if inp.dim() != 2 or inp.shape[1] != k:
+                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}), got "
+                                 f"{tuple(inp.shape)}")
+            if m_splits is None:
+                raise ValueError("m_splits: required when inp is a single tensor")
+            splits = tuple(self._host_splits(m_splits))
+            if len(splits) != E:
+                raise ValueError(f"m_splits: expected {E} counts (num_gemms), got {len(splits)}")
+            if sum(splits) != inp.shape[0]:
+                raise ValueError(f"m_splits: counts sum to {sum(splits)} but inp has "
+                                 f"{inp.shape[0]} rows")
+            first = inp
+        if first.device != w0.device:
+            raise ValueError(f"inp: on {first.device} but the weights are on {w0.device}")
+        if first.dtype != w0.dtype:
+            raise TypeError(f"inp: dtype {first.dtype} differs from the weights' {w0.dtype} "
+                            f"(params_dtype)")
+        return splits, first
+
+    @staticmethod
+    def _host_splits(m_splits) -> list[int]:
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() != 1:
+                raise TypeError(f"m_splits: expected a 1-D integer tensor or a list of ints, got "
+                                f"{m_splits.dtype} of shape {tuple(m_splits.shape)}")
+            splits = m_splits.tolist()   # on CUDA: a host sync (the GEMM loop needs host counts)
+        elif isinstance(m_splits, Sequence):
+            splits = list(m_splits)
+        else:
+            raise TypeError(f"m_splits: expected a list of ints or an integer tensor, got "
+                            f"{type(m_splits).__name__}")
+        for v in splits:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"m_splits: expected ints, got {v!r}")
+            if v < 0:
+                raise ValueError(f"m_splits: counts must be non-negative, got {splits}")
+        return splits
+
+    def _fp8_weights(self, recipe, is_first_microbatch, scale, amax, cast_backend, need_t):
+        """(w_data, w_t, w_scale_inv): cast now, or reused with ``is_first_microbatch=False``."""
+        key = (recipe, cast_backend)
+        cache = self._fp8_weight_cache
+        if is_first_microbatch is False and cache is not None and cache[0] == key:
+            return cache[1]
+        ws = [w.detach() for w in self.weights()]
+        w_data, w_t, w_si, _ = cops.fp8_quantize(
+            ws, recipe.fp8_format.forward, recipe.margin, 1, True,
+            need_t or is_first_microbatch is not None, False, scale, amax,
+            WEIGHT * self.num_gemms, cast_backend)
+        out = (w_data, w_t, w_si)
+        self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
+        return out
+
+    def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None):
+        """``inp``: list of E ``(m_i, in_features)`` tensors -> list of E ``(m_i, out_features)``
+        outputs (views of one buffer); or one ``(Σ m_i, in_features)`` tensor with ``m_splits``
+        (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor.
+
+        ``is_first_microbatch``: None (no weight caching), True (cast the FP8 weights and cache
+        them), False (reuse the cached FP8 weights: the weights have not changed since).
+        """
+        splits, first = self._check_input(inp, m_splits)
+        list_mode = isinstance(inp, (list, tuple))
+        E, k, n = self.num_gemms, self.in_features, self.out_features
+        recipe = get_fp8_recipe()
+        ws, bs = self.weights(), self.biases()
+        xs = tuple(inp) if list_mode else (inp,)
+        main_grads = ()
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
+            main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
+        if recipe is None:
+            cfg = _Config(list_mode, E, k, n, self.use_bias, False,
+                          fuse_wgrad=bool(main_grads))
+            y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
+        else:
+            y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
+                                  is_first_microbatch, first)
+        return list(torch.split(y, list(splits))) if list_mode else y
+
+    def _main_grad(self, i, w):
+        g = getattr(w, "main_grad", None)
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.shape != w.shape \
+                or g.device != w.device:
+            raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32 "
+                             f"tensor of shape {tuple(w.shape)} on {w.device} (got "
+                             f"{None if g is None else (g.dtype, tuple(g.shape))})")
+        return g
+
+    def _forward_fp8(self, recipe, splits, xs, ws, bs, main_grads, list_mode, is_first_microbatch,
+                     first):
+        E, k, n = self.num_gemms, self.in_features, self.out_features
+        if k % 16:
+            raise ValueError(f"in_features: FP8 GEMMs need a multiple of 16, got {k}")
+        if n % 16:
+            raise ValueError(f"out_features: FP8 GEMMs need a multiple of 16, got {n}")
+        if first.dtype not in FP8_DTYPES:
+            raise TypeError(f"inp: FP8 needs float32, bfloat16 or float16 inputs, got {first.dtype}")
+        cast_backend = _CPU_CAST_BACKEND[0]
+        delayed = isinstance(recipe, DelayedScaling)
+        state = ()
+        scale = amax = None
+        if delayed:
+            st = self.fp8_state()
+            if st is None or not st.matches(recipe, E):
+                st = self.init_fp8_state(recipe)
+            else:
+                self._fp8_recipe = recipe
+            state = (self.fp8_amax_history, self.fp8_amax, self.fp8_scale, self.fp8_scale_inv)
+            scale, amax = self.fp8_scale, self.fp8_amax
+            num_e4m3 = 3 * E if recipe.fp8_format.backward == "e4m3" else 2 * E
+        else:
+            assert isinstance(recipe, Float8CurrentScaling)
+            num_e4m3 = 0
+        need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+        wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend, need_dgrad)
+        fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
+        cfg = _Config(list_mode, E, k, n, self.use_bias, True, recipe.fp8_format.forward,
+                      recipe.fp8_format.backward, recipe.margin, delayed,
+                      recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
+                      bool(main_grads), cast_backend)
+        return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
