@@ -17,6 +17,12 @@ cd "$ROOT"
     echo "== GPU tests"
     "$PY" -m pytest -m "gpu" -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests
     tests_rc=$?
+    if "$PY" -c "import nbmake, ipykernel" 2>/dev/null; then
+        echo "== notebooks (GPU cells run here)"
+        "$PY" -m pytest -q -p no:cacheprovider --nbmake --nbmake-kernel=python3 notebooks || tests_rc=1
+    else
+        echo "== notebooks skipped: nbmake/ipykernel not in this image"
+    fi
     echo "== benchmarks"
     "$PY" -m cugrouped bench all --quick --out "$OUT"
     bench_rc=$?
