@@ -242,3 +242,53 @@ def test_caches_reuse_and_evict():
     finally:
         D.LAYOUT_CACHE_SIZE = old
         D.clear_caches()
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM descriptors (cuBLAS 13.1+): created and read back without a GPU.
+
+needs_grouped = pytest.mark.skipif(not cublaslt.has_grouped_gemm(),
+                                   reason="this libcublasLt has no grouped GEMM (13.1+)")
+
+
+@needs_grouped
+def test_grouped_layout_records_the_device_arrays():
+    with D.GroupedMatrixLayout(E.CUDA_R_8F_E4M3, 8, 0x7F0000001000, 0x7F0000002000,
+                               0x7F0000003000) as lay:
+        assert lay.get("TYPE") == E.CUDA_R_8F_E4M3
+        assert lay.get("BATCH_COUNT") == 8
+        assert lay.get("BATCH_MODE") == E.CUBLASLT_BATCH_MODE_GROUPED
+        assert (lay.get("ROWS_ARRAY"), lay.get("COLS_ARRAY"), lay.get("LD_ARRAY")) == \
+            (0x7F0000001000, 0x7F0000002000, 0x7F0000003000)
+        assert lay.get("ROWS_COLS_ARRAY_INTEGER_WIDTH") == E.CUBLASLT_INTEGER_WIDTH_32
+        assert lay.get("LD_ARRAY_INTEGER_WIDTH") == E.CUBLASLT_INTEGER_WIDTH_32
+
+
+@needs_grouped
+def test_grouped_preferences_take_8_bytes_not_the_documented_4():
+    """cublasLt.h documents the three GROUPED_* preferences as uint32_t; the library refuses 4
+    bytes and takes 8 (as TransformerEngine and PyTorch pass them). Our table says int64."""
+    with D.MatmulPreference() as pref:
+        for name in ("GROUPED_AVERAGE_REDUCTION_DIM", "GROUPED_DESC_D_AVERAGE_ROWS",
+                     "GROUPED_DESC_D_AVERAGE_COLS"):
+            attr, ctype = D.PREFERENCE_ATTRS[name]
+            four = ctypes.c_uint32(7)
+            assert pref._setter(pref.handle, attr, ctypes.byref(four), 4) == \
+                E.CUBLAS_STATUS_INVALID_VALUE
+            assert ctypes.sizeof(ctype) == 8
+            pref.set(name, 12345)
+            assert pref.get(name) == 12345
+
+
+def test_grouped_config_attributes_are_accepted():
+    for scaled in (False, True):
+        cfg = D.GemmConfig(E.CUDA_R_8F_E4M3 if scaled else E.CUDA_R_16BF,
+                           E.CUDA_R_8F_E4M3 if scaled else E.CUDA_R_16BF, E.CUDA_R_16BF,
+                           E.CUBLAS_OP_T, E.CUBLAS_OP_N, fast_accum=scaled, scaled=scaled,
+                           grouped=True)
+        with D.MatmulDesc() as desc:
+            for name, value in cfg.attributes().items():
+                desc.set(name, value)
+                assert desc.get(name) == value, name
+        assert cfg.attributes()["POINTER_MODE"] == E.CUBLASLT_POINTER_MODE_DEVICE
+        assert ("A_SCALE_MODE" in cfg.attributes()) == scaled

@@ -462,6 +462,90 @@ def test_descriptors_accept_every_attribute_the_op_sets(pass_name, operands, out
 
 
 # ---------------------------------------------------------------------------------------------
+# Grouped GEMM (cuBLASLt 13.x): the decision and the descriptors, on the CPU.
+
+def test_grouped_gemm_capability_rules():
+    f = gg.grouped_gemm_unsupported
+    assert f(131000, 90, fp8=True, in_dtype="float8_e4m3fn") is None
+    assert f(130500, 90, fp8=True, in_dtype="float8_e4m3fn") is None
+    assert "needs cuBLAS 13.5+" in f(130400, 90, fp8=True, in_dtype="float8_e4m3fn")
+    assert f(130400, 90, fp8=False, in_dtype="bfloat16") is None
+    assert "needs cuBLAS 13.4+" in f(130300, 90, fp8=False, in_dtype="bfloat16")
+    assert f(130300, 100, fp8=True, in_dtype="float8_e5m2") is None
+    assert "needs cuBLAS 13.3+" in f(130200, 100, fp8=False, in_dtype="float16")
+    assert "not sm_89" in f(131000, 89, fp8=True, in_dtype="float8_e4m3fn")
+    assert "not sm_120" in f(131000, 120, fp8=False, in_dtype="bfloat16")
+    assert "float32" in f(131000, 90, fp8=False, in_dtype="float32")
+    assert "no cublasLtGroupedMatrixLayoutCreate" in f(120900, 90, fp8=False, in_dtype="bfloat16",
+                                                       has_symbol=False)
+
+
+def _planned(m_splits, k=32, n=48, bias=False):
+    X, W, DY = make_fp8(m_splits, k, n, seed=3)
+    b = np.zeros((len(m_splits), n), ml_dtypes.bfloat16) if bias else None
+    p = gg.check_fprop(X, W, b)
+    _, blocks = gg.outputs(p, None, np)
+    return p, gg.plan_arrays(p, blocks)
+
+
+def test_choose_path():
+    kw = dict(version=131000, compute_capability=90, has_symbol=True, discrete_out=False)
+    p, vp = _planned([16, 0, 48, 32])
+    assert gg.choose_path(p, vp, **kw) == ("grouped", "supported")
+    assert gg.choose_path(p, vp, **kw, requested="loop") == ("loop", "requested")
+    assert gg.choose_path(p, vp, **{**kw, "compute_capability": 89})[0] == "loop"
+    p2, vp2 = _planned([16, 5, 32])  # 5 tokens: not 16 bytes of FP8
+    path, why = gg.choose_path(p2, vp2, **kw)
+    assert path == "loop" and "multiple of 16" in why
+    with pytest.raises(RuntimeError, match="path='grouped' cannot run: .*multiple of 16"):
+        gg.choose_path(p2, vp2, **kw, requested="grouped")
+    p3, vp3 = _planned([16, 32], bias=True)
+    assert "bias" in gg.choose_path(p3, vp3, **kw)[1]
+    assert "corrupts" in gg.choose_path(p, vp, **{**kw, "version": 130800, "discrete_out": True})[1]
+    assert gg.choose_path(p, vp, **{**kw, "version": 130800})[0] == "grouped"
+    p4, vp4 = _planned([0, 16, 0])
+    assert "fewer than two" in gg.choose_path(p4, vp4, **kw)[1]
+    with pytest.raises(ValueError, match="path: got 'fast'"):
+        gg.choose_path(p, vp, **kw, requested="fast")
+
+
+def test_grouped_workspace_layout():
+    off, total = gg.grouped_workspace_layout(5)
+    ptrs = [off[n] for n in gg.GROUPED_PTR_ARRAYS]
+    assert all(o % 16 == 0 for o in ptrs) and ptrs == sorted(ptrs)
+    assert all(b - a >= 40 for a, b in zip(ptrs, ptrs[1:]))
+    ints = [off[n] for n in gg.GROUPED_INT_ARRAYS]
+    assert ints[0] >= ptrs[-1] + 40 and all(b - a == 20 for a, b in zip(ints, ints[1:]))
+    assert off["alpha"] % 16 == 0 and off["alpha"] >= ints[-1] + 20
+    assert off["beta"] == off["alpha"] + 4 and total >= off["beta"] + 4
+
+
+def test_grouped_descriptors_on_the_real_library():
+    from cugrouped import cublaslt
+
+    if not cublaslt.has_grouped_gemm():
+        pytest.skip("this libcublasLt has no grouped GEMM")
+    p, vp = _planned([16, 0, 48, 32])
+    cfg = dataclasses.replace(vp.config, grouped=True)
+    base = 0x7F1234560000
+    desc, la, lb, lc, ld, pref = gg.grouped_descriptors(cfg, 4, base, vp, 32 << 20)
+    off, _ = gg.grouped_workspace_layout(4)
+    for name, value in cfg.attributes().items():
+        assert desc.get(name) == value, name
+    assert desc.get("A_SCALE_POINTER") == base + off["a_scale"]
+    assert desc.get("B_SCALE_POINTER") == base + off["b_scale"]
+    for lay, x, t in ((la, "a", E.CUDA_R_8F_E4M3), (lb, "b", E.CUDA_R_8F_E4M3),
+                      (lc, "d", E.CUDA_R_16BF), (ld, "d", E.CUDA_R_16BF)):
+        assert lay.get("TYPE") == t and lay.get("BATCH_COUNT") == 4
+        assert (lay.get("ROWS_ARRAY"), lay.get("COLS_ARRAY"), lay.get("LD_ARRAY")) == \
+            (base + off[f"{x}_rows"], base + off[f"{x}_cols"], base + off[f"{x}_ld"])
+    assert pref.get("MAX_WORKSPACE_BYTES") == 32 << 20
+    # sums over the computed calls divided by the 4 groups (the empty expert adds 0): 144, 96, 96
+    assert (pref.get("GROUPED_DESC_D_AVERAGE_ROWS"), pref.get("GROUPED_DESC_D_AVERAGE_COLS"),
+            pref.get("GROUPED_AVERAGE_REDUCTION_DIM")) == (36, 24, 24)
+
+
+# ---------------------------------------------------------------------------------------------
 # Argument checks: clear errors before anything runs.
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ header values used, ``descriptors`` wraps the opaque objects and caches them. Ev
 :class:`Handle` (and the heuristic query and the matmul, which need one) works without a GPU.
 """
 
-from ._lib import (CublasLtError, HeuristicResult, MatmulAlgo, check, cudart_version, lib,
+from ._lib import (CublasLtError, HeuristicResult, MatmulAlgo, check, cudart_version,
+                   has_grouped_gemm, lib,
                    library_path, version)
-from .descriptors import (GemmConfig, Handle, MatmulDesc, MatmulPreference, MatrixLayout,
+from .descriptors import (GemmConfig, GroupedMatrixLayout, Handle, MatmulDesc, MatmulPreference,
+                          MatrixLayout,
                           clear_caches, matmul_desc, matrix_layout, preference)
 
-__all__ = ["check", "CublasLtError", "HeuristicResult", "MatmulAlgo", "lib", "library_path", "version",
+__all__ = ["check", "has_grouped_gemm", "GroupedMatrixLayout", "CublasLtError", "HeuristicResult", "MatmulAlgo", "lib", "library_path", "version",
            "cudart_version", "GemmConfig", "Handle", "MatmulDesc", "MatmulPreference",
            "MatrixLayout", "matmul_desc", "matrix_layout", "preference", "clear_caches"]

@@ -14,7 +14,7 @@ import functools
 
 from . import _enums
 
-__all__ = ["lib", "library_path", "version", "cudart_version", "check", "CublasLtError",
+__all__ = ["lib", "library_path", "version", "has_grouped_gemm", "cudart_version", "check", "CublasLtError",
            "MatmulAlgo", "HeuristicResult"]
 
 _SONAMES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
@@ -62,6 +62,11 @@ _PROTOTYPES = {
     "cublasLtMatmul": (_st, [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,
                              ctypes.POINTER(MatmulAlgo), _p, _sz, _p]),
 }
+# Present only in newer libraries: declared when found (see has_grouped_gemm).
+_OPTIONAL_PROTOTYPES = {
+    # matLayout*, type, groupCount, rows_array, cols_array, ld_array (device pointers)
+    "cublasLtGroupedMatrixLayoutCreate": (_st, [ctypes.POINTER(_p), _i32, ctypes.c_int, _p, _p, _p]),
+}
 
 
 class CublasLtError(RuntimeError):
@@ -103,7 +108,18 @@ def _library() -> tuple[ctypes.CDLL, str]:
     for name, (restype, argtypes) in _PROTOTYPES.items():
         fn = getattr(cdll, name)
         fn.restype, fn.argtypes = restype, argtypes
+    for name, (restype, argtypes) in _OPTIONAL_PROTOTYPES.items():
+        fn = getattr(cdll, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
     return cdll, path
+
+
+def has_grouped_gemm() -> bool:
+    """Whether the loaded library exports ``cublasLtGroupedMatrixLayoutCreate`` (cuBLAS 13.1+).
+    Which GPUs and dtypes it serves depends on the version: see
+    :func:`cugrouped.ops.grouped_gemm.grouped_gemm_unsupported`."""
+    return hasattr(lib(), "cublasLtGroupedMatrixLayoutCreate")
 
 
 def lib() -> ctypes.CDLL:

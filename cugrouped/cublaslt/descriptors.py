@@ -21,7 +21,7 @@ import threading
 from . import _enums as E
 from ._lib import CublasLtError, check, lib
 
-__all__ = ["MatmulDesc", "MatrixLayout", "MatmulPreference", "Handle", "GemmConfig",
+__all__ = ["MatmulDesc", "MatrixLayout", "GroupedMatrixLayout", "MatmulPreference", "Handle", "GemmConfig",
            "MATMUL_DESC_ATTRS", "MATRIX_LAYOUT_ATTRS", "PREFERENCE_ATTRS", "matmul_desc",
            "matrix_layout", "preference", "clear_caches", "LAYOUT_CACHE_SIZE", "expert_desc",
            "expert_descs"]
@@ -41,6 +41,9 @@ MATMUL_DESC_ATTRS = {
     "B_SCALE_POINTER": (E.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, _u8p),
     "FAST_ACCUM": (E.CUBLASLT_MATMUL_DESC_FAST_ACCUM, ctypes.c_int8),
     "BIAS_DATA_TYPE": (E.CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, ctypes.c_int32),
+    "SM_COUNT_TARGET": (E.CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, ctypes.c_int32),
+    "A_SCALE_MODE": (E.CUBLASLT_MATMUL_DESC_A_SCALE_MODE, ctypes.c_int32),
+    "B_SCALE_MODE": (E.CUBLASLT_MATMUL_DESC_B_SCALE_MODE, ctypes.c_int32),
 }
 MATRIX_LAYOUT_ATTRS = {
     "TYPE": (E.CUBLASLT_MATRIX_LAYOUT_TYPE, ctypes.c_uint32),
@@ -49,6 +52,13 @@ MATRIX_LAYOUT_ATTRS = {
     "COLS": (E.CUBLASLT_MATRIX_LAYOUT_COLS, ctypes.c_uint64),
     "LD": (E.CUBLASLT_MATRIX_LAYOUT_LD, ctypes.c_int64),
     "BATCH_COUNT": (E.CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, ctypes.c_int32),
+    "BATCH_MODE": (E.CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, ctypes.c_uint32),
+    "ROWS_ARRAY": (E.CUBLASLT_GROUPED_MATRIX_LAYOUT_ROWS_ARRAY, _u8p),
+    "COLS_ARRAY": (E.CUBLASLT_GROUPED_MATRIX_LAYOUT_COLS_ARRAY, _u8p),
+    "LD_ARRAY": (E.CUBLASLT_GROUPED_MATRIX_LAYOUT_LD_ARRAY, _u8p),
+    "ROWS_COLS_ARRAY_INTEGER_WIDTH": (E.CUBLASLT_GROUPED_MATRIX_LAYOUT_ROWS_COLS_ARRAY_INTEGER_WIDTH,
+                                      ctypes.c_int32),
+    "LD_ARRAY_INTEGER_WIDTH": (E.CUBLASLT_GROUPED_MATRIX_LAYOUT_LD_ARRAY_INTEGER_WIDTH, ctypes.c_int32),
 }
 PREFERENCE_ATTRS = {
     "SEARCH_MODE": (E.CUBLASLT_MATMUL_PREF_SEARCH_MODE, ctypes.c_uint32),
@@ -57,6 +67,12 @@ PREFERENCE_ATTRS = {
     "MIN_ALIGNMENT_B_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ctypes.c_uint32),
     "MIN_ALIGNMENT_C_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ctypes.c_uint32),
     "MIN_ALIGNMENT_D_BYTES": (E.CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ctypes.c_uint32),
+    # The header documents these three as uint32_t, but cuBLAS 13.10 refuses 4 bytes
+    # (CUBLAS_STATUS_INVALID_VALUE) and takes 8, as TransformerEngine and PyTorch pass them
+    # (int64_t); tests/test_cublaslt.py checks both sizes against the real library.
+    "GROUPED_AVERAGE_REDUCTION_DIM": (E.CUBLASLT_MATMUL_PREF_GROUPED_AVERAGE_REDUCTION_DIM, ctypes.c_int64),
+    "GROUPED_DESC_D_AVERAGE_ROWS": (E.CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_ROWS, ctypes.c_int64),
+    "GROUPED_DESC_D_AVERAGE_COLS": (E.CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_COLS, ctypes.c_int64),
 }
 
 
@@ -155,6 +171,31 @@ class MatrixLayout(_Descriptor):
         self.shape = (data_type, rows, cols, ld)
 
 
+class GroupedMatrixLayout(MatrixLayout):
+    """A grouped layout (``cublasLtGroupedMatrixLayoutCreate``, cuBLAS 13.1+): ``count`` column-major
+    matrices whose rows, columns and leading dimensions are read by the GEMM from the device arrays
+    at ``rows_ptr``, ``cols_ptr``, ``ld_ptr`` (int32 each, the default integer width, set
+    explicitly). Creating it only records the addresses: no GPU needed."""
+
+    def __init__(self, data_type: int, count: int, rows_ptr: int, cols_ptr: int, ld_ptr: int):
+        self._lib = lib()
+        create = getattr(self._lib, "cublasLtGroupedMatrixLayoutCreate", None)
+        if create is None:
+            raise CublasLtError("cublasLtGroupedMatrixLayoutCreate", E.CUBLAS_STATUS_NOT_SUPPORTED,
+                                "this libcublasLt has no grouped GEMM (needs cuBLAS 13.1+)")
+        self._destroy = self._lib.cublasLtMatrixLayoutDestroy
+        self._setter = self._lib.cublasLtMatrixLayoutSetAttribute
+        self._getter = self._lib.cublasLtMatrixLayoutGetAttribute
+        h = ctypes.c_void_p()
+        check(create(ctypes.byref(h), data_type, count, rows_ptr, cols_ptr, ld_ptr),
+              "cublasLtGroupedMatrixLayoutCreate",
+              f"type {data_type}, {count} groups, arrays {rows_ptr:#x} {cols_ptr:#x} {ld_ptr:#x}")
+        self.handle = h
+        self.shape = (data_type, count, rows_ptr, cols_ptr, ld_ptr)
+        self.set("ROWS_COLS_ARRAY_INTEGER_WIDTH", E.CUBLASLT_INTEGER_WIDTH_32)
+        self.set("LD_ARRAY_INTEGER_WIDTH", E.CUBLASLT_INTEGER_WIDTH_32)
+
+
 class MatmulPreference(_Descriptor):
     """``cublasLtMatmulPreference_t``: workspace limit and minimum pointer alignments."""
 
@@ -209,17 +250,25 @@ class GemmConfig:
     bias_type: int | None = None
     fast_accum: bool = False
     scaled: bool = False
+    grouped: bool = False
 
     def attributes(self) -> dict[str, int]:
-        """Every attribute :func:`matmul_desc` sets besides the per-call pointers."""
+        """Every attribute :func:`matmul_desc` sets besides the per-call pointers. A grouped GEMM
+        (TransformerEngine's Hopper settings) reads alpha and beta from the device (one scalar
+        each for all groups) and, with FP8, one scale per group from device arrays of pointers
+        (``PER_BATCH_SCALAR_32F``)."""
         attrs = {"TRANSA": self.transa, "TRANSB": self.transb,
-                 "POINTER_MODE": E.CUBLASLT_POINTER_MODE_HOST,
+                 "POINTER_MODE": E.CUBLASLT_POINTER_MODE_DEVICE if self.grouped
+                 else E.CUBLASLT_POINTER_MODE_HOST,
                  "EPILOGUE": E.CUBLASLT_EPILOGUE_DEFAULT if self.bias_type is None
                  else E.CUBLASLT_EPILOGUE_BIAS}
         if self.bias_type is not None:
             attrs["BIAS_DATA_TYPE"] = self.bias_type
         if self.scaled:
             attrs["FAST_ACCUM"] = int(self.fast_accum)
+            if self.grouped:
+                attrs["A_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
+                attrs["B_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
         return attrs
 
 

@@ -40,7 +40,9 @@ __all__ = [
     "Block", "ExpertGemm", "GemmPlan", "Problem", "pointer_alignment", "plan_expert",
     "plan_problem", "check_fprop", "check_dgrad", "check_wgrad", "outputs", "check_alignment",
     "gemm_config", "bias_dtype_for", "workspace_bytes_for", "build_descriptors",
-    "FP8_MULTIPLE", "NUM_STREAMS", "OUT_DTYPES",
+    "FP8_MULTIPLE", "NUM_STREAMS", "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
+    "VecPlan", "plan_arrays", "grouped_gemm_unsupported", "choose_path", "grouped_workspace_layout",
+    "grouped_descriptors", "GROUPED_MAX_GROUPS",
 ]
 
 # cuBLASLt FP8 GEMMs need the reduction and output dims, leading dims and pointers in multiples of
@@ -1027,3 +1029,126 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
 def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState) -> None:
     _zero_outputs(st, vp, out, st.current_stream().ptr)
     _launch_loop(st, vp, problem.fp8)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLASLt's grouped GEMM (one call for all experts): capability rules and descriptors.
+#
+# What is built: the decision (pure, tested), the device-workspace layout the per-group arrays
+# live in, and the descriptors over it (tested on the CPU against the real library). Not built
+# yet: the setup kernel that fills those arrays on the device and the launch through them; until
+# then the ops always run the per-expert loop, and ``choose_path`` is what the launch will call.
+
+# cuBLAS versions (cublasLtGetVersion: major*10000 + minor*100 + patch), from TransformerEngine's
+# cublaslt_grouped_gemm.cu and design.md §5.
+GROUPED_MIN_VERSION_BLACKWELL = 130300     # sm_100..sm_110, BF16/FP16 and FP8
+GROUPED_MIN_VERSION_HOPPER = 130400        # sm_90, BF16/FP16
+GROUPED_MIN_VERSION_HOPPER_FP8 = 130500    # sm_90, FP8 per-tensor scaling (PER_BATCH_SCALAR_32F)
+GROUPED_BAD_VERSIONS = (130700, 130801)    # [lo, hi): TE reports data corruption with per-group outputs
+GROUPED_MAX_GROUPS = 256                   # what one setup launch's argument block will hold
+_GROUPED_INPUTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def grouped_gemm_unsupported(version: int, compute_capability: int, *, fp8: bool, in_dtype: str,
+                             has_symbol: bool = True) -> str | None:
+    """Why cuBLASLt's grouped GEMM cannot run this configuration, or None if it can."""
+    if not has_symbol:
+        return f"libcublasLt {version} has no cublasLtGroupedMatrixLayoutCreate (needs 13.1+)"
+    if in_dtype not in _GROUPED_INPUTS:
+        return f"grouped GEMM inputs must be FP8, bfloat16 or float16, got {in_dtype}"
+    cc = int(compute_capability)
+    if cc < 90 or cc > 110:
+        return f"grouped GEMM runs on sm_90 (Hopper) and sm_100..sm_110 (Blackwell), not sm_{cc}"
+    need = (GROUPED_MIN_VERSION_BLACKWELL if cc >= 100
+            else GROUPED_MIN_VERSION_HOPPER_FP8 if fp8 else GROUPED_MIN_VERSION_HOPPER)
+    if version < need:
+        return (f"grouped {'FP8' if fp8 else in_dtype} GEMM on sm_{cc} needs cuBLAS "
+                f"{need // 10000}.{need // 100 % 100}+, this is {version // 10000}.{version // 100 % 100}")
+    return None
+
+
+def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capability: int,
+                has_symbol: bool, discrete_out: bool, requested: str | None = None) -> tuple[str, str]:
+    """``("grouped" | "loop", reason)`` for a planned problem.
+
+    The loop is kept when the library or GPU lacks the grouped GEMM, for a bias epilogue (not
+    offered by the grouped path), more than :data:`GROUPED_MAX_GROUPS` experts, the cuBLAS
+    versions with the per-group-output corruption (``discrete_out``: wgrad into a list of
+    ``main_grad`` buffers), and when a group's m, n or k is not a multiple of 16 bytes of its
+    input type (NVIDIA's grouped samples state that requirement; to be relaxed once a GPU test
+    shows more works), or fewer than two experts compute anything.
+    ``requested="loop"`` forces the loop; ``"grouped"`` raises if the grouped GEMM cannot run.
+    """
+    if requested not in (None, "loop", "grouped"):
+        raise ValueError(f"path: got {requested!r}, expected None, 'loop' or 'grouped'")
+    if requested == "loop":
+        return "loop", "requested"
+    in_dtype = as_blocks(problem.left).dtype
+    reason = grouped_gemm_unsupported(version, compute_capability, fp8=problem.fp8,
+                                      in_dtype=in_dtype, has_symbol=has_symbol)
+    if reason is None and problem.bias is not None:
+        reason = "the grouped GEMM has no bias epilogue"
+    if reason is None and len(problem.reduction) > GROUPED_MAX_GROUPS:
+        reason = f"more than {GROUPED_MAX_GROUPS} experts"
+    if reason is None and discrete_out and GROUPED_BAD_VERSIONS[0] <= version < GROUPED_BAD_VERSIONS[1]:
+        reason = f"cuBLAS {version} corrupts per-group outputs (fixed in 13.8.1)"
+    if reason is None:
+        unit = 16 // _ITEMSIZE[in_dtype]
+        if np.any(vp.mnk % unit):
+            reason = f"a group's m, n or k is not a multiple of {unit} elements (16 bytes)"
+    if reason is None and vp.mnk.shape[0] < 2:
+        reason = "fewer than two experts to compute"
+    if reason is None:
+        return "grouped", "supported"
+    if requested == "grouped":
+        raise RuntimeError(f"path='grouped' cannot run: {reason}")
+    return "loop", reason
+
+
+# Device workspace of one grouped call: 6 pointer arrays (A, B, C, D, A scale, B scale; each
+# 16-byte aligned, as cuBLAS requires for pointer arrays), 9 int32 arrays (rows, cols, ld of A,
+# B and D; C shares D's) and the two float scalars alpha, beta (device pointer mode).
+GROUPED_PTR_ARRAYS = ("a", "b", "c", "d", "a_scale", "b_scale")
+GROUPED_INT_ARRAYS = ("a_rows", "a_cols", "a_ld", "b_rows", "b_cols", "b_ld", "d_rows", "d_cols",
+                      "d_ld")
+
+
+def grouped_workspace_layout(groups: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of every array of a grouped call's device workspace, and its total size."""
+    off, pos = {}, 0
+    for name in GROUPED_PTR_ARRAYS:
+        pos = -(-pos // 16) * 16
+        off[name], pos = pos, pos + 8 * groups
+    for name in GROUPED_INT_ARRAYS:
+        off[name], pos = pos, pos + 4 * groups
+    pos = -(-pos // 16) * 16
+    off["alpha"], off["beta"] = pos, pos + 4
+    return off, pos + 16
+
+
+def grouped_descriptors(config, groups: int, base: int, vp: VecPlan, workspace_bytes: int):
+    """The descriptors of one grouped call whose workspace starts at device address ``base``:
+    ``(desc, a_layout, b_layout, c_layout, d_layout, preference)``. ``config`` must be the plan's
+    config with ``grouped=True``; the scale pointers point at the workspace's pointer arrays; the
+    preference carries the average D rows, D columns and reduction (the heuristic's only view of
+    the device-side shapes). Needs no GPU."""
+    off, _ = grouped_workspace_layout(groups)
+    desc = _D.MatmulDesc()
+    for name, value in config.attributes().items():
+        desc.set(name, value)
+    if config.scaled:
+        desc.set("A_SCALE_POINTER", base + off["a_scale"])
+        desc.set("B_SCALE_POINTER", base + off["b_scale"])
+    k0 = vp.keys[0]
+    lay = {x: _D.GroupedMatrixLayout(int(k0[t]), groups, base + off[f"{x}_rows"],
+                                     base + off[f"{x}_cols"], base + off[f"{x}_ld"])
+           for x, t in (("a", 0), ("b", 4), ("d", 8))}
+    c = _D.GroupedMatrixLayout(int(k0[8]), groups, base + off["d_rows"], base + off["d_cols"],
+                               base + off["d_ld"])
+    pref = _D.MatmulPreference()
+    pref.set("MAX_WORKSPACE_BYTES", workspace_bytes)
+    avg = np.maximum(vp.mnk.sum(axis=0) // max(groups, 1), 1)
+    pref.set("GROUPED_DESC_D_AVERAGE_ROWS", int(avg[0]))
+    pref.set("GROUPED_DESC_D_AVERAGE_COLS", int(avg[1]))
+    pref.set("GROUPED_AVERAGE_REDUCTION_DIM", int(avg[2]))
+    return desc, lay["a"], lay["b"], c, lay["d"], pref
