@@ -1,0 +1,376 @@
+"""Benchmark of the grouped GEMMs (fprop, dgrad, wgrad) against the peers a user would pick instead.
+
+Per config and pass, in one process on the same data: cugrouped FP8 (``GroupedFP8`` operands from
+``multi_pad_cast_transpose``) and 16-bit (float16 lists: CuPy has no bfloat16 arrays), a
+per-expert ``torch._scaled_mm`` loop, ``torch._scaled_grouped_mm`` (row-wise scales filled from
+our per-tensor scales), bf16 ``torch._grouped_mm`` and a bf16 per-expert ``F.linear`` loop. Each
+row reports ms, TFLOP/s, % of the dense peak measured in the same run (FP8 peak for FP8 rows, bf16
+peak for 16-bit rows), cugrouped's host us per expert (the Python call, no sync), and the speed-up
+of cugrouped FP8 over the peer. Without torch only cugrouped runs. Importing this module needs
+neither torch nor a GPU; :func:`bench_host_loop` runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from .common import median_ms
+
+__all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "bench_gemm",
+           "bench_host_loop", "host_loop_state"]
+
+PASSES = ("fprop", "dgrad", "wgrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmBench:
+    """One experiment: E experts, layer ``k -> n`` (w is ``(n, k)`` per expert), total tokens,
+    equal or jagged split (jagged: Dirichlet(0.5) shares, one expert always empty)."""
+
+    name: str
+    experts: int
+    k: int
+    n: int
+    tokens: int
+    jagged: bool
+
+    def m_splits(self) -> list[int]:
+        if not self.jagged:
+            base = [self.tokens // self.experts] * self.experts
+            base[-1] += self.tokens - sum(base)
+            return base
+        rng = np.random.default_rng(self.experts * 7919 + self.k + self.n)
+        w = rng.dirichlet(np.full(self.experts, 0.5))
+        w[self.experts // 3] = 0.0
+        m = np.floor(w / w.sum() * self.tokens).astype(int)
+        m[0] += self.tokens - m.sum()
+        return [int(v) for v in m]
+
+
+def gemm_flops(cfg: GemmBench, pass_name: str) -> int:
+    """Useful FLOPs of one pass: ``2 * sum(m_i) * k * n`` for each of fprop, dgrad and wgrad (the
+    wgrad padding to 16 tokens is not counted)."""
+    if pass_name not in PASSES:
+        raise ValueError(f"pass_name: got {pass_name!r}, expected one of {PASSES}")
+    return 2 * sum(cfg.m_splits()) * cfg.k * cfg.n
+
+
+GEMM_CONFIGS = (
+    GemmBench("dsv3-E8-equal-16k", 8, 7168, 2048, 16384, False),
+    GemmBench("dsv3-E8-jagged-16k", 8, 7168, 2048, 16384, True),
+    GemmBench("dsv3-E8-equal-64k", 8, 7168, 2048, 65536, False),
+    GemmBench("dsv3-E8-jagged-64k", 8, 7168, 2048, 65536, True),
+    GemmBench("qwen-E16-4096to2048", 16, 4096, 2048, 16 * 2560, False),
+    GemmBench("qwen-E16-1024to4096", 16, 1024, 4096, 16 * 2560, True),
+    GemmBench("mixtral-E8-4096to14336", 8, 4096, 14336, 16384, True),
+    GemmBench("mixtral-E8-14336to4096", 8, 14336, 4096, 16384, True),
+    GemmBench("fine-E64-2048to1408", 64, 2048, 1408, 8192, True),
+)
+QUICK_GEMM = (GEMM_CONFIGS[1], GEMM_CONFIGS[8])
+
+
+def _host_us_per_expert(fn, experts: int, reps: int = 20) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(0)
+    return (time.perf_counter() - t0) / reps / experts * 1e6
+
+
+def dense_peaks_tflops(size: int = 8192) -> dict[str, float]:
+    """Measured dense matmul TFLOP/s on one big square GEMM: ``bf16`` (torch.mm) and ``fp8``
+    (torch._scaled_mm, E4M3, fast accumulation), the roofline the rows are compared with."""
+    import torch
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * size ** 3
+    peaks = {"bf16": flops / median_ms(lambda i: torch.mm(a, b), 20) / 1e9}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device="cuda")
+        peaks["fp8"] = flops / median_ms(lambda i: torch._scaled_mm(
+            a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True), 20) / 1e9
+    except (RuntimeError, AttributeError) as exc:
+        print(f"fp8 peak not measured ({type(exc).__name__}: {exc}); using the bf16 peak x 2")
+        peaks["fp8"] = 2 * peaks["bf16"]
+    return peaks
+
+
+def _cugrouped_calls(cfg: GemmBench, m_splits, copies: int):
+    """cugrouped's FP8 and float16 calls per pass, over ``copies`` rotated operand sets."""
+    import cupy
+
+    from .. import grouped_dgrad, grouped_fprop, grouped_wgrad, multi_pad_cast_transpose
+
+    rng = cupy.random.default_rng(0)
+    sets = []
+    for _ in range(copies):
+        x = rng.standard_normal((sum(m_splits), cfg.k), dtype=np.float32).astype(cupy.float16)
+        dy = (rng.standard_normal((sum(m_splits), cfg.n), dtype=np.float32) * 1e-3).astype(cupy.float16)
+        w = (rng.standard_normal((cfg.experts, cfg.n, cfg.k), dtype=np.float32) * 0.02).astype(cupy.float16)
+        X = multi_pad_cast_transpose(x, m_splits, dtype="float16")
+        DY = multi_pad_cast_transpose(dy, m_splits, dtype="float16", fp8_format="e5m2")
+        W = multi_pad_cast_transpose(list(w), fp8_format="e4m3", align=1)
+        off = np.concatenate([[0], np.cumsum(m_splits)])
+        xs = [x[off[i]:off[i + 1]] for i in range(cfg.experts)]
+        dys = [dy[off[i]:off[i + 1]] for i in range(cfg.experts)]
+        sets.append(dict(X=X, DY=DY, W=W, x=x, dy=dy, w=w, xs=xs, dys=dys))
+    y = cupy.empty((sum(m_splits), cfg.n), cupy.uint16)
+    dx = cupy.empty((sum(m_splits), cfg.k), cupy.uint16)
+    dw = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.float32)
+    y16 = cupy.empty((sum(m_splits), cfg.n), cupy.float16)
+    dx16 = cupy.empty((sum(m_splits), cfg.k), cupy.float16)
+    dw16 = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.float32)
+    c = lambda i: sets[i % copies]  # noqa: E731
+    fp8 = {"fprop": lambda i: grouped_fprop(c(i)["X"], c(i)["W"], out=y),
+           "dgrad": lambda i: grouped_dgrad(c(i)["DY"], c(i)["W"], out=dx),
+           "wgrad": lambda i: grouped_wgrad(c(i)["X"], c(i)["DY"], out=dw)}
+    f16 = {"fprop": lambda i: grouped_fprop(c(i)["xs"], c(i)["w"], out=y16, out_dtype="float16"),
+           "dgrad": lambda i: grouped_dgrad(c(i)["dys"], c(i)["w"], out=dx16, out_dtype="float16"),
+           "wgrad": lambda i: grouped_wgrad(c(i)["xs"], c(i)["dys"], out=dw16, out_dtype="float32")}
+    return sets, fp8, f16
+
+
+def _torch_peers(cfg: GemmBench, m_splits, sets):
+    """Peer calls per pass: name -> {pass: fn(i)}; a peer that cannot run a pass is left out and
+    its reason printed. FP8 peers use our FP8 bytes and scales; their token blocks are padded to
+    16 (torch's FP8 GEMMs need it), bf16 peers use unpadded bf16 copies."""
+    import torch
+    import torch.nn.functional as F
+
+    E_, k, n = cfg.experts, cfg.k, cfg.n
+    m_pad = [-(-m // 16) * 16 for m in m_splits]
+    copies = len(sets)
+    T = []
+    for s in sets:
+        t = {}
+        f8 = lambda a, dt: torch.from_dlpack(a).view(dt)  # noqa: E731
+        e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+        X, DY, W = s["X"], s["DY"], s["W"]
+        # row-wise FP8 with each expert padded to 16 rows (zero rows), transposed copies as cast
+        xr = torch.zeros((sum(m_pad), k), dtype=torch.uint8, device="cuda")
+        dyr = torch.zeros((sum(m_pad), n), dtype=torch.uint8, device="cuda")
+        xsrc, dysrc = torch.from_dlpack(X.data), torch.from_dlpack(DY.data)
+        o, op = 0, 0
+        for m, mp in zip(m_splits, m_pad):
+            xr[op:op + m] = xsrc[o:o + m]
+            dyr[op:op + m] = dysrc[o:o + m]
+            o, op = o + m, op + mp
+        t["x8"], t["dy8"] = xr.view(e4), dyr.view(e5)
+        t["w8"] = f8(W.data, e4).view(E_, n, k)
+        t["wT8"] = f8(W.data_t, e4).view(E_, k, n)
+        t["xT8"], t["dyT8"] = f8(X.data_t, e4), f8(DY.data_t, e5)
+        t["sx"], t["sdy"], t["sw"] = (torch.from_dlpack(g.scale_inv) for g in (X, DY, W))
+        t["x16"] = torch.from_dlpack(s["x"]).to(torch.bfloat16)
+        t["dy16"] = torch.from_dlpack(s["dy"]).to(torch.bfloat16)
+        t["w16"] = torch.from_dlpack(s["w"]).to(torch.bfloat16)
+        T.append(t)
+    po = np.concatenate([[0], np.cumsum(m_pad)])
+    uo = np.concatenate([[0], np.cumsum(m_splits)])
+    co = po  # column offsets (in tokens) of each expert's transposed block
+    bf = torch.bfloat16
+    live = [e for e in range(E_) if m_splits[e]]  # a loop skips empty experts, as a user's would
+    peers: dict[str, dict] = {"torch-scaled_mm-loop": {}, "torch-scaled_grouped_mm": {},
+                              "torch-grouped_mm-bf16": {}, "torch-linear-loop-bf16": {}}
+    t_ = lambda i: T[i % copies]  # noqa: E731
+
+    def sm_fprop(i):
+        t = t_(i)
+        return [torch._scaled_mm(t["x8"][po[e]:po[e + 1]], t["w8"][e].t(), t["sx"][e], t["sw"][e],
+                                 out_dtype=bf, use_fast_accum=True) for e in live]
+
+    def sm_dgrad(i):
+        t = t_(i)
+        return [torch._scaled_mm(t["dy8"][po[e]:po[e + 1]], t["wT8"][e].t(), t["sdy"][e], t["sw"][e],
+                                 out_dtype=bf) for e in live]
+
+    def sm_wgrad(i):
+        t = t_(i)
+        out = []
+        for e in live:
+            mp = m_pad[e]
+            dyT = t["dyT8"][n * co[e]:n * co[e + 1]].view(n, mp)
+            xT = t["xT8"][k * co[e]:k * co[e + 1]].view(k, mp)
+            out.append(torch._scaled_mm(dyT, xT.t(), t["sdy"][e], t["sx"][e], out_dtype=torch.float32))
+        return out
+
+    peers["torch-scaled_mm-loop"] = {"fprop": sm_fprop, "dgrad": sm_dgrad, "wgrad": sm_wgrad}
+    offs_pad = torch.tensor(np.cumsum(m_pad), dtype=torch.int32, device="cuda")
+    offs = torch.tensor(np.cumsum(m_splits), dtype=torch.int32, device="cuda")
+    if hasattr(torch, "_scaled_grouped_mm"):
+        rows = torch.tensor(np.repeat(np.arange(E_), m_pad), device="cuda")
+
+        def sg_fprop(i):
+            t = t_(i)
+            sa = t["sx"][rows].contiguous()
+            sb = t["sw"][:, None].expand(E_, n).contiguous()
+            return torch._scaled_grouped_mm(t["x8"], t["w8"].transpose(-2, -1), sa, sb, offs=offs_pad,
+                                            out_dtype=bf, use_fast_accum=True)
+
+        def sg_dgrad(i):
+            t = t_(i)
+            sa = t["sdy"][rows].contiguous()
+            sb = t["sw"][:, None].expand(E_, k).contiguous()
+            return torch._scaled_grouped_mm(t["dy8"], t["wT8"].transpose(-2, -1), sa, sb,
+                                            offs=offs_pad, out_dtype=bf)
+
+        peers["torch-scaled_grouped_mm"] = {"fprop": sg_fprop, "dgrad": sg_dgrad}
+        print("torch._scaled_grouped_mm: wgrad (2-D x 2-D with offsets along the reduction) not run")
+    else:
+        print("torch._scaled_grouped_mm not in this torch: skipped")
+    if hasattr(torch, "_grouped_mm"):
+        peers["torch-grouped_mm-bf16"] = {
+            "fprop": lambda i: torch._grouped_mm(t_(i)["x16"], t_(i)["w16"].transpose(-2, -1), offs=offs),
+            "dgrad": lambda i: torch._grouped_mm(t_(i)["dy16"], t_(i)["w16"], offs=offs),
+            "wgrad": lambda i: torch._grouped_mm(t_(i)["dy16"].t(), t_(i)["x16"], offs=offs)}
+    else:
+        print("torch._grouped_mm not in this torch: skipped")
+
+    def lin(pass_name):
+        def run(i):
+            t = t_(i)
+            out = []
+            for e in live:
+                x, dy, w = t["x16"][uo[e]:uo[e + 1]], t["dy16"][uo[e]:uo[e + 1]], t["w16"][e]
+                out.append(F.linear(x, w) if pass_name == "fprop" else dy @ w
+                           if pass_name == "dgrad" else dy.t() @ x)
+            return out
+        return run
+
+    peers["torch-linear-loop-bf16"] = {p: lin(p) for p in PASSES}
+    return peers
+
+
+def bench_gemm(quick: bool, rows: list[dict]) -> None:
+    """Time every config and pass; append one dict per (config, pass, impl) to ``rows``."""
+    configs = QUICK_GEMM if quick else GEMM_CONFIGS
+    runs = 10 if quick else 30
+    try:
+        import torch  # noqa: F401
+        peaks = dense_peaks_tflops()
+        print(f"dense peaks: bf16 {peaks['bf16']:.0f} TFLOP/s, fp8 {peaks['fp8']:.0f} TFLOP/s")
+    except ImportError:
+        torch = None
+        peaks = None
+        print("torch not installed: peers and dense peaks skipped")
+    for cfg in configs:
+        m_splits = cfg.m_splits()
+        per_set = sum(m_splits) * (cfg.k + cfg.n) * 5 + cfg.experts * cfg.n * cfg.k * 3
+        copies = max(2, int(np.ceil(256e6 / per_set)))
+        sets, fp8, f16 = _cugrouped_calls(cfg, m_splits, copies)
+        peers = _torch_peers(cfg, m_splits, sets) if torch is not None else {}
+        for pass_name in PASSES:
+            flops = gemm_flops(cfg, pass_name)
+            ours = None
+            impls = [("cugrouped-fp8", fp8[pass_name], "fp8", True),
+                     ("cugrouped-fp16", f16[pass_name], "bf16", True)]
+            impls += [(name, fns[pass_name], "fp8" if "scaled" in name else "bf16", False)
+                      for name, fns in peers.items() if pass_name in fns]
+            for impl, fn, peak_kind, is_ours in impls:
+                try:
+                    ms = median_ms(fn, runs)
+                except Exception as exc:  # a peer that refuses these shapes is reported, not fatal
+                    print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} skipped: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}")
+                    continue
+                tflops = flops / ms / 1e9
+                row = dict(op="gemm", config=cfg.name, pass_name=pass_name, impl=impl, ms=ms,
+                           tflops=tflops, experts=cfg.experts, tokens=sum(m_splits))
+                if peaks:
+                    row["pct_peak"] = 100 * tflops / peaks[peak_kind]
+                if is_ours:
+                    row["host_us_per_expert"] = _host_us_per_expert(fn, cfg.experts)
+                if impl == "cugrouped-fp8":
+                    ours = ms
+                elif ours is not None:
+                    row["speedup_of_cugrouped_fp8"] = ms / ours
+                rows.append(row)
+                extra = (f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else
+                         f" cugrouped-fp8 {row['speedup_of_cugrouped_fp8']:5.2f}x faster"
+                         if "speedup_of_cugrouped_fp8" in row else "")
+                pct = f"{row['pct_peak']:5.1f}% of {peak_kind} peak" if "pct_peak" in row else ""
+                print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
+                      f"{pct}{extra}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host cost per expert, on the CPU.
+
+class _FakeStream:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+
+def host_loop_state(compute_capability: int = 90):
+    """A ``_DeviceState`` whose device calls are fakes: the heuristic returns an empty result,
+    ``cublasLtMatmul`` is a ctypes call into libc's ``labs`` (a C call with ctypes argument packing,
+    in place of the GPU call), streams/events do nothing. Everything else is the real loop: the
+    vectorized plan, descriptor and layout caches (real libcublasLt objects), pointer updates."""
+    import ctypes
+    import ctypes.util
+
+    from ..cublaslt import HeuristicResult
+    from ..ops import grouped_gemm as gg
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    fake_matmul = libc.labs  # one C call; returns its first argument (the handle: 0 = success)
+    fake_matmul.restype = ctypes.c_long
+
+    def matmul(*args):
+        return fake_matmul(0)
+
+    return gg._DeviceState(
+        0, compute_capability, ctypes.c_void_p(0), [_FakeStream(0x1000 + i) for i in range(gg.NUM_STREAMS)],
+        [0x7F0000000000 + (i << 26) for i in range(gg.NUM_STREAMS)], lambda: _FakeStream(0),
+        _FakeEvent, lambda *a: HeuristicResult(), matmul, lambda ptr, nbytes, stream: None)
+
+
+def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> None:
+    """Host time per expert of ``grouped_fprop``'s path on the CPU: argument checks, output blocks,
+    alignment checks, the vectorized plan and the launch loop, with only the device calls faked
+    (see :func:`host_loop_state`). FP8 operands (host buffers standing in for device ones), k=n=256,
+    jagged token counts; the timing starts after a warm-up, so caches are hot as in training."""
+    import time
+
+    import ml_dtypes
+
+    from ..ops import grouped_gemm as gg
+    from ..ops.pad_cast_transpose import multi_pad_cast_transpose
+
+    st = host_loop_state()
+    k = n = 256
+    for num in experts:
+        rng = np.random.default_rng(num)
+        m_splits = [int(v) for v in rng.integers(64, 192, num)]
+        m_splits[num // 3] = 0
+        X = multi_pad_cast_transpose([np.ones((m, k), np.float32) for m in m_splits])
+        W = multi_pad_cast_transpose([np.ones((n, k), np.float32) for _ in m_splits], align=1)
+        out = np.empty((sum(m_splits), n), ml_dtypes.bfloat16)
+
+        def step():
+            p = gg.check_fprop(X, W)
+            _, blocks = gg.outputs(p, out, np)
+            gg.check_alignment(p, blocks)
+            gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+
+        for _ in range(5):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        us = (time.perf_counter() - t0) / reps * 1e6
+        rows.append(dict(op="gemm-host", config=f"E{num}", impl="cugrouped", host_us=us,
+                         host_us_per_expert=us / num))
+        print(f"grouped_fprop host path, {num:>3} experts: {us:8.1f} us per call "
+              f"({us / num:.2f} us per expert; device calls faked)")
