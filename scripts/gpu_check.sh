@@ -10,6 +10,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 cd "$ROOT"
+if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
+    echo "gpu_check: no GPU visible to CuPy; nothing to check here (set CUGROUPED_GPU_CHECK_DRY=1 to run it anyway)"
+    [ "${CUGROUPED_GPU_CHECK_DRY:-0}" = 1 ] || exit 2
+fi
 {
     echo "== gpu_check $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

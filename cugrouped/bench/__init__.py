@@ -19,17 +19,32 @@ __all__ = ["run_bench"]
 
 
 def bench_planning(rows: list[dict]) -> None:
-    """Host cost per call that does not need a GPU: argument planning for E experts."""
+    """Host cost per call that needs no GPU: checking the inputs, planning the launches and packing
+    the by-value argument blocks of the cast op (everything but allocation and the launch itself),
+    for a list of E arrays and for one array plus its splits."""
+    import numpy as np
+
     for experts in (8, 64, 256):
-        m = [1000 + 17 * i for i in range(experts)]
-        t0 = time.perf_counter()
-        n = 200
-        for _ in range(n):
-            pct.plan_launches(m, 7168, 16)
-        us = (time.perf_counter() - t0) / n * 1e6
-        rows.append(dict(op="plan", config=f"E{experts}", impl="cugrouped", host_us=us,
-                         host_us_per_expert=us / experts))
-        print(f"launch planning, {experts:>3} experts: {us:8.1f} us per call ({us / experts:.2f} us per expert)")
+        xs = [np.empty((1000 + 17 * i, 128), np.float32) for i in range(experts)]
+        x = np.empty((sum(a.shape[0] for a in xs), 128), np.float32)
+        m = [a.shape[0] for a in xs]
+        for form, args in (("list", (xs, None)), ("tensor", (x, m))):
+            def once():
+                g = pct.normalize_inputs(*args)
+                res = pct._outputs(g, np, "e4m3", 16, True, True, False, None, None)
+                plans = pct.plan_launches(g.m_splits, g.k, 16)
+                pct._pack_groups(g, res, plans, 16)
+
+            once()
+            n = 200
+            t0 = time.perf_counter()
+            for _ in range(n):
+                once()
+            us = (time.perf_counter() - t0) / n * 1e6
+            rows.append(dict(op="cast-host", config=f"E{experts}-{form}", impl="cugrouped", host_us=us,
+                             host_us_per_expert=us / experts))
+            print(f"cast op host path, {experts:>3} experts, {form:<6}: {us:8.1f} us per call "
+                  f"({us / experts:.2f} us per expert)")
 
 
 def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False) -> int:

@@ -155,14 +155,15 @@ class GroupedInput:
 
 def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
     if array_is_device(m_splits):
-        raise TypeError("m_splits: device arrays are not supported yet (the output size of the "
-                        "transposed copy depends on them); pass a host sequence of ints")
-    try:
-        splits = tuple(int(v) for v in np.asarray(m_splits).reshape(-1))
-        if any(int(v) != v for v in np.asarray(m_splits).reshape(-1)):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise TypeError(f"m_splits: expected a sequence of non-negative ints, got {m_splits!r}") from None
+        raise TypeError("m_splits: a device array was given with splits_on_device=False; pass a host "
+                        "sequence of ints, or leave splits_on_device=None to let the kernel read it")
+    if isinstance(m_splits, (list, tuple)) and all(type(v) is int for v in m_splits):
+        splits = tuple(m_splits)                      # the common case, without NumPy
+    else:
+        arr = np.asarray(m_splits)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {m_splits!r}")
+        splits = tuple(int(v) for v in arr)
     if any(v < 0 for v in splits):
         raise ValueError(f"m_splits: expected non-negative counts, got {splits}")
     if sum(splits) != rows:
