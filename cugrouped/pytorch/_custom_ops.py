@@ -25,7 +25,8 @@ from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
 from ._adapters import dtype_name, launch_context, to_array
 
-__all__ = ["fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "scale_update",
+__all__ = ["fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_accumulate",
+           "scale_update",
            "padded", "fused_bias_dtype"]
 
 
@@ -161,34 +162,48 @@ def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
     return dy_data.new_empty((dy_data.shape[0], k), dtype=out_dtype)
 
 
-@torch.library.custom_op("cugrouped::fp8_wgrad", mutates_args=("main_grads",))
-def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
-              dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
-              out_dtype: torch.dtype, main_grads: List[torch.Tensor]) -> torch.Tensor:
-    """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``).
-
-    ``main_grads`` empty: returns ``(E, n, k)`` of ``out_dtype``. Otherwise (one fp32 ``(n, k)``
-    per expert) the gradients are accumulated into them (``beta = 1``) and an empty tensor is
-    returned."""
-    E = len(m_splits)
+def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
+           accumulate, out_dtype):
     xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16)
     dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16)
     backend = "cuda" if x_t.is_cuda else "reference"
-    if main_grads:
-        dw = x_t.new_empty((0, n, k), dtype=out_dtype)
-        out, acc, odt = [_arr(g) for g in main_grads], True, "float32"
-    else:
-        dw = torch.empty((E, n, k), dtype=out_dtype, device=x_t.device)
-        out, acc, odt = _arr(dw), False, dtype_name(out_dtype)
     with launch_context(x_t.device):
-        _ops.grouped_wgrad(xg, dyg, out=out, accumulate=acc, out_dtype=odt, backend=backend)
+        _ops.grouped_wgrad(xg, dyg, out=out, accumulate=accumulate, out_dtype=out_dtype,
+                           backend=backend)
+
+
+@torch.library.custom_op("cugrouped::fp8_wgrad", mutates_args=())
+def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
+              dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``);
+    returns ``(E, n, k)`` of ``out_dtype`` (an expert with no tokens gets zeros)."""
+    dw = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=x_t.device)
+    _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, _arr(dw),
+           False, dtype_name(out_dtype))
     return dw
 
 
 @fp8_wgrad.register_fake
-def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype,
-      main_grads):
-    return x_t.new_empty((0 if main_grads else len(m_splits), n, k), dtype=out_dtype)
+def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype):
+    return x_t.new_empty((len(m_splits), n, k), dtype=out_dtype)
+
+
+# A separate op (not an optional mutated list on fp8_wgrad): inductor mishandles a custom op that
+# both returns a tensor and mutates an empty Tensor[] argument.
+@torch.library.custom_op("cugrouped::fp8_wgrad_accumulate", mutates_args=("main_grads",))
+def fp8_wgrad_accumulate(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
+                         dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
+                         n: int, m_splits: List[int], main_grads: List[torch.Tensor]) -> None:
+    """``main_grads[i] += dy_iᵀ · x_i`` (fp32, ``beta = 1`` in the GEMM; experts with no tokens
+    leave theirs untouched)."""
+    _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
+           [_arr(g) for g in main_grads], True, "float32")
+
+
+@fp8_wgrad_accumulate.register_fake
+def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, main_grads):
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,10 +176,12 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dx = cops.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd, k,
                                     list(m_splits), ctx.x_dtype)
             if need_wgrad:
-                dw = cops.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k, n,
-                                    list(m_splits), ctx.w_dtype, list(ctx.main_grads))
-                if not cfg.fuse_wgrad:
-                    dws = list(dw.unbind(0))
+                if cfg.fuse_wgrad:
+                    cops.fp8_wgrad_accumulate(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k,
+                                              n, list(m_splits), list(ctx.main_grads))
+                else:
+                    dws = list(cops.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k,
+                                              n, list(m_splits), ctx.w_dtype).unbind(0))
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))
         if cfg.fuse_wgrad and need_wgrad:

@@ -1,0 +1,66 @@
+"""torch <-> NumPy/CuPy adapters: zero copies (same pointer), dtypes restored, the op launched on
+torch's current stream; the custom ops' fake implementations agree with the real ones in shape."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from cugrouped.pytorch import _custom_ops as cops
+from cugrouped.pytorch._adapters import FP8_TORCH_DTYPES, launch_context, numpy_dtype, to_array
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [
+    (torch.float32, np.float32), (torch.float64, np.float64), (torch.float16, np.float16),
+    (torch.bfloat16, ml_dtypes.bfloat16), (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+    (torch.float8_e5m2, ml_dtypes.float8_e5m2), (torch.uint8, np.uint8)])
+def test_cpu_round_trip_is_zero_copy_and_keeps_dtype(dtype, np_dtype):
+    t = torch.randn(6, 8).to(dtype)[1:5]          # a view with an offset
+    a, tag = to_array(t)
+    assert tag is None and a.dtype == np.dtype(np_dtype) and numpy_dtype(dtype) == a.dtype
+    assert a.ctypes.data == t.data_ptr() and a.shape == tuple(t.shape)
+    back = torch.from_numpy(a.view(np.uint8 if a.itemsize == 1 else
+                                   {2: np.int16, 4: np.float32, 8: np.float64}[a.itemsize]))
+    back = back.view(dtype)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == dtype
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_writes_through_the_view_reach_the_tensor():
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    to_array(t)[0][2] = ml_dtypes.bfloat16(1.5)
+    assert t[2].item() == 1.5
+
+
+def test_launch_context_is_a_no_op_on_cpu():
+    with launch_context(torch.device("cpu")):
+        pass
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fake_impls_match_real_shapes(fmt):
+    xs = [torch.randn(m, 32) for m in (3, 0, 17)]
+    real = cops.fp8_quantize(xs, fmt, 0, 16, True, True, True, None, None, 0, "reference")
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake_xs = [mode.from_tensor(x) for x in xs]
+        fake = cops.fp8_quantize(fake_xs, fmt, 0, 16, True, True, True, None, None, 0, "reference")
+    assert [tuple(r.shape) for r in real] == [tuple(f.shape) for f in fake]
+    assert [r.dtype for r in real] == [f.dtype for f in fake]
+    assert real[1].numel() == 32 * (16 + 0 + 32)
+    assert FP8_TORCH_DTYPES[fmt] in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@pytest.mark.gpu
+def test_cuda_round_trip_same_pointer_and_stream():
+    import cupy
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        t = torch.randn(5, 16, device="cuda").to(dtype)
+        a, tag = to_array(t)
+        assert a.data.ptr == t.data_ptr()
+        assert tag == (None if dtype == torch.float32 else str(dtype).removeprefix("torch."))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), launch_context(torch.device("cuda")):
+        assert cupy.cuda.get_current_stream().ptr == s.cuda_stream
