@@ -154,42 +154,41 @@ CG_DEVICE i64 block_inclusive_scan(i64 v, i64* warp_totals, i64& total) {
 
 // Device splits: read the counts of experts [0, first + num) in passes of PCT_THREADS, clamp them so
 // that they never run past total_rows (clamped prefix = min(prefix, total_rows)), and fill the
-// chunk's per-expert rows, row offsets, padded-column offsets and tile offsets in shared memory.
+// chunk's per-expert rows, row offsets, padded-column offsets and tile offsets in shared memory:
+// three block scans per pass (rows, padded columns, tiles of the chunk's experts), no serial loop.
 CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align, i64* sh_m,
                                              i64* sh_row, i64* sh_col, i32* sh_tile_start,
                                              i64* warp_totals) {
     const int last = g.first_expert + g.num_experts;
-    i64 row_carry = 0, col_carry = 0;
+    const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
+    i64 row_carry = 0, col_carry = 0, tile_carry = 0;
     for (int base = 0; base < last; base += PCT_THREADS) {
         const int i = base + threadIdx.x;
+        const int j = i - g.first_expert;                 // index within the chunk
+        const bool mine = j >= 0 && j < g.num_experts;
         i64 raw = i < last ? g.m_dev[i] : 0;
         raw = raw > 0 ? raw : 0;
         i64 total;
         const i64 incl = block_inclusive_scan(raw, warp_totals, total);
         const i64 hi = row_carry + incl < g.total_rows ? row_carry + incl : g.total_rows;
         const i64 lo = row_carry + incl - raw < g.total_rows ? row_carry + incl - raw : g.total_rows;
-        const i64 m = hi - lo;                       // this expert's rows after clamping
+        const i64 m = hi - lo;                            // this expert's rows after clamping
         const i64 padded = i < last ? round_up(m, align) : 0;
         i64 col_total;
         const i64 col_incl = block_inclusive_scan(padded, warp_totals, col_total);
-        const int j = i - g.first_expert;
-        if (j >= 0 && j < g.num_experts) {
+        const i64 tiles = mine ? tiles_of(padded, tiles_k) : 0;
+        i64 tile_total;
+        const i64 tile_incl = block_inclusive_scan(tiles, warp_totals, tile_total);
+        if (mine) {
             sh_m[j] = m;
             sh_row[j] = lo;
             sh_col[j] = (col_carry + col_incl - padded) * k;
+            sh_tile_start[j] = static_cast<i32>(tile_carry + tile_incl - tiles);
+            if (j == g.num_experts - 1) sh_tile_start[g.num_experts] = static_cast<i32>(tile_carry + tile_incl);
         }
         row_carry += total;
         col_carry += col_total;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
-        i32 acc = 0;
-        for (int j = 0; j < g.num_experts; ++j) {
-            sh_tile_start[j] = acc;
-            acc += static_cast<i32>(tiles_of(round_up(sh_m[j], align), tiles_k));
-        }
-        sh_tile_start[g.num_experts] = acc;
+        tile_carry += tile_total;
     }
     __syncthreads();
 }

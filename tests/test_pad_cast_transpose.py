@@ -165,6 +165,14 @@ def test_device_splits_over_several_chunks(given):
     assert len(log) == 3 * (1 if given else 2)
 
 
+def test_device_splits_with_more_experts_than_one_scan_pass():
+    """Experts past the first 256 make each block scan the counts in several passes (carries)."""
+    m_splits = [(i * 11) % 7 for i in range(300)]
+    xs = make_inputs(m_splits, 16, "float32", 8)
+    got, want = run_both(xs, m_splits, "device", align=16)
+    assert_same_bits(got, want, "300 experts, device splits")
+
+
 def test_device_splits_are_clamped_to_the_rows_there_are():
     xs = make_inputs([10, 6], 32, "float32", 1)
     x = np.concatenate(xs)
