@@ -8,6 +8,10 @@ Public API::
     grouped_fprop(x, w, bias=None)  # y_i = x_i W_i^T for all experts (cuBLASLt; FP8 or bf16/fp16/fp32)
     grouped_dgrad(dy, w)            # dx_i = dy_i W_i
     grouped_wgrad(x, dy)            # dW_i = dy_i^T x_i (or accumulate into fp32 main_grad)
+    update_scales(...)              # delayed scaling: amax histories -> scales, all tensors, one launch
+
+PyTorch users: ``cugrouped.pytorch`` (``GroupedLinear``, ``fp8_autocast``, recipes); importing
+``cugrouped`` itself never imports torch.
     warmup()                        # compile every kernel for the current GPU ahead of use
     kernel_sources()                # where the installed CUDA sources live
 
@@ -18,11 +22,12 @@ from ._jit import warmup
 from ._sources import kernels_dir as kernel_sources
 from .grouped_fp8 import GroupedFP8
 from .ops import (emulation_order, grouped_dgrad, grouped_fprop, grouped_wgrad,
-                  multi_pad_cast_transpose, record_launches)
+                  multi_pad_cast_transpose, record_launches, update_scales)
 
 __version__ = "0.1.0"
 
-__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "warmup", "kernel_sources",
+__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "grouped_fprop", "grouped_dgrad", "grouped_wgrad",
+           "update_scales", "warmup", "kernel_sources",
            "record_launches", "emulation_order", "gpu_available", "__version__"]
 
 
