@@ -51,7 +51,12 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
     from .. import gpu_available
 
     rows: list[dict] = []
-    bench_planning(rows)
+    if what in ("cast", "all"):
+        bench_planning(rows)
+    if what in ("gemm", "all"):
+        from .gemm import bench_host_loop
+
+        bench_host_loop(rows)
     if not gpu_available():
         print(f"bench {what}: no GPU here; skipped the device timings (cast vs torch eager/compile, "
               "gemm, layer). Run scripts/gpu_check.sh on a GPU machine.")
