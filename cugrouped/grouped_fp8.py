@@ -63,7 +63,11 @@ class GroupedFP8:
         if not self.splits_on_device:
             return self.m_splits, self.m_pad_splits
         raw = self.m_splits
-        raw = np.asarray(raw.get() if hasattr(raw, "get") else raw, dtype=np.int64).reshape(-1)
+        if hasattr(raw, "get"):            # CuPy
+            raw = raw.get()
+        elif hasattr(raw, "cpu"):          # torch
+            raw = raw.cpu().numpy()
+        raw = np.asarray(raw, dtype=np.int64).reshape(-1)
         rows = self.data.shape[0] if self.data is not None else int(raw.clip(0).sum())
         ends = np.minimum(np.cumsum(raw.clip(0)), rows)
         m = np.diff(np.concatenate([[0], ends]))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import _jit
-from .._array import FLOAT_INPUT_DTYPES, ArrayView, as_view
+from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_kind, as_view
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
 from . import _launch
 
@@ -285,6 +285,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     inputs : list/tuple of 2-D arrays ``(m_i, k)``, or one 2-D array ``(sum(m_splits), k)``
         float32, float16 or bfloat16, one common ``k`` and dtype, rows contiguous (unit column
         stride; the row stride may be larger). ``m_i == 0`` is allowed anywhere. Never copied.
+        NumPy and CuPy arrays give NumPy and CuPy results; torch tensors (CPU or CUDA) give torch
+        tensors allocated by torch, computed on ``torch.cuda.current_stream()``.
     m_splits : required with a single array: a host sequence of ints, or a contiguous int64
         device array. Device counts are read by the kernel itself (no host sync); the result's
         ``data_t`` is then sized for the worst case and ``m_pad_splits`` is None. The counts must
@@ -310,12 +312,17 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     _check_options(fp8_format, margin, align)
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
+    first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
+    if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
+        from ..pytorch.functional import multi_pad_cast_transpose as torch_op
+
+        return torch_op(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
+                        align=align, rowwise=rowwise, columnwise=columnwise,
+                        column_sums=column_sums, out=out, dtype=dtype,
+                        splits_on_device=splits_on_device, backend=backend)
     g = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)
-    if g.kind == "torch":
-        raise TypeError("inputs: torch tensors go through cugrouped.pytorch (not implemented yet); "
-                        "pass NumPy or CuPy arrays")
     if backend == "reference":
         from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
 

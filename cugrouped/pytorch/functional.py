@@ -1,0 +1,76 @@
+"""The framework-neutral ops called with torch tensors: same signature, torch tensors back.
+
+``cugrouped.multi_pad_cast_transpose(torch_tensors, ...)`` lands here. Every output is allocated by
+torch (its caching allocator on the GPU) and handed to the op as an ``out=`` buffer through a
+zero-copy view (:mod:`._adapters`); the kernels run on ``torch.cuda.current_stream()``. CPU tensors
+run the reference backend by default (or ``backend="emulate"``); a CUDA ``m_splits`` tensor is read
+by the kernel itself (no host sync), a CPU one becomes a host list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..grouped_fp8 import GroupedFP8
+from ..ops import pad_cast_transpose as _pct
+from ._adapters import FP8_TORCH_DTYPES, launch_context, to_array
+
+__all__ = ["multi_pad_cast_transpose"]
+
+
+def _arr(t):
+    """Zero-copy NumPy/CuPy view of a tensor (1-byte tensors as uint8 bytes), or None."""
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor) and t.element_size() == 1:
+        t = t.view(torch.uint8)
+    return to_array(t)[0]
+
+
+def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
+                             align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
+                             dtype=None, splits_on_device=None, backend=None) -> GroupedFP8:
+    """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
+    (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes)."""
+    tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError("inputs: expected torch tensors (all of them)")
+    dev = tensors[0].device
+    arrays = [to_array(t) for t in tensors]
+    tag = dtype or arrays[0][1]
+    xs = [a for a, _ in arrays] if isinstance(inputs, (list, tuple)) else arrays[0][0]
+    splits = m_splits
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device.type == "cuda" and splits_on_device is not False:
+            splits = to_array(m_splits)[0]                  # read by the kernel: no host sync
+        else:
+            splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
+    # Checks and sizes first: bad input raises before anything is allocated or launched.
+    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device)
+    rows, col_bytes = _pct.output_sizes(g, align)
+    E, k = g.num_experts, g.k
+    if out is None:
+        f32 = dict(dtype=torch.float32, device=dev)
+        out = GroupedFP8(
+            data=torch.empty((rows, k), dtype=torch.uint8, device=dev) if rowwise else None,
+            data_t=torch.empty((col_bytes,), dtype=torch.uint8, device=dev) if columnwise else None,
+            m_splits=(), m_pad_splits=(), amax=torch.empty(E, **f32),
+            scale=torch.empty(E, **f32) if scale is None else scale,
+            scale_inv=torch.empty(E, **f32), fp8_format=fp8_format, k=k, align=align,
+            column_sums=torch.empty((E, k), **f32) if column_sums else None)
+    fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
+    views = dataclasses.replace(out, **{f: _arr(getattr(out, f)) for f in fields})
+    with launch_context(dev):
+        res = _pct.multi_pad_cast_transpose(
+            xs, splits, fp8_format=fp8_format, scale=_arr(scale), margin=margin, align=align,
+            rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
+            splits_on_device=splits_on_device, backend=backend)
+    return dataclasses.replace(
+        res,
+        data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,
+        data_t=out.data_t.view(torch.uint8) if columnwise else None,
+        m_splits=res.m_splits if res.m_pad_splits is not None else m_splits,
+        amax=out.amax, scale=scale if scale is not None else out.scale, scale_inv=out.scale_inv,
+        column_sums=out.column_sums if column_sums else None)

@@ -1,0 +1,101 @@
+"""multi_pad_cast_transpose called with torch tensors: torch tensors back, from torch's allocator,
+with the reference's bits (CPU here; CUDA in the GPU check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cugrouped  # noqa: E402
+from cugrouped import reference  # noqa: E402
+
+SPLITS = [7, 0, 33, 16]
+K = 48
+
+
+def _inputs(dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(sum(SPLITS), K, generator=g) * 4).to(dtype)
+    return x.to(device)
+
+
+def _np(x):
+    return x.view(torch.int16).numpy().view(__import__("ml_dtypes").bfloat16) \
+        if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _same(got, want):
+    assert got.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert np.array_equal(got.data.cpu().view(torch.uint8).numpy(), want.data.view(np.uint8))
+    assert np.array_equal(got.data_t.cpu().numpy(), want.data_t)
+    for f in ("amax", "scale", "scale_inv"):
+        assert isinstance(getattr(got, f), torch.Tensor)
+        assert np.array_equal(getattr(got, f).cpu().numpy().view(np.uint32),
+                              np.asarray(getattr(want, f), np.float32).view(np.uint32)), f
+
+
+@pytest.mark.parametrize("backend", [None, "emulate", "reference"])
+@pytest.mark.parametrize("form", ["list", "tensor", "tensor-splits-as-tensor"])
+def test_torch_cpu_tensors_in_torch_tensors_out(backend, form):
+    x = _inputs()
+    want = reference.multi_pad_cast_transpose(_np(x), SPLITS, fp8_format="e5m2", column_sums=True)
+    if form == "list":
+        args = (list(torch.split(x, SPLITS)), None)
+    elif form == "tensor":
+        args = (x, SPLITS)
+    else:
+        args = (x, torch.tensor(SPLITS))
+    got = cugrouped.multi_pad_cast_transpose(*args, fp8_format="e5m2", column_sums=True,
+                                             backend=backend)
+    _same(got, want)
+    assert got.data.dtype == torch.float8_e5m2 and got.m_splits == tuple(SPLITS)
+    assert torch.equal(got.column_sums, torch.from_numpy(want.column_sums))
+    # the same bytes, viewed per expert
+    assert torch.equal(got.columnwise(2).view(torch.uint8), torch.from_numpy(want.columnwise(2)))
+
+
+def test_given_scale_and_out_buffers_are_torch_tensors_written_in_place():
+    x = _inputs(torch.float32)
+    scale = torch.tensor([1.0, 2.0, 0.5, 64.0])
+    first = cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=scale, backend="emulate")
+    assert first.scale is scale
+    ptrs = {f: getattr(first, f).data_ptr() for f in ("data", "data_t", "amax", "scale_inv")}
+    x2 = x * 3
+    again = cugrouped.multi_pad_cast_transpose(x2, SPLITS, scale=scale, out=first, backend="emulate")
+    for f, p in ptrs.items():
+        assert getattr(again, f).data_ptr() == p, f
+    _same(again, reference.multi_pad_cast_transpose(x2.numpy(), SPLITS, scale=scale.numpy()))
+
+
+def test_bad_torch_input_is_rejected_before_anything_runs():
+    x = _inputs()
+    with pytest.raises(ValueError, match="m_splits"):
+        cugrouped.multi_pad_cast_transpose(x, [1, 2])
+    with pytest.raises(TypeError, match="inputs"):
+        cugrouped.multi_pad_cast_transpose([x, np.zeros((2, K), np.float32)])
+    with pytest.raises(TypeError, match=r"inputs\[1\]"):
+        cugrouped.multi_pad_cast_transpose([x, x.float()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_kind", ["list", "device-tensor"])
+def test_torch_cuda_on_current_stream_without_sync(splits_kind):
+    x = _inputs().cuda()
+    want = reference.multi_pad_cast_transpose(_np(x.cpu()), SPLITS, column_sums=True)
+    splits = SPLITS if splits_kind == "list" else torch.tensor(SPLITS, device="cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            got = cugrouped.multi_pad_cast_transpose(x, splits, column_sums=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream.synchronize()
+    assert got.data.is_cuda and got.data.dtype == torch.float8_e4m3fn
+    if splits_kind == "device-tensor":
+        assert got.m_splits is splits and got.m_pad_splits is None
+        got.data_t = got.data_t[: want.data_t.size]
+    _same(got, want)
