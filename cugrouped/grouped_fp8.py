@@ -103,17 +103,25 @@ class GroupedFP8:
 
     def dequantize(self) -> list:
         """Per-expert float32 ``(m_i, k)`` arrays ``fp8 * scale_inv`` (from the row-wise copy if
-        present, else from the transposed one), on the data's device. For inspection and tests."""
+        present, else from the transposed one), of the data's kind and device. For inspection and
+        tests: FP8 bytes are decoded through a 256-entry table, exactly."""
         src = self.data if self.data is not None else self.data_t
-        xp = np if isinstance(src, np.ndarray) else __import__("cupy")
-        table = xp.asarray(np.arange(256, dtype=np.uint8).view(_FP8_DTYPES[self.fp8_format])
-                           .astype(np.float32))
+        kind = type(src).__module__.split(".")[0]
+        if kind == "torch":
+            import torch
+
+            table = torch.from_numpy(_decode_table(self.fp8_format)).to(src.device)
+            as_bytes = lambda q: q.view(torch.uint8).long()  # noqa: E731  (torch indexes with int64)
+        else:
+            xp = np if kind == "numpy" else __import__("cupy")
+            table = xp.asarray(_decode_table(self.fp8_format))
+            as_bytes = lambda q: q.view(xp.uint8)  # noqa: E731
         out = []
         for i, m in enumerate(self.host_splits()[0]):
-            if self.data is not None:
-                q = self.rowwise(i)
-            else:
-                q = self.columnwise(i)[:, :m].T
-            q = q.view(xp.uint8) if q.dtype != xp.uint8 else q
-            out.append(table[q] * self.scale_inv[i])
+            q = self.rowwise(i) if self.data is not None else self.columnwise(i)[:, :m].T
+            out.append(table[as_bytes(q)] * self.scale_inv[i])
         return out
+
+
+def _decode_table(fp8_format: str) -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(_FP8_DTYPES[fp8_format]).astype(np.float32)

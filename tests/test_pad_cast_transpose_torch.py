@@ -99,3 +99,14 @@ def test_torch_cuda_on_current_stream_without_sync(splits_kind):
         assert got.m_splits is splits and got.m_pad_splits is None
         got.data_t = got.data_t[: want.data_t.size]
     _same(got, want)
+
+
+def test_dequantize_torch_result_matches_numpy_result():
+    x = _inputs(torch.float32)
+    got = cugrouped.multi_pad_cast_transpose(x, SPLITS)
+    want = reference.multi_pad_cast_transpose(x.numpy(), SPLITS)
+    for a, b in zip(got.dequantize(), want.dequantize()):
+        assert isinstance(a, torch.Tensor) and np.array_equal(a.numpy(), b)
+    cw = cugrouped.multi_pad_cast_transpose(x, SPLITS, rowwise=False)
+    for a, b in zip(cw.dequantize(), want.dequantize()):
+        assert np.array_equal(a.numpy(), b)
