@@ -869,3 +869,91 @@ def test_gpu_misaligned_out_refused():
     buf = cupy.zeros(8 * 16 + 1, cupy.uint16)
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         grouped_fprop(X, W, out=buf[1:].reshape(8, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call memo: keyed on everything the checks read; a hit is what a fresh check gives.
+
+def _same_problem(p, q):
+    for f in dataclasses.fields(p):
+        a, b = getattr(p, f.name), getattr(q, f.name)
+        if isinstance(a, (np.ndarray, gg.Blocks)) or isinstance(b, (np.ndarray, gg.Blocks)):
+            if a is None or b is None or not np.array_equal(np.asarray(list(a), dtype=object),
+                                                             np.asarray(list(b), dtype=object)):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
+def test_memo_hits_on_the_same_buffers_and_misses_on_any_change():
+    gg.clear_memo()
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=4)
+    kw = dict(out_dtype="bfloat16", fast_accum=True)
+    c1 = gg.checked("fprop", (X, W, None), kw)
+    c2 = gg.checked("fprop", (X, W, None), kw)
+    assert c2.problem is c1.problem and c2.outs is c1.outs
+    assert _same_problem(c1.problem, gg.check_fprop(X, W))
+    # a rebuilt GroupedFP8 over the same buffers hits too (the key is layout + addresses)
+    assert gg.checked("fprop", (dataclasses.replace(X), W, None), kw).problem is c1.problem
+    changed = [
+        dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv).copy()),      # new address
+        dataclasses.replace(X, fp8_format="e5m2"),
+        dataclasses.replace(X, data=np.asarray(X.data).copy()),                 # data address
+    ]
+    for X2 in changed:
+        c = gg.checked("fprop", (X2, W, None), kw)
+        assert c.problem is not c1.problem and _same_problem(c.problem, gg.check_fprop(X2, W))
+    assert gg.checked("fprop", (X, W, None), dict(kw, fast_accum=False)).problem.fast_accum is False
+    assert gg.checked("fprop", (X, W, None), dict(kw, out_dtype="float16")).problem.out_dtype == "float16"
+    # an in-place reshape of a buffer (same object) is seen
+    Y = dataclasses.replace(X, data=np.asarray(X.data).copy())
+    gg.checked("fprop", (Y, W, None), kw)
+    Y.data.shape = (12, 64)
+    with pytest.raises(ValueError, match=r"x.data: expected a contiguous \(24, 32\)"):
+        gg.checked("fprop", (Y, W, None), kw)
+    gg.clear_memo()
+
+
+def test_memo_never_lets_bad_input_through():
+    gg.clear_memo()
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=4)
+    grouped_fprop(X, W)                      # good call, memoised
+    bad_splits = dataclasses.replace(X, m_splits=(5, 1, 19), m_pad_splits=(16, 16, 32))
+    with pytest.raises(ValueError, match=r"x.data: expected a contiguous \(25, 32\)"):
+        grouped_fprop(bad_splits, W)   # 25 rows in the counts, 24 in x.data
+    with pytest.raises(TypeError, match="x is a GroupedFP8 but"):
+        grouped_fprop(X, [np.zeros((48, 32), np.float32)] * 3)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        grouped_wgrad(dataclasses.replace(X, fp8_format="e5m2"), DY)
+    # device splits and unhashable fields are not keyed: the full check runs (and refuses)
+    dev = dataclasses.replace(X, m_splits=np.array([5, 0, 19]), m_pad_splits=None)
+    assert gg._call_key("fprop", (dev, W, None), {}) is None
+    with pytest.raises(ValueError, match="token counts live on the device"):
+        grouped_fprop(dev, W)
+    assert gg._call_key("fprop", (dataclasses.replace(X, m_pad_splits=[16, 0, 32]), W, None), {}) is None
+    gg.clear_memo()
+
+
+def test_memo_plans_per_output_buffer():
+    """The output part is keyed per buffer: another out (or a fresh one) gets its own plan, and
+    a wrong out still raises after a right one was planned."""
+    from cugrouped.bench.gemm import host_loop_state
+
+    gg.clear_memo()
+    st = host_loop_state()
+    X, W, _ = make_fp8([5, 0, 19], 32, 48, seed=4)
+    c = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    out = np.empty((24, 48), ml_dtypes.bfloat16)
+    _, b1, vp1 = gg.prepared_out(c, out, np)
+    assert gg.prepared_out(c, out, np)[2] is vp1
+    out2 = np.empty((24, 48), ml_dtypes.bfloat16)
+    _, b2, vp2 = gg.prepared_out(c, out2, np)
+    assert vp2 is not vp1 and int(b2.ptr[0]) == out2.ctypes.data
+    new, _, vp3 = gg.prepared_out(c, None, np)
+    assert new.shape == (24, 48) and int(vp3.ptrs[0, 3]) == new.ctypes.data
+    with pytest.raises(ValueError, match=r"out: expected shape \(24, 48\)"):
+        gg.prepared_out(c, np.empty((24, 32), ml_dtypes.bfloat16), np)
+    assert gg.launch_checked(c, out, np, st) is out
+    assert len(c.outs) <= gg.MEMO_OUTPUTS
+    gg.clear_memo()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -284,6 +285,12 @@ class VecPlan:
     @property
     def experts(self) -> np.ndarray:
         return self.ptrs[:, 0]
+
+    @functools.cached_property
+    def launch_rows(self) -> list[tuple]:
+        """Per call, as Python ints: ``(expert, A, B, D, A scale, B scale, bias, key)`` with
+        ``key`` the shape signature tuple (what the launch loop reads; made once per plan)."""
+        return [(*p, tuple(k)) for p, k in zip(self.ptrs.tolist(), self.keys.tolist())]
 
     def calls(self) -> tuple[ExpertGemm, ...]:
         t = self.config.transa, self.config.transb
@@ -767,9 +774,8 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
 
     Experts with ``m_i == 0`` are skipped. Returns ``out``.
     """
-    problem = check_fprop(x, w, bias, out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run("fprop", problem, out, backend, (x, w, bias),
-                dict(out_dtype=out_dtype, fast_accum=fast_accum))
+    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
+    return _run(checked("fprop", (x, w, bias), kw), out, backend)
 
 
 def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: bool = False,
@@ -780,9 +786,8 @@ def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: b
     ``w``: GroupedFP8 with the transposed copy (``(k, n)`` per expert, ``k % 16 == 0``) or list of
     ``(n, k)`` arrays / one ``(E, n, k)`` array. Other arguments as :func:`grouped_fprop`.
     """
-    problem = check_dgrad(dy, w, out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run("dgrad", problem, out, backend, (dy, w),
-                dict(out_dtype=out_dtype, fast_accum=fast_accum))
+    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
+    return _run(checked("dgrad", (dy, w), kw), out, backend)
 
 
 def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str = "float32",
@@ -795,39 +800,204 @@ def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str =
     ``accumulate=True`` adds into it (``beta = 1``; fp32 ``main_grad``) and requires it. An expert
     with ``m_i == 0`` gets a zero gradient, or keeps its accumulated one untouched.
     """
-    problem = check_wgrad(x, dy, out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate)
-    return _run("wgrad", problem, out, backend, (x, dy),
-                dict(out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate))
+    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate)
+    return _run(checked("wgrad", (x, dy), kw), out, backend)
 
 
-def _run(pass_name: str, problem: Problem, out, backend, args, kwargs):
+def _run(call: "Checked", out, backend):
+    problem = call.problem
     backend = _backend(backend, problem.place[0])
     if backend == "reference":
         from ..reference import grouped_gemm as ref
 
-        return getattr(ref, f"grouped_{pass_name}")(*args, out=out, backend="reference", **kwargs)
+        return getattr(ref, f"grouped_{problem.pass_name}")(*call.args, out=out,
+                                                            backend="reference", **call.kwargs)
     import cupy
 
     with cupy.cuda.Device(problem.place[1]):
-        out, blocks = outputs(problem, out, cupy)
-        check_alignment(problem, blocks)
-        _launch_plan(plan_arrays(problem, blocks), problem, blocks, _state(problem.place[1]))
+        return launch_checked(call, out, cupy, _state(problem.place[1]))
+
+
+def launch_checked(call: "Checked", out, xp, st: "_DeviceState"):
+    """The CUDA path after the operand checks: output (checked or new), plan, launch; returns
+    the output. ``xp`` allocates a new output; ``st`` holds the device calls (the CPU benchmark
+    passes NumPy and fakes)."""
+    out, blocks, vp = prepared_out(call, out, xp)
+    _launch_plan(vp, call.problem, blocks, st)
     return out
 
 
 def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:
     """The output (``out`` checked, or allocated with ``xp``) and its per-expert blocks."""
-    pass_name, place = problem.pass_name, problem.place
-    num = len(problem.left)
-    out_dtype = problem.out_dtype
-    if pass_name == "wgrad":
-        n = problem.left[0].rows if problem.fp8 else problem.left[0].cols
-        k = problem.right[0].rows if problem.fp8 else problem.right[0].cols
+    place, out_dtype = problem.place, problem.out_dtype
+    if out is None:
+        out = new_output(problem, xp)
+    if problem.pass_name == "wgrad":
+        num, n, k = _out_shape(problem)
         return _wgrad_out(out, num, n, k, out_dtype, place, xp, problem.accumulate)
     m_splits = as_blocks(problem.left).rows
-    cols = problem.right[0].rows if problem.right_t else problem.right[0].cols
-    out, v = _out_rows(out, sum(m_splits), cols, out_dtype, place, xp)
+    rows, cols = _out_shape(problem)
+    out, v = _out_rows(out, rows, cols, out_dtype, place, xp)
     return out, _row_blocks(v, m_splits, out_dtype)
+
+
+def _out_shape(problem: Problem) -> tuple[int, ...]:
+    """``(Σ m_i, cols)`` for fprop/dgrad, ``(E, n, k)`` for wgrad."""
+    if problem.pass_name == "wgrad":
+        n = problem.left[0].rows if problem.fp8 else problem.left[0].cols
+        k = problem.right[0].rows if problem.right_t else problem.right[0].cols
+        return (len(problem.left), n, k)
+    cols = problem.right[0].rows if problem.right_t else problem.right[0].cols
+    return (int(as_blocks(problem.left).rows.sum()), cols)
+
+
+def new_output(problem: Problem, xp):
+    """A new output array for ``problem`` (wgrad with ``accumulate=True`` needs the caller's)."""
+    if problem.pass_name == "wgrad" and problem.accumulate:
+        raise ValueError("out: accumulate=True adds into existing gradients; pass them as out "
+                         "(an (E, n, k) array or a list of E (n, k) float32 main_grad arrays)")
+    return _empty(xp, _out_shape(problem), problem.out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call memo: a training step calls the same pass on the same buffers (same pointers, shapes,
+# splits) over and over, and the argument checks, output checks and plan are pure functions of
+# exactly those numbers. The memo keys on everything the checks read, so a hit is what a fresh
+# check would have produced; anything it cannot key (torch tensors, device-side splits, unknown
+# array types, unhashable fields) takes the full path, and a failed check is never stored, so bad
+# input raises exactly as before. The keys hold numbers only (no arrays are kept alive): a freed
+# buffer whose address comes back with the same layout maps to the same, still correct, plan.
+
+MEMO_SIZE = 256          # checked operand sets kept (FIFO)
+MEMO_OUTPUTS = 8         # output buffers kept per operand set (pointers of fresh outputs vary)
+
+
+class _NoKey(Exception):
+    """An argument the memo cannot key: take the full path."""
+
+
+def _np_key(a) -> tuple:
+    return (np.ndarray, a.ctypes.data, a.shape, a.strides, a.dtype)
+
+
+def _cupy_key(a) -> tuple:
+    d = a.data
+    return (type(a), d.ptr, d.device_id, a.shape, a.strides, a.dtype)
+
+
+def _no_key(a):
+    raise _NoKey
+
+
+_ARRAY_KEYS: dict = {np.ndarray: _np_key}
+
+
+def _array_key(a) -> tuple:
+    """Layout, dtype, address and device of one array: every field ``as_view`` reads."""
+    t = type(a)
+    f = _ARRAY_KEYS.get(t)
+    if f is None:
+        f = _ARRAY_KEYS[t] = (_cupy_key if t.__module__ == "cupy" and t.__name__ == "ndarray"
+                              else _no_key)
+    return f(a)
+
+
+def _seq_key(x) -> tuple:
+    if type(x) in (list, tuple):
+        return (type(x),) + tuple(_array_key(a) for a in x)
+    return _array_key(x)
+
+
+def _operand_key(x, copy: str):
+    if type(x) is GroupedFP8:
+        m = x.m_splits
+        if type(m) is not tuple:      # device splits (refused by the check) or a list
+            raise _NoKey
+        return (GroupedFP8, x.fp8_format, x.k, m, x.m_pad_splits,
+                None if (a := (x.data if copy == "rowwise" else x.data_t)) is None
+                else _array_key(a), _array_key(x.scale_inv))
+    if isinstance(x, GroupedFP8):     # a subclass may compute its fields: not keyed
+        raise _NoKey
+    return _seq_key(x)
+
+
+_COPIES = {"fprop": ("rowwise", "rowwise", None), "dgrad": ("rowwise", "columnwise"),
+           "wgrad": ("columnwise", "columnwise")}
+_CHECKS = {"fprop": check_fprop, "dgrad": check_dgrad, "wgrad": check_wgrad}
+
+
+@dataclasses.dataclass(eq=False)
+class Checked:
+    """A checked call: its :class:`Problem`, the arguments as given (the reference backend
+    re-reads them), and the output plans made so far, per output buffer."""
+
+    problem: Problem
+    args: tuple
+    kwargs: dict
+    outs: dict = dataclasses.field(default_factory=dict)
+
+
+_memo: dict = {}
+
+
+def _call_key(pass_name: str, args: tuple, kwargs: dict):
+    copies = _COPIES[pass_name]
+    try:
+        key = (pass_name, tuple(kwargs.values())) + tuple(
+            _operand_key(a, c) if c is not None else (None if a is None else _seq_key(a))
+            for a, c in zip(args, copies))
+        hash(key)
+    except (_NoKey, TypeError):
+        return None
+    return key
+
+
+def checked(pass_name: str, args: tuple, kwargs: dict) -> Checked:
+    """``check_{pass_name}(*args, **kwargs)``, memoised on the arguments' layouts and addresses."""
+    key = _call_key(pass_name, args, kwargs)
+    hit = _memo.get(key) if key is not None else None
+    if hit is not None:
+        return Checked(hit.problem, args, kwargs, hit.outs)
+    c = Checked(_CHECKS[pass_name](*args, **kwargs), args, kwargs)
+    if key is not None:
+        if len(_memo) >= MEMO_SIZE:
+            del _memo[next(iter(_memo))]
+        _memo[key] = c
+    return c
+
+
+def _out_key(out):
+    try:
+        if type(out) in (list, tuple):
+            return (type(out),) + tuple(_array_key(a) for a in out)
+        return _array_key(out)
+    except _NoKey:
+        return None
+
+
+def prepared_out(call: Checked, out, xp) -> tuple[Any, Blocks, VecPlan]:
+    """The output (``out``, or a new one), its checked blocks and the launch plan, memoised per
+    output buffer (layout, address and device, as for the operands)."""
+    problem = call.problem
+    if out is None:
+        out = new_output(problem, xp)
+    key = _out_key(out)
+    hit = call.outs.get(key) if key is not None else None
+    if hit is not None:
+        return out, hit[0], hit[1]
+    out, blocks = outputs(problem, out, xp)
+    check_alignment(problem, blocks)
+    vp = plan_arrays(problem, blocks)
+    if key is not None:
+        if len(call.outs) >= MEMO_OUTPUTS:
+            del call.outs[next(iter(call.outs))]
+        call.outs[key] = (blocks, vp)
+    return out, blocks, vp
+
+
+def clear_memo() -> None:
+    """Forget every memoised check and plan (tests; nothing else needs it)."""
+    _memo.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -963,6 +1133,8 @@ def build_descriptors(config, call: ExpertGemm, workspace_bytes: int):
 
 
 def _zero_outputs(st: _DeviceState, vp: VecPlan, out, caller_ptr: int) -> None:
+    if not vp.zero:
+        return
     o = as_blocks(out)
     for i in vp.zero:  # empty reduction, not accumulating: dW_i = 0
         rows, cols, ld, ptr, isz = int(o.rows[i]), int(o.cols[i]), int(o.ld[i]), int(o.ptr[i]), o.itemsize
@@ -995,26 +1167,25 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     templates = st.templates.get(config)
     if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
         templates = st.templates[config] = {}
-    rows = vp.ptrs.tolist()
-    keys = vp.keys.tolist()
+    rows = vp.launch_rows
     descs = _D.expert_descs(config, rows[-1][0] + 1)
     recorders = _launch._recorders.get()
     matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
     beta = ctypes.byref(st.betas[vp.beta])
     wsb = st.workspace_bytes
-    for j in range(ncalls):
-        e, a, b, d, sa, sb, bias = rows[j]
+    for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
         desc = descs[e]
-        if desc.ptrs[0] != sa or desc.ptrs[1] != sb or desc.ptrs[2] != bias:
+        ptrs = desc.ptrs
+        if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
             desc.set_pointers(sa, sb, bias)
-        key = tuple(keys[j])
         t = templates.get(key)
         if t is None:
             t = templates[key] = _template(st, config, key, desc)
         for log in recorders:
             log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
+        s = j % nstreams
         status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
-                        t.algo, ws[j % nstreams], wsb, streams[j % nstreams])
+                        t.algo, ws[s], wsb, streams[s])
         if status:
             from ..cublaslt import check
 
@@ -1027,7 +1198,8 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
 
 
 def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState) -> None:
-    _zero_outputs(st, vp, out, st.current_stream().ptr)
+    if vp.zero:
+        _zero_outputs(st, vp, out, st.current_stream().ptr)
     _launch_loop(st, vp, problem.fp8)
 
 
