@@ -1,0 +1,261 @@
+"""Benchmark of the PyTorch layer: ``GroupedLinear`` forward + backward, FP8 against 16-bit and
+against what users write today.
+
+Per config, in one process, on the same bf16 weights and the same rotated bf16 inputs, one
+training step each (forward, then ``torch.autograd.grad`` for the input and every weight: dgrad
+and wgrad both run, nothing accumulates into ``.grad``):
+
+* ``cugrouped-fp8-delayed-{tensor,list}``: ``fp8_autocast(DelayedScaling(HYBRID))``, the
+  reference row every speed-up is measured against (tensor input);
+* ``cugrouped-fp8-current-{tensor,list}``: ``Float8CurrentScaling(HYBRID)``;
+* ``cugrouped-bf16-{tensor,list}``: the same layer with no ``fp8_autocast`` (torch matmuls);
+* ``torch-pad-linear-loop-bf16``: what users do today (TransformerEngine's ``Fp8Padding`` +
+  per-expert linear + ``Fp8Unpadding``, minus the FP8): split, pad every expert to 16 rows with
+  ``zeros`` + ``cat``, per-expert ``F.linear``, unpad with ``cat``; see :func:`torch_baseline`;
+* ``torch-linear-loop-bf16``: the same without the padding (split, ``F.linear``, ``cat``).
+
+``tensor`` is one ``(sum m_i, k)`` input with ``m_splits`` (a host list); ``list`` is E per-expert
+tensors in, E views of one buffer out. Rows report ms (CUDA events, median after warm-up),
+TFLOP/s, % of the measured dense peak (FP8 peak for FP8 rows, bf16 for the rest), % of the
+roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`,
+host us per call and per expert (one call on an idle GPU, so launches never block), the speed-up
+of ``cugrouped-fp8-delayed-tensor`` over the row, and for FP8 rows the relative error of the
+output against the bf16 layer's. Importing this module needs neither torch nor a GPU; only
+:func:`bench_layer` needs both. The configs are the GEMM benchmark's shapes (compare the layer
+with its three GEMMs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from .common import median_ms
+from .gemm import GEMM_CONFIGS, QUICK_GEMM, GemmBench
+
+__all__ = ["LAYER_CONFIGS", "QUICK_LAYER", "PRECISIONS", "layer_flops", "layer_bytes",
+           "torch_baseline", "layer_steps", "bench_layer"]
+
+LAYER_CONFIGS: tuple[GemmBench, ...] = GEMM_CONFIGS
+QUICK_LAYER: tuple[GemmBench, ...] = QUICK_GEMM
+PRECISIONS = ("bf16", "fp8-delayed", "fp8-current")
+ALIGN = 16  # token padding of the FP8 wgrad operands (and of the torch baseline)
+REFERENCE_IMPL = "cugrouped-fp8-delayed-tensor"
+
+
+def _padded(m_splits, align: int = ALIGN) -> list[int]:
+    return [-(-m // align) * align for m in m_splits]
+
+
+def layer_flops(cfg: GemmBench) -> int:
+    """Useful FLOPs of one training step of the layer: fprop, dgrad and wgrad, each
+    ``2 * sum(m_i) * k * n`` (padding not counted)."""
+    return 3 * 2 * sum(cfg.m_splits()) * cfg.k * cfg.n
+
+
+def layer_bytes(cfg: GemmBench, precision: str) -> int:
+    """Bytes one training step must move through HBM at least, per path (T = sum m_i, T' = sum of
+    the 16-padded m_i, W = E*n*k weight elements; 16-bit = 2 bytes, FP8 = 1 byte):
+
+    * ``bf16``: fprop reads x, W, writes y; dgrad reads dy, W, writes dx; wgrad reads x, dy,
+      writes dW: ``6Tk + 6Tn + 6W``.
+    * ``fp8-delayed``: the casts read x, dy, W in 16 bits once and write their FP8 row-wise copies
+      (T k, T n, W) and transposed padded copies (T' k, T' n, W); fprop reads x8, W8, writes y;
+      dgrad reads dy8, W8ᵀ, writes dx; wgrad reads x8ᵀ, dy8ᵀ, writes dW (16-bit).
+    * ``fp8-current``: as delayed, plus one more 16-bit read of x, dy and W (the amax pass runs
+      before the cast).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: got {precision!r}, expected one of {PRECISIONS}")
+    T, Tp = sum(cfg.m_splits()), sum(_padded(cfg.m_splits()))
+    k, n, W = cfg.k, cfg.n, cfg.experts * cfg.n * cfg.k
+    if precision == "bf16":
+        return (2 * T * k + 2 * W + 2 * T * n) + (2 * T * n + 2 * W + 2 * T * k) \
+            + (2 * T * k + 2 * T * n + 2 * W)
+    casts = (2 * T * k + T * k + Tp * k) + (2 * T * n + T * n + Tp * n) + (2 * W + 2 * W)
+    if precision == "fp8-current":
+        casts += 2 * T * k + 2 * T * n + 2 * W
+    gemms = (T * k + W + 2 * T * n) + (T * n + W + 2 * T * k) + (Tp * k + Tp * n + 2 * W)
+    return casts + gemms
+
+
+def torch_baseline(x, m_splits, weights, biases=None, align: int = ALIGN):
+    """The layer as users write it in plain torch today: split the ``(sum m_i, k)`` input, pad
+    each expert's rows with zeros to a multiple of ``align`` and concatenate (TransformerEngine's
+    ``Fp8Padding``), split again, one ``F.linear`` per expert, concatenate, drop the padding rows
+    (``Fp8Unpadding``). ``align=1`` skips both padding steps. Returns ``(sum m_i, n)``; autograd
+    gives dx, dW_i, db_i. Empty experts are not skipped (their weight gradient is zero)."""
+    import torch
+    import torch.nn.functional as F
+
+    m_splits = [int(m) for m in m_splits]
+    biases = list(biases) if biases else [None] * len(weights)
+    if len(m_splits) != len(weights) or len(biases) != len(weights):
+        raise ValueError(f"m_splits, weights, biases: expected one per expert, got "
+                         f"{len(m_splits)}, {len(weights)}, {len(biases)}")
+    if align > 1:
+        m_pad = _padded(m_splits, align)
+        parts = []
+        for xi, m, mp in zip(torch.split(x, m_splits), m_splits, m_pad):
+            parts.append(xi)
+            if mp > m:
+                parts.append(xi.new_zeros((mp - m, x.shape[1])))
+        x = torch.cat(parts)
+    else:
+        m_pad = m_splits
+    y = torch.cat([F.linear(xi, w, b) for xi, w, b in zip(torch.split(x, m_pad), weights, biases)])
+    if align > 1:
+        y = torch.cat([yi[:m] for yi, m in zip(torch.split(y, m_pad), m_splits)])
+    return y
+
+
+def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 2, seed: int = 0):
+    """The timed callables for one config: ``(layer, [(impl, precision, input_form, step)])``.
+
+    ``step(i)`` runs one training step on input copy ``i % copies`` (forward, then
+    ``torch.autograd.grad`` of every input and weight with a fixed random grad output) and returns
+    ``(output, grads)``. All impls share the layer's weights. Runs on CPU tensors too (the FP8
+    casts then run on the CPU; used by the tests)."""
+    import torch
+
+    from ..pytorch import DelayedScaling, Float8CurrentScaling, Format, GroupedLinear, fp8_autocast
+
+    dtype = dtype or torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(seed)
+    m_splits = cfg.m_splits()
+    T = sum(m_splits)
+    torch.manual_seed(seed)
+    layer = GroupedLinear(cfg.experts, cfg.k, cfg.n, bias=False, params_dtype=dtype, device=device)
+    params = layer.weights()
+    sets = []
+    for _ in range(copies):
+        x = torch.randn(T, cfg.k, generator=gen, device=device).to(dtype)
+        dy = (torch.randn(T, cfg.n, generator=gen, device=device) * 1e-2).to(dtype)
+        x.requires_grad_()
+        xl = [xi.detach().requires_grad_() for xi in torch.split(x.detach(), m_splits)]
+        sets.append(dict(x=x, xl=xl, dy=dy, dyl=list(torch.split(dy, m_splits))))
+    _no_fp8 = contextlib.nullcontext
+    recipes = {"bf16": None, "fp8-delayed": DelayedScaling(fp8_format=Format.HYBRID),
+               "fp8-current": Float8CurrentScaling(fp8_format=Format.HYBRID)}
+
+    def cugrouped_step(recipe, form):
+        def step(i):
+            s = sets[i % copies]
+            with fp8_autocast(fp8_recipe=recipe) if recipe is not None else _no_fp8():
+                if form == "tensor":
+                    y = layer(s["x"], m_splits)
+                    grads = torch.autograd.grad(y, [s["x"], *params], s["dy"], allow_unused=True)
+                else:
+                    y = layer(s["xl"])
+                    grads = torch.autograd.grad(y, [*s["xl"], *params], s["dyl"], allow_unused=True)
+            return y, grads
+        return step
+
+    def baseline_step(align):
+        def step(i):
+            s = sets[i % copies]
+            y = torch_baseline(s["x"], m_splits, params, align=align)
+            return y, torch.autograd.grad(y, [s["x"], *params], s["dy"], allow_unused=True)
+        return step
+
+    impls = []
+    for precision in ("fp8-delayed", "fp8-current", "bf16"):
+        for form in ("tensor", "list"):
+            impls.append((f"cugrouped-{precision}-{form}", precision, form,
+                          cugrouped_step(recipes[precision], form)))
+    impls.append(("torch-pad-linear-loop-bf16", "bf16", "tensor", baseline_step(ALIGN)))
+    impls.append(("torch-linear-loop-bf16", "bf16", "tensor", baseline_step(1)))
+    return layer, impls
+
+
+def _host_us(fn, reps: int) -> float:
+    """Median host time of one call that starts on an idle GPU (the launch queue never fills, so
+    this is the CPU cost of issuing the step, not the GPU time)."""
+    import torch
+
+    times = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return float(np.median(times)) * 1e6
+
+
+def _rel_err(y, ref) -> float:
+    import torch
+
+    y = torch.cat(y) if isinstance(y, (list, tuple)) else y
+    ref = torch.cat(ref) if isinstance(ref, (list, tuple)) else ref
+    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def bench_layer(quick: bool, rows: list[dict]) -> None:
+    """Time every config and impl on the GPU; append one dict per (config, impl) to ``rows``."""
+    try:
+        import torch
+    except ImportError:
+        print("bench layer: torch not installed; skipped (the layer is cugrouped.pytorch)")
+        return
+    if not torch.cuda.is_available():
+        print("bench layer: torch sees no GPU; skipped")
+        return
+    from .common import copy_bandwidth_gbs
+    from .gemm import dense_peaks_tflops
+
+    configs = QUICK_LAYER if quick else LAYER_CONFIGS
+    runs, host_reps = (10, 5) if quick else (30, 20)
+    peaks = dense_peaks_tflops()
+    bw = copy_bandwidth_gbs()
+    print(f"layer roofline: bf16 {peaks['bf16']:.0f} TFLOP/s, fp8 {peaks['fp8']:.0f} TFLOP/s, "
+          f"copy {bw:.0f} GB/s ({torch.cuda.get_device_name()})")
+    for cfg in configs:
+        T = sum(cfg.m_splits())
+        per_set = 2 * T * (cfg.k + cfg.n)            # x and dy in bf16
+        copies = max(2, int(np.ceil(256e6 / per_set)))
+        layer, impls = layer_steps(cfg, "cuda", torch.bfloat16, copies)
+        flops = layer_flops(cfg)
+        # Second step on copy 0 (delayed scaling starts from scale 1; its second step uses the
+        # first step's amaxes): the FP8 outputs against the bf16 layer's, same input and weights.
+        outputs = {}
+        for impl, _, _, step in impls:
+            try:
+                step(0)
+                outputs[impl] = step(0)[0]
+            except Exception as exc:   # reported, not fatal: the other impls still run
+                outputs[impl] = exc
+        ref_y = outputs.get("cugrouped-bf16-tensor")
+        ours = None
+        for impl, precision, form, step in impls:
+            if isinstance(outputs[impl], Exception):
+                exc = outputs[impl]
+                print(f"{cfg.name:<24} {impl:<30} skipped: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            ms = median_ms(step, runs)
+            host = _host_us(step, host_reps)
+            tflops = flops / ms / 1e9
+            peak = peaks["fp8" if precision.startswith("fp8") else "bf16"]
+            roof_ms = max(flops / peak / 1e9, layer_bytes(cfg, precision) / bw / 1e6)
+            row = dict(op="layer", config=cfg.name, impl=impl, precision=precision, input=form,
+                       ms=ms, tflops=tflops, pct_peak=100 * tflops / peak,
+                       pct_roofline=100 * roof_ms / ms, host_us=host,
+                       host_us_per_expert=host / cfg.experts, experts=cfg.experts, tokens=T,
+                       k=cfg.k, n=cfg.n)
+            if precision.startswith("fp8") and isinstance(ref_y, torch.Tensor):
+                row["rel_err_vs_bf16"] = _rel_err(outputs[impl], ref_y)
+            if impl == REFERENCE_IMPL:
+                ours = ms
+            elif ours is not None:
+                row["speedup_of_cugrouped_fp8"] = ms / ours
+            rows.append(row)
+            extra = f" cugrouped-fp8 {row['speedup_of_cugrouped_fp8']:5.2f}x faster" \
+                if "speedup_of_cugrouped_fp8" in row else ""
+            err = f" err {row['rel_err_vs_bf16']:.3f}" if "rel_err_vs_bf16" in row else ""
+            print(f"{cfg.name:<24} {impl:<30} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
+                  f"{row['pct_roofline']:5.1f}% of roofline, host {row['host_us_per_expert']:6.1f} "
+                  f"us/expert{err}{extra}")
+        del layer, impls, outputs, ref_y
+        torch.cuda.empty_cache()

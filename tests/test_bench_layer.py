@@ -1,0 +1,146 @@
+"""The layer benchmark's pure parts on the CPU: it imports without torch, its configs, FLOP and
+byte counting, the torch baseline against GroupedLinear's non-FP8 path in float64, and every timed
+step run once on CPU tensors. The timing itself runs in the GPU check
+(``python -m cugrouped bench layer``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cugrouped.bench import layer as bl
+from cugrouped.bench.gemm import GemmBench
+
+torch = pytest.importorskip("torch")
+
+from cugrouped.pytorch import GroupedLinear, cpu_cast_backend  # noqa: E402
+
+
+def test_imports_without_torch_or_a_gpu():
+    code = ("import sys; sys.modules['torch'] = None; import cugrouped.bench.layer as L; "
+            "assert callable(L.bench_layer); print(L.layer_flops(L.QUICK_LAYER[0]) > 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr
+
+
+def test_configs():
+    assert len(bl.QUICK_LAYER) == 2 and set(bl.QUICK_LAYER) <= set(bl.LAYER_CONFIGS)
+    shapes = {(c.experts, c.k, c.n) for c in bl.LAYER_CONFIGS}
+    assert {(8, 7168, 2048), (16, 4096, 2048), (16, 1024, 4096), (8, 4096, 14336),
+            (8, 14336, 4096)} <= shapes
+    assert any(c.experts == 64 for c in bl.LAYER_CONFIGS)
+    for c in bl.LAYER_CONFIGS:
+        m = c.m_splits()
+        assert c.k % 16 == 0 and c.n % 16 == 0 and sum(m) == c.tokens
+        if c.jagged:
+            assert 0 in m
+    assert any(c.jagged for c in bl.QUICK_LAYER)
+
+
+def test_flops():
+    cfg = GemmBench("t", 3, 32, 48, 100, False)
+    assert bl.layer_flops(cfg) == 3 * 2 * 100 * 32 * 48
+
+
+def test_bytes_by_hand():
+    # m = [33, 0, 67]: T = 100, padded T' = 48 + 0 + 80 = 128; k = 32, n = 48, W = 3*48*32
+    class Cfg(GemmBench):
+        def m_splits(self):
+            return [33, 0, 67]
+
+    cfg = Cfg("t", 3, 32, 48, 100, False)
+    T, Tp, k, n, W = 100, 128, 32, 48, 3 * 48 * 32
+    assert bl.layer_bytes(cfg, "bf16") == 6 * T * k + 6 * T * n + 6 * W
+    delayed = (2 * T * k + T * k + Tp * k        # cast x: read bf16, write rows + padded columns
+               + 2 * T * n + T * n + Tp * n      # cast dy
+               + 2 * W + 2 * W                   # cast W: read bf16, write W8 and W8^T
+               + T * k + W + 2 * T * n           # fprop
+               + T * n + W + 2 * T * k           # dgrad
+               + Tp * k + Tp * n + 2 * W)        # wgrad
+    assert bl.layer_bytes(cfg, "fp8-delayed") == delayed
+    assert bl.layer_bytes(cfg, "fp8-current") == delayed + 2 * T * k + 2 * T * n + 2 * W
+    with pytest.raises(ValueError, match="precision: got 'fp16'"):
+        bl.layer_bytes(cfg, "fp16")
+
+
+@pytest.mark.parametrize("splits", [[5, 17, 40], [0, 9, 23], [12, 0, 7], [30, 1, 0], [16, 32, 48]])
+@pytest.mark.parametrize("align", [16, 1])
+def test_torch_baseline_equals_grouped_linear_float64(splits, align):
+    """The baseline is the same layer: outputs, dx, dW and db equal GroupedLinear's non-FP8 path
+    (float64, same weights and biases) to the last few bits (padding changes BLAS blocking)."""
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 32, 48, bias=True, params_dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        for b in layer.biases():
+            b.normal_()
+    x = torch.randn(sum(splits), 32, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(sum(splits), 48, dtype=torch.float64)
+    params = [*layer.weights(), *layer.biases()]
+    y_ref = layer(x, splits)
+    g_ref = torch.autograd.grad(y_ref, [x, *params], dy)
+    y = bl.torch_baseline(x, splits, layer.weights(), layer.biases(), align=align)
+    g = torch.autograd.grad(y, [x, *params], dy)
+    tol = dict(rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(y, y_ref, **tol)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        torch.testing.assert_close(a, b, **tol, msg=f"grad {i}")
+    for e, m in enumerate(splits):   # an empty expert: zero weight and bias gradients
+        if m == 0:
+            assert not g[1 + e].any() and not g[1 + 3 + e].any()
+
+
+def test_torch_baseline_pads_and_unpads(monkeypatch):
+    """With align=16 the per-expert F.linear sees 16-row multiples (what FP8 frameworks pad to)."""
+    seen = []
+    w = [torch.randn(8, 16) for _ in range(3)]
+    orig = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, *a: seen.append(x.shape[0]) or orig(x, *a))
+    y = bl.torch_baseline(torch.randn(21, 16), [5, 0, 16], w)
+    assert seen == [16, 0, 16] and y.shape == (21, 8)
+    with pytest.raises(ValueError, match="m_splits, weights, biases: expected one per expert"):
+        bl.torch_baseline(torch.randn(21, 16), [5, 16], w)
+
+
+def test_every_timed_step_runs_on_cpu_tensors():
+    """The callables the GPU bench times, run once each on CPU tensors (FP8 casts on the NumPy
+    twins): right gradient shapes, list and tensor forms agree, FP8 within 10% of the 16-bit layer,
+    the torch baselines equal the 16-bit layer."""
+    cfg = GemmBench("tiny", 4, 32, 48, 70, True)
+    with cpu_cast_backend("reference"):
+        layer, impls = bl.layer_steps(cfg, "cpu", torch.float32, copies=2)
+        names = [i[0] for i in impls]
+        assert names[0] == bl.REFERENCE_IMPL and len(set(names)) == len(names) == 8
+        out = {}
+        for name, precision, form, step in impls:
+            assert precision in bl.PRECISIONS and form in ("tensor", "list")
+            step(1)
+            y, grads = step(1)
+            y = torch.cat(y) if form == "list" else y
+            dx = torch.cat(grads[:cfg.experts]) if form == "list" else grads[0]
+            dw = grads[-cfg.experts:]
+            assert y.shape == (cfg.tokens, cfg.n) and dx.shape == (cfg.tokens, cfg.k)
+            assert all(g.shape == (cfg.n, cfg.k) for g in dw)
+            out[name] = (y.detach(), dx, dw)
+    ref = out["cugrouped-bf16-tensor"]
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    for name, (y, dx, dw) in out.items():
+        if "fp8" in name:
+            assert rel(y, ref[0]) < 0.1 and rel(dx, ref[1]) < 0.1, name
+        else:
+            torch.testing.assert_close(y, ref[0], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(dx, ref[1], rtol=1e-5, atol=1e-6, msg=name)
+    for p in ("fp8-delayed", "fp8-current", "bf16"):
+        a, b = out[f"cugrouped-{p}-tensor"], out[f"cugrouped-{p}-list"]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert all(torch.equal(u, v) for u, v in zip(a[2], b[2]))
+
+
+def test_bench_layer_without_a_gpu_skips(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU check runs the real benchmark")
+    rows = []
+    bl.bench_layer(True, rows)
+    assert rows == [] and "skipped" in capsys.readouterr().out
