@@ -35,6 +35,7 @@ from ..cublaslt import _enums as E
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from ..grouped_fp8 import GroupedFP8
 from . import _launch
+from . import grouped_gemm_setup as _setup  # registers the setup kernel (compile-check, warmup)
 
 __all__ = [
     "grouped_fprop", "grouped_dgrad", "grouped_wgrad",

@@ -1,0 +1,161 @@
+"""Setup kernel of the grouped GEMM: the CUDA source run on the CPU emulator must write the NumPy
+reference's bytes into the workspace over the split taxonomy (design.md §6), with host counts and
+with device counts (clamped like the cast kernel's), with dropped experts, in several fiber
+orders; the NVRTC compile for every architecture without spills; the specs the op builds for each
+pass match the per-expert loop's plan; and (``gpu``) the same bytes on a device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cugrouped.ops import _launch
+from cugrouped.ops import grouped_gemm as gg
+from cugrouped.ops import grouped_gemm_setup as gs
+from cugrouped.reference import grouped_gemm_setup as ref
+
+SPLITS = {
+    "uniform": [32, 32, 32, 32],
+    "skewed": [3, 130, 1, 70],
+    "empty_first": [0, 33, 17],
+    "empty_middle": [20, 0, 45],
+    "empty_last": [29, 64, 0],
+    "single": [77],
+    "not_mult16": [17, 5, 31, 9],
+    "count_one": [1, 1, 2],
+    "many": [int(v) for v in np.random.default_rng(0).integers(0, 300, gs.MAX_GROUPS)],
+}
+T = gs.TOKENS
+
+
+def _spec(E, token_align=1, slots=None, beta=0.0):
+    # fake device addresses: the kernel only computes them
+    a = gs.MatrixSpec(0x7F0000000000, 2048 * 64, 0, 64, 2048, 64)
+    b = gs.MatrixSpec(0x7F1000000000, 0, 64, 64, T, 64)
+    d = gs.MatrixSpec(0x7F2000000010, 0, 2 * 2048, 2048, T, 2048)
+    if token_align > 1:   # wgrad-like: reduction over the padded tokens, strided outputs
+        a = gs.MatrixSpec(0x7F0000000000, 0, 64, T, 64, T)
+        b = gs.MatrixSpec(0x7F1000000000, 0, 48, T, 48, T)
+        d = gs.MatrixSpec(0x7F2000000000, 4 * 64 * 48, 0, 64, 48, 64)
+    return gs.SetupSpec(a, b, d, E, token_align, (0x7F3000000000, 0x7F3000001000), 1.0, beta, slots)
+
+
+def _workspace(spec):
+    _, nbytes = gg.grouped_workspace_layout(spec.groups)
+    buf = np.full(nbytes + 32, 0xAB, np.uint8)
+    off = (-buf.ctypes.data) % 16
+    return buf[off:off + nbytes]
+
+
+def _run(backend, spec, order="forward", **counts):
+    ws = _workspace(spec)
+    with _launch.emulation_order(order):
+        gs.grouped_gemm_setup(spec, ws, backend=backend, **counts)
+    return ws
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("token_align", [1, 16])
+def test_emulated_matches_reference_host_counts(split, token_align):
+    m = SPLITS[split]
+    spec = _spec(len(m), token_align)
+    want = _run("reference", spec, m_host=m)
+    for order in ("forward", "reverse", 7):
+        got = _run("emulate", spec, order, m_host=m)
+        assert np.array_equal(got, want), (split, order)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_emulated_matches_reference_device_counts(split):
+    m = np.array(SPLITS[split], np.int64)
+    spec = _spec(len(m), 16, beta=1.0)
+    for dev, total in ((m, int(m.sum())),                      # exact
+                       (np.where(m > 2, m + 5, -3), int(m.sum())),   # clamped and negatives
+                       (m, max(int(m.sum()) // 2, 0))):         # total cuts the tail
+        dev = np.ascontiguousarray(dev, np.int64)
+        want = _run("reference", spec, m_dev=dev, total_rows=total)
+        got = _run("emulate", spec, "shuffle", m_dev=dev, total_rows=total)
+        assert np.array_equal(got, want), split
+        # device counts clamp exactly as the reference's host view of them
+        host = ref.clamp_counts(dev, total)
+        assert np.array_equal(_run("reference", spec, m_host=host), want)
+
+
+def test_dropped_experts_are_compacted():
+    m = [16, 0, 32, 0, 48]
+    slots = (0, -1, 1, -1, 2)
+    spec = _spec(5, 16, slots)
+    want = _run("reference", spec, m_host=m)
+    assert np.array_equal(_run("emulate", spec, m_host=m), want)
+    arrays = ref.setup_arrays(spec, m)
+    assert arrays["a_rows"].tolist() == [16, 32, 48]          # reduction = padded tokens
+    assert arrays["d"].tolist() == [0x7F2000000000 + e * 4 * 64 * 48 for e in (0, 2, 4)]
+    assert arrays["b"].tolist() == [0x7F1000000000 + 48 * p for p in (0, 16, 48)]
+
+
+def test_reference_layout_and_values():
+    m = [3, 0, 20]
+    spec = _spec(3)
+    ws = _run("reference", spec, m_host=m)
+    off, _ = gg.grouped_workspace_layout(3)
+    rd = lambda name, dt, n: np.frombuffer(ws[off[name]:off[name] + n * np.dtype(dt).itemsize], dt)  # noqa: E731
+    assert rd("b", np.uint64, 3).tolist() == [0x7F1000000000 + 64 * p for p in (0, 3, 3)]
+    assert rd("a", np.uint64, 3).tolist() == [0x7F0000000000 + e * 2048 * 64 for e in range(3)]
+    assert np.array_equal(rd("c", np.uint64, 3), rd("d", np.uint64, 3))
+    assert rd("b_cols", np.int32, 3).tolist() == [3, 0, 20]
+    assert rd("d_ld", np.int32, 3).tolist() == [2048] * 3
+    assert rd("a_scale", np.uint64, 3).tolist() == [0x7F3000000000 + 4 * e for e in range(3)]
+    assert rd("alpha", np.float32, 1)[0] == 1.0 and rd("beta", np.float32, 1)[0] == 0.0
+
+
+def test_struct_layout_and_bad_arguments():
+    assert gs.args_dtype().itemsize == 1784          # sizeof(cg::GgsArgs), see the kernel header
+    assert gs.args_dtype().fields["m_host"][1] == 244         # offsetof(GgsArgs, m_host)
+    with pytest.raises(ValueError, match="num_experts"):
+        _spec(gs.MAX_GROUPS + 1)
+    with pytest.raises(ValueError, match="slots"):
+        _spec(3, slots=(0, 2, -1))
+    spec = _spec(3)
+    with pytest.raises(ValueError, match="exactly one"):
+        gs.pack_args(spec, 0, gg.grouped_workspace_layout(3)[0])
+    with pytest.raises(ValueError, match="workspace: expected"):
+        gs.grouped_gemm_setup(spec, np.zeros(8, np.uint8), m_host=[1, 2, 3], backend="reference")
+    with pytest.raises(ValueError, match="m_dev"):
+        gs.grouped_gemm_setup(spec, _workspace(spec), m_dev=np.zeros(3, np.int32), backend="reference")
+
+
+def test_registered_for_compile_check():
+    from cugrouped import _jit
+
+    assert _jit.registered()["grouped_gemm_setup"] is gs.KERNEL_SPEC
+
+
+def test_compile_check_all_archs_no_spills():
+    pytest.importorskip("cupy")
+    from cugrouped import _compile_check as cc
+
+    for arch in cc.ARCHS:
+        try:
+            _, mapping, log = cc.compile_offline(gs.KERNEL_SPEC, arch)
+        except Exception as exc:  # no NVRTC on this machine
+            if "nvrtc" in str(exc).lower() and "compile" not in str(exc).lower():
+                pytest.skip(f"NVRTC unavailable: {exc}")
+            raise
+        found = cc.parse_ptxas_log(log, arch, mapping)
+        assert {r.name for r in found} == set(gs.KERNEL_SPEC.name_expressions), arch
+        assert all(r.spills == 0 for r in found), found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["uniform", "skewed", "empty_first", "many"])
+def test_gpu_matches_reference(split):
+    import cupy
+
+    m = np.array(SPLITS[split], np.int64)
+    spec = _spec(len(m), 16, beta=1.0)
+    want = _run("reference", spec, m_host=m)
+    _, nbytes = gg.grouped_workspace_layout(spec.groups)
+    for counts in (dict(m_host=m.tolist()), dict(m_dev=cupy.asarray(m), total_rows=int(m.sum()))):
+        ws = cupy.full(nbytes, 0xAB, cupy.uint8)
+        gs.grouped_gemm_setup(spec, ws, backend="cuda", **counts)
+        assert np.array_equal(cupy.asnumpy(ws), want)
