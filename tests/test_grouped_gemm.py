@@ -957,3 +957,137 @@ def test_memo_plans_per_output_buffer():
     assert gg.launch_checked(c, out, np, st) is out
     assert len(c.outs) <= gg.MEMO_OUTPUTS
     gg.clear_memo()
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped path on the CPU: the setup kernel (emulated) fills a host workspace and a fake
+# grouped matmul reads it back; every group must be exactly the loop's call for that expert.
+
+def _grouped_cpu_state():
+    from cugrouped.bench.gemm import host_loop_state
+
+    st = host_loop_state()
+    st.cublas_version, st.has_grouped_symbol = 131000, True
+
+    def alloc(n):
+        buf = np.zeros(n + 16, np.uint8)
+        off = (-buf.ctypes.data) % 16
+        return buf[off:off + n]
+
+    st.grouped = gg._GroupedState(alloc, setup_backend="emulate")
+    st.caller_ws[0] = 0x7E0000000000     # cuBLAS workspace of the (fake) caller stream
+    return st
+
+
+def _read_groups(ws, groups):
+    off, _ = gg.grouped_workspace_layout(groups)
+    rd = lambda n, dt: np.frombuffer(ws[off[n]:off[n] + groups * np.dtype(dt).itemsize], dt).tolist()  # noqa: E731
+    calls = []
+    for g in range(groups):
+        lay = {f"{x}_{d}": rd(f"{x}_{d}", np.int32)[g] for x in "abd" for d in ("rows", "cols", "ld")}
+        calls.append(dict(a=rd("a", np.uint64)[g], b=rd("b", np.uint64)[g], c=rd("c", np.uint64)[g],
+                          d=rd("d", np.uint64)[g], sa=rd("a_scale", np.uint64)[g],
+                          sb=rd("b_scale", np.uint64)[g], **lay))
+    alpha, beta = (float(np.frombuffer(ws[off[n]:off[n] + 4], np.float32)[0]) for n in ("alpha", "beta"))
+    return calls, alpha, beta
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("split", ["uniform", "empty_middle", "skewed"])
+def test_grouped_path_arrays_equal_the_loop_calls(pass_name, split):
+    m_splits = {"uniform": [32, 16, 48, 64], "empty_middle": [16, 0, 48], "skewed": [3, 130, 1, 70]}[split]
+    k, n = 32, 48
+    X, W, DY = make_fp8(m_splits, k, n, seed=2)
+    args = {"fprop": (X, W, None), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    kw = dict(out_dtype="float32" if pass_name == "wgrad" else "bfloat16", fast_accum=False)
+    if pass_name == "wgrad":
+        kw["accumulate"] = False
+    st = _grouped_cpu_state()
+    seen = []
+    st.matmul = lambda *a: seen.append(a) or 0
+    call = gg.checked(pass_name, args, kw)
+    out, blocks, vp = gg.prepared_out(call, None, np)
+    path, reason, spec = gg.path_for(call.problem, vp, blocks, st)
+    if split == "skewed" and pass_name != "wgrad":   # 3 and 1 tokens: not 16 bytes
+        assert path == "loop" and "multiple of 16" in reason
+        return
+    assert path == "grouped", reason
+    with cugrouped.record_launches() as log:
+        gg._launch_plan(vp, call.problem, blocks, st)
+    assert [e.kernel for e in log] == ["cg::grouped_gemm_setup_kernel", "cublasLtMatmul[grouped]"]
+    (args_,) = seen
+    ws = st.grouped.workspaces[0]
+    base = ws.ctypes.data
+    off, _ = gg.grouped_workspace_layout(spec.groups)
+    assert (args_[2], args_[3], args_[5], args_[7], args_[8], args_[10]) == (
+        base + off["alpha"], base + off["a"], base + off["b"], base + off["beta"], base + off["c"],
+        base + off["d"])
+    groups, alpha, beta = _read_groups(ws, spec.groups)
+    assert (alpha, beta) == (1.0, 0.0)
+    loop = vp.calls()
+    assert len(groups) == len(loop)
+    for g, c in zip(groups, loop):
+        assert (g["a"], g["b"], g["c"], g["d"]) == (c.a_ptr, c.b_ptr, c.d_ptr, c.d_ptr)
+        assert (g["sa"], g["sb"]) == (c.a_scale_ptr, c.b_scale_ptr)
+        assert (g["a"], g["a_rows"], g["a_cols"], g["a_ld"]) == (c.a_ptr, *c.a_layout[1:])
+        assert (g["b_rows"], g["b_cols"], g["b_ld"]) == c.b_layout[1:]
+        assert (g["d_rows"], g["d_cols"], g["d_ld"]) == c.d_layout[1:]
+    assert gg.path_for(call.problem, vp, blocks, st, "loop")[0] == "loop"
+    gg.clear_memo()
+
+
+def test_grouped_path_refusals():
+    st = _grouped_cpu_state()
+    X, W, DY = make_fp8([16, 32, 48], 32, 48, seed=2)
+    # separate main_grad buffers (3: two points are always evenly placed) unevenly spaced: loop
+    # (or an error if the grouped path is requested)
+    call = gg.checked("wgrad", (X, DY), dict(out_dtype="float32", fast_accum=False, accumulate=True))
+    big = np.zeros((4, 48, 32), np.float32)
+    main_grad = [big[0], big[2], big[1]]
+    _, blocks, vp = gg.prepared_out(call, main_grad, np)
+    path, reason, _ = gg.path_for(call.problem, vp, blocks, st)
+    assert path == "loop" and "evenly" in reason
+    with pytest.raises(RuntimeError, match="path='grouped' cannot run"):
+        gg.path_for(call.problem, vp, blocks, st, "grouped")
+    st.cublas_version = 130300   # Hopper FP8 needs 13.5
+    call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    _, blocks, vp = gg.prepared_out(call, None, np)
+    assert gg.path_for(call.problem, vp, blocks, st)[0] == "loop"
+    with pytest.raises(ValueError, match="path: got 'fast'"):
+        grouped_fprop(X, W, path="fast")
+    gg.clear_memo()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["uniform", "empty_middle", "empty_first", "empty_last"])
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_gpu_grouped_vs_loop_vs_reference(split, pass_name):
+    """Where this cuBLAS offers the grouped GEMM, it must give the loop's result (within the
+    accumulation-order tolerance) and both the reference's; elsewhere the test says why not."""
+    import cupy
+
+    m_splits = {"uniform": [64, 64, 64, 64], "empty_middle": [32, 0, 96],
+                "empty_first": [0, 48, 16], "empty_last": [80, 16, 0]}[split]
+    k, n = 64, 48
+    X, W, DY = make_fp8(m_splits, k, n, seed=11, xp=cupy)
+    hX, hW, hDY = _host(X), _host(W), _host(DY)
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    dev = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    host = {"fprop": (hX, hW), "dgrad": (hDY, hW), "wgrad": (hX, hDY)}[pass_name]
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    st = gg._state(cupy.cuda.Device().id)
+    call = gg.checked(pass_name, dev, dict(out_dtype=odt, fast_accum=False, **(
+        {"accumulate": False} if pass_name == "wgrad" else {})))
+    _, blocks, vp = gg.prepared_out(call, None, cupy)
+    path, reason, _ = gg.path_for(call.problem, vp, blocks, st)
+    if path != "grouped":
+        pytest.skip(f"grouped GEMM not available here: {reason}")
+    with cugrouped.record_launches() as log:
+        g = fn(*dev, out_dtype=odt, path="grouped")
+    assert "cublasLtMatmul[grouped]" in [e.kernel for e in log]
+    lp = fn(*dev, out_dtype=odt, path="loop")
+    ref = fn(*host, out_dtype=odt)
+    gn, ln = _to_np(g, odt).astype(np.float64), _to_np(lp, odt).astype(np.float64)
+    r = np.asarray(ref).astype(np.float64)
+    tol = 2 * half_ulp(r, odt) + 2**-11 * np.abs(r).max()
+    assert np.all(np.abs(gn - r) <= tol) and np.all(np.abs(ln - r) <= tol)

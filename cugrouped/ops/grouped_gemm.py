@@ -755,7 +755,7 @@ def _backend(backend: str | None, on_device: bool) -> str:
 
 
 def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
-                  fast_accum: bool = True, backend: str | None = None):
+                  fast_accum: bool = True, backend: str | None = None, path: str | None = None):
     """``y_i = x_i · W_iᵀ (+ b_i)`` for every expert, into one unpadded ``(Σ m_i, n)`` array.
 
     Parameters
@@ -773,14 +773,18 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
     backend : ``"cuda"`` (cuBLASLt, device arrays), ``"reference"`` (NumPy twin, host arrays) or
         None to pick by where the data lives.
 
+    path : None (the grouped GEMM where cuBLASLt and the operands allow it, else the per-expert
+        loop; see :func:`choose_path`), ``"loop"``, or ``"grouped"`` (raise if it cannot run).
+        Launch records name the path that ran (``cublasLtMatmul`` / ``cublasLtMatmul[grouped]``).
+
     Experts with ``m_i == 0`` are skipped. Returns ``out``.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run(checked("fprop", (x, w, bias), kw), out, backend)
+    return _run(checked("fprop", (x, w, bias), kw), out, backend, path)
 
 
 def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: bool = False,
-                  backend: str | None = None):
+                  backend: str | None = None, path: str | None = None):
     """``dx_i = dy_i · W_i`` for every expert, into one unpadded ``(Σ m_i, k)`` array.
 
     ``dy``: GroupedFP8 (row-wise ``(m_i, n)``, ``n % 16 == 0``) or list of ``(m_i, n)`` arrays;
@@ -788,11 +792,11 @@ def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: b
     ``(n, k)`` arrays / one ``(E, n, k)`` array. Other arguments as :func:`grouped_fprop`.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run(checked("dgrad", (dy, w), kw), out, backend)
+    return _run(checked("dgrad", (dy, w), kw), out, backend, path)
 
 
 def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str = "float32",
-                  fast_accum: bool = False, backend: str | None = None):
+                  fast_accum: bool = False, backend: str | None = None, path: str | None = None):
     """``dW_i = dy_iᵀ · x_i`` for every expert.
 
     ``x``, ``dy``: GroupedFP8 with transposed copies (``(k, m_pad_i)``, ``(n, m_pad_i)``, cast with
@@ -802,11 +806,13 @@ def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str =
     with ``m_i == 0`` gets a zero gradient, or keeps its accumulated one untouched.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate)
-    return _run(checked("wgrad", (x, dy), kw), out, backend)
+    return _run(checked("wgrad", (x, dy), kw), out, backend, path)
 
 
-def _run(call: "Checked", out, backend):
+def _run(call: "Checked", out, backend, path=None):
     problem = call.problem
+    if path not in (None, "loop", "grouped"):
+        raise ValueError(f"path: got {path!r}, expected None, 'loop' or 'grouped'")
     backend = _backend(backend, problem.place[0])
     if backend == "reference":
         from ..reference import grouped_gemm as ref
@@ -816,15 +822,15 @@ def _run(call: "Checked", out, backend):
     import cupy
 
     with cupy.cuda.Device(problem.place[1]):
-        return launch_checked(call, out, cupy, _state(problem.place[1]))
+        return launch_checked(call, out, cupy, _state(problem.place[1]), path)
 
 
-def launch_checked(call: "Checked", out, xp, st: "_DeviceState"):
+def launch_checked(call: "Checked", out, xp, st: "_DeviceState", path: str | None = None):
     """The CUDA path after the operand checks: output (checked or new), plan, launch; returns
     the output. ``xp`` allocates a new output; ``st`` holds the device calls (the CPU benchmark
     passes NumPy and fakes)."""
     out, blocks, vp = prepared_out(call, out, xp)
-    _launch_plan(vp, call.problem, blocks, st)
+    _launch_plan(vp, call.problem, blocks, st, path)
     return out
 
 
@@ -1042,6 +1048,8 @@ class _DeviceState:
         self.alpha = ctypes.c_float(1.0)
         self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
         self.grouped = None                       # grouped-GEMM state, made on first use
+        self.cublas_version = 0                   # 0: the grouped GEMM is never chosen
+        self.has_grouped_symbol = False
 
     @classmethod
     def for_device(cls, device: int) -> "_DeviceState":
@@ -1059,6 +1067,9 @@ class _DeviceState:
                  _real_heuristic(handle), lib().cublasLtMatmul,
                  lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream))
         st._keep = (handle, keep)  # owners of the handle and workspaces
+        from ..cublaslt import has_grouped_gemm, version
+
+        st.cublas_version, st.has_grouped_symbol = version(), has_grouped_gemm()
         return st
 
     def caller_workspace(self, stream_ptr: int) -> int:
@@ -1198,10 +1209,14 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
             caller.wait_event(ev)
 
 
-def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState) -> None:
+def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str | None = None) -> None:
     if vp.zero:
         _zero_outputs(st, vp, out, st.current_stream().ptr)
-    _launch_loop(st, vp, problem.fp8)
+    chosen, _, spec = path_for(problem, vp, out, st, path)
+    if chosen == "grouped":
+        _launch_grouped(st, vp, problem, spec)
+    else:
+        _launch_loop(st, vp, problem.fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1325,3 +1340,154 @@ def grouped_descriptors(config, groups: int, base: int, vp: VecPlan, workspace_b
     pref.set("GROUPED_DESC_D_AVERAGE_COLS", int(avg[1]))
     pref.set("GROUPED_AVERAGE_REDUCTION_DIM", int(avg[2]))
     return desc, lay["a"], lay["b"], c, lay["d"], pref
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped launch: the setup kernel fills the workspace arrays, one cublasLtMatmul reads them.
+
+def _affine(ptrs: np.ndarray, prefix: np.ndarray) -> tuple[int, int] | None:
+    """``(group_stride, token_stride)`` with ``ptrs[e] == ptrs[0] + gs * e + ts * prefix[e]`` for
+    every expert (one of the two is 0), or None."""
+    E_ = ptrs.shape[0]
+    e = np.arange(E_, dtype=np.int64)
+    if E_ == 1:
+        return 0, 0
+    gs = int(ptrs[1] - ptrs[0])
+    if np.array_equal(ptrs, ptrs[0] + gs * e):
+        return gs, 0
+    nz = np.nonzero(prefix)[0]
+    if nz.size:
+        i = int(nz[0])
+        ts = int(ptrs[i] - ptrs[0]) // int(prefix[i])
+        if np.array_equal(ptrs, ptrs[0] + ts * prefix):
+            return 0, ts
+    return None
+
+
+def _dim(values: np.ndarray, tokens: np.ndarray) -> int | None:
+    if np.all(values == values[0]):
+        return int(values[0])
+    if np.array_equal(values, tokens):
+        return _setup.TOKENS
+    return None
+
+
+def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec | None":
+    """The setup kernel's description of ``problem`` writing ``out`` (host counts: the tokens are
+    the per-expert token dimension of the plan -- rows of fprop/dgrad, the padded reduction of
+    wgrad), or None when an operand's experts are not evenly placed (lists of separate weight or
+    ``main_grad`` arrays) or a shape is neither constant nor the token count. Experts with nothing
+    to compute are dropped (their outputs are zeroed by the caller, as for the loop)."""
+    L, R, O = as_blocks(problem.left), as_blocks(problem.right), as_blocks(out)
+    E_ = len(L)
+    if not 1 <= E_ <= _setup.MAX_GROUPS:
+        return None
+    r = np.asarray(problem.reduction, dtype=np.int64)
+    tokens = r if problem.pass_name == "wgrad" else O.rows
+    prefix = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+    rt, lt = problem.right_t, problem.left_t
+    p, q = O.rows, O.cols
+    dims = {"a": ((r, q) if rt else (q, r), R), "b": ((p, r) if lt else (r, p), L),
+            "d": ((q, p), O)}
+    mats = {}
+    for name, ((rows, cols), blk) in dims.items():
+        aff = _affine(blk.ptr, prefix)
+        d = [_dim(np.asarray(v, dtype=np.int64), tokens) for v in (rows, cols, blk.ld)]
+        if aff is None or None in d:
+            return None
+        gs, ts = aff
+        mats[name] = _setup.MatrixSpec(int(blk.ptr[0]), gs, ts, *d)  # strides in bytes
+    keep = np.ones(E_, bool)
+    keep[list(vp.skipped)] = False
+    slots = tuple(int(v) for v in np.where(keep, np.cumsum(keep) - 1, -1))
+    scales = (int(problem.right_scale[0]) if problem.right_scale is not None else 0,
+              int(problem.left_scale[0]) if problem.left_scale is not None else 0)
+    for sc in (problem.right_scale, problem.left_scale):
+        if sc is not None and not np.array_equal(np.asarray(sc), sc[0] + 4 * np.arange(E_)):
+            return None
+    return _setup.SetupSpec(mats["a"], mats["b"], mats["d"], E_, 1, scales, 1.0, vp.beta, slots)
+
+
+def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: str | None = None):
+    """``(path, reason, setup spec or None)``, decided once per plan, device and request."""
+    key = ("_path", st.device, st.compute_capability, st.cublas_version, requested)
+    hit = vp.__dict__.get(key)
+    if hit is not None:
+        return hit
+    discrete = problem.pass_name == "wgrad" and _affine(as_blocks(out).ptr, np.zeros(len(out), np.int64)) is None
+    path, reason = choose_path(problem, vp, version=st.cublas_version,
+                               compute_capability=st.compute_capability,
+                               has_symbol=st.has_grouped_symbol, discrete_out=discrete,
+                               requested=requested)
+    spec = None
+    if path == "grouped":
+        spec = grouped_setup_spec(problem, vp, out)
+        if spec is None:
+            reason = "operands or outputs are not evenly placed per expert"
+            if requested == "grouped":
+                raise RuntimeError(f"path='grouped' cannot run: {reason}")
+            path = "loop"
+    hit = vp.__dict__[key] = (path, reason, spec)
+    return hit
+
+
+class _GroupedState:
+    """Per device: one setup workspace per caller stream (sized for the most groups) and the
+    grouped descriptors + algorithm per (config, groups, workspace, average dims)."""
+
+    def __init__(self, alloc=None, setup_backend: str = "cuda"):
+        self.workspaces: dict[int, Any] = {}
+        self.calls: dict[tuple, tuple] = {}
+        self.alloc = alloc            # nbytes -> 16-byte aligned uint8 array (default: CuPy)
+        self.setup_backend = setup_backend  # "emulate" / "reference" run the CPU tests
+
+    def workspace(self, stream_ptr: int):
+        ws = self.workspaces.get(stream_ptr)
+        if ws is None:
+            _, nbytes = grouped_workspace_layout(_setup.MAX_GROUPS)
+            if self.alloc is None:
+                import cupy
+
+                ws = cupy.empty(nbytes, dtype=np.uint8)
+            else:
+                ws = self.alloc(nbytes)
+            self.workspaces[stream_ptr] = ws
+        return ws
+
+
+def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> None:
+    """Setup kernel (workspace arrays from the counts) and one grouped ``cublasLtMatmul``, both on
+    the caller's stream, device pointer mode (alpha, beta and the per-group scales read from the
+    workspace)."""
+    if st.grouped is None:
+        st.grouped = _GroupedState()
+    g = st.grouped
+    caller = st.current_stream()
+    ws = g.workspace(caller.ptr)
+    base = _setup._ptr(ws)
+    groups = spec.groups
+    tokens = [int(v) for v in (problem.reduction if problem.pass_name == "wgrad"
+                               else as_blocks(problem.left).rows)]
+    _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]], m_host=tokens,
+                              backend=g.setup_backend)
+    config = dataclasses.replace(vp.config, grouped=True)
+    avg = tuple((vp.mnk.sum(axis=0) // max(groups, 1)).tolist())
+    key = (config, groups, base, avg)
+    hit = g.calls.get(key)
+    if hit is None:
+        descs = grouped_descriptors(config, groups, base, vp, st.workspace_bytes)
+        desc, la, lb, lc, ld, pref = descs
+        res = st.heuristic(desc, la, lb, ld, pref, f"grouped {config} x{groups} avg {avg}")
+        hit = g.calls[key] = (descs, res)
+    (desc, la, lb, lc, ld, _), res = hit
+    off, _ = grouped_workspace_layout(groups)
+    for log in _launch._recorders.get():
+        log.append(_launch.Launch("cuda", "cublasLtMatmul[grouped]", 1, 1))
+    status = st.matmul(st.handle, desc.handle, base + off["alpha"], base + off["a"], la.handle,
+                       base + off["b"], lb.handle, base + off["beta"], base + off["c"], lc.handle,
+                       base + off["d"], ld.handle, ctypes.byref(res.algo),
+                       st.caller_workspace(caller.ptr), st.workspace_bytes, caller.ptr)
+    if status:
+        from ..cublaslt import check
+
+        check(status, "cublasLtMatmul", f"grouped call of {groups} groups")
