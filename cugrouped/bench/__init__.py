@@ -73,7 +73,9 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
             else:
                 bench_gemm(quick, rows)
         if what in ("layer", "all"):
-            print("bench layer: the PyTorch layer is not built yet; skipped")
+            from .layer import bench_layer
+
+            bench_layer(quick, rows)
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
