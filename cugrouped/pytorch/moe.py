@@ -1,0 +1,389 @@
+"""An expert-parallel mixture-of-experts feed-forward block: ``GroupedLinear`` as each rank's
+local expert compute, ``torch.distributed`` all-to-alls to move the tokens.
+
+::
+
+    import torch.distributed as dist
+    from cugrouped.pytorch import fp8_autocast, DelayedScaling
+    from cugrouped.pytorch.moe import MoEFeedForward
+
+    dist.init_process_group("nccl")               # experts sharded over the world (or group=...)
+    moe = MoEFeedForward(hidden_size=1024, ffn_hidden_size=2048, num_experts=64, top_k=2,
+                         params_dtype=torch.bfloat16, device="cuda")
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        y = moe(x)                                 # x: (..., hidden_size) -> y: same shape
+
+One forward, on every rank of the expert-parallel group (``W`` ranks, ``L = E / W`` local
+experts; rank ``r`` owns global experts ``r·L .. r·L + L - 1``):
+
+1. route: ``softmax(x · W_rᵀ (+ b_r))`` over the E experts, top-k, optionally renormalised;
+2. permute: the ``T·k`` (token, slot) rows sorted stably by (local expert ``l``, destination rank
+   ``r``) of their global expert ``e = r·L + l`` (:func:`plan_routing`, :func:`permute_tokens`);
+3. exchange the token counts: one ``all_to_all_single`` of E int64 counts, then one host sync
+   (``tolist()``: the collectives' split sizes and the grouped GEMMs need host counts);
+4. dispatch: for each local expert ``l`` one ``all_to_all_single`` whose input is the
+   (contiguous) rows for slot ``l`` of every rank and whose output is a slice of one receive
+   buffer. Expert ``l``'s rows from all source ranks therefore arrive contiguous, in source-rank
+   order, and the per-expert list handed to ``GroupedLinear`` is ``recv.split(m_splits)``: views,
+   no regrouping copy. (One collective for all experts would leave the rows ordered by source
+   rank and need a permuting copy; with ``L = 1`` this is that one collective);
+5. experts: ``GroupedLinear`` (fc1) -> activation -> ``GroupedLinear`` (fc2) on the list;
+6. combine: the reverse all-to-alls (fc2's per-expert outputs are their inputs);
+7. unpermute: back to (token, slot) order by the inverse permutation, weighted by the router
+   probabilities and summed over the k slots (a gather and a sum: deterministic, no atomics).
+
+With ``W = 1`` (no process group, or a group of one) steps 3, 4 and 6 are plain splits.
+
+Global token order on the expert side is the order of the single-process block run on the ranks'
+tokens concatenated in rank order, so each expert sees exactly the same rows in the same order as
+there: outputs and expert gradients equal the single-process block's bit for bit, FP8 included.
+
+Gradients: both all-to-alls are autograd functions (the backward runs the reverse exchange). The
+router is replicated: its gradient on each rank covers that rank's tokens only, and must be summed
+(or averaged) over the data-parallel ranks like any replicated parameter (DDP or FSDP do this).
+The experts' gradients are complete on their owner rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .grouped_linear import GroupedLinear
+
+__all__ = ["MoEFeedForward", "TopKRouter", "RoutingPlan", "plan_routing", "permute_tokens",
+           "unpermute_tokens", "all_to_all_chunks", "shard_state_dict", "ACTIVATIONS"]
+
+ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+_GATED = {"swiglu": F.silu, "geglu": F.gelu}
+_PLAIN = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and token permutation (pure functions of tensors; one process)
+
+class TopKRouter(torch.nn.Module):
+    """Softmax gate over ``num_experts``, top-k (replicated on every expert-parallel rank).
+
+    ``forward(x (T, hidden))`` -> ``(probs (T, k), expert_ids (T, k) int64)``. Scores are computed
+    in float32 or wider (``softmax(logits)`` over all experts, then top-k, Mixtral / Qwen style);
+    ``normalize_topk=True`` rescales each token's k probabilities to sum to 1.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize_topk: bool = True,
+                 bias: bool = False, params_dtype: torch.dtype | None = None, device="cuda"):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k: expected 1 <= top_k <= num_experts={num_experts}, got {top_k}")
+        self.num_experts, self.top_k, self.normalize_topk = num_experts, top_k, normalize_topk
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype,
+                                                     device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device)) \
+            if bias else None
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        scores = logits.softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        probs, expert_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.normalize_topk and self.top_k > 1:
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs, expert_ids
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"normalize_topk={self.normalize_topk}, bias={self.bias is not None}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    """Where each (token, slot) row goes. ``T·k`` rows, slot ``s = token·k + j``.
+
+    ``sort_idx[i]``: the slot held by row ``i`` of the permuted buffer; ``inverse[s]``: the row of
+    the permuted buffer holding slot ``s``; ``tokens_per_expert``: ``(E,)`` int64 counts in global
+    expert order. Rows are sorted stably by ``(e % L, e // L)`` (local expert, owner rank) for
+    ``L = E / ep_size`` local experts; with ``ep_size = 1`` simply by expert.
+    """
+
+    sort_idx: torch.Tensor
+    inverse: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_tokens: int
+    top_k: int
+    ep_size: int
+
+    def send_counts(self, counts: Sequence[int]) -> list[list[int]]:
+        """Host counts ``(E,)`` in global order -> ``[l][r]``: rows for local expert slot ``l`` of
+        rank ``r`` (the permuted buffer's block order)."""
+        W = self.ep_size
+        L = len(counts) // W
+        return [[counts[r * L + l] for r in range(W)] for l in range(L)]
+
+
+def plan_routing(expert_ids: torch.Tensor, num_experts: int, ep_size: int = 1) -> RoutingPlan:
+    """The permutation of the ``(T, k)`` routed slots into per-(local expert, rank) blocks."""
+    if expert_ids.dim() != 2:
+        raise ValueError(f"expert_ids: expected (tokens, top_k), got shape {tuple(expert_ids.shape)}")
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts: expected a multiple of ep_size={ep_size}, got {num_experts}")
+    T, k = expert_ids.shape
+    L = num_experts // ep_size
+    flat = expert_ids.reshape(-1)
+    key = (flat % L) * ep_size + flat // L
+    sort_idx = torch.argsort(key, stable=True)
+    inverse = torch.empty_like(sort_idx)
+    inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)
+    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    return RoutingPlan(sort_idx, inverse, tokens_per_expert, T, k, ep_size)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[sort_idx // k]``, with a deterministic backward (gather + sum over the k slots instead
+    of the scatter-add ``index_select`` would use)."""
+
+    @staticmethod
+    def forward(ctx, x, sort_idx, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.num_tokens = k, x.shape[0]
+        return x.index_select(0, sort_idx // k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)
+        return g.view(ctx.num_tokens, ctx.k, *grad.shape[1:]).sum(1), None, None, None
+
+
+def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """``(T, hidden)`` -> ``(T·k, hidden)``: each token copied once per routed slot, in the
+    plan's (local expert, rank) block order."""
+    if x.shape[0] != plan.num_tokens:
+        raise ValueError(f"x: expected {plan.num_tokens} rows (the plan's tokens), got {x.shape[0]}")
+    return _Permute.apply(x, plan.sort_idx, plan.inverse, plan.top_k)
+
+
+def unpermute_tokens(y: torch.Tensor, plan: RoutingPlan, probs: torch.Tensor) -> torch.Tensor:
+    """``(T·k, hidden)`` in the plan's order -> ``(T, hidden)``: ``Σ_j probs[t, j] · y[slot t·k+j]``
+    (products in the wider of the two dtypes, result in ``y``'s dtype)."""
+    T, k = plan.num_tokens, plan.top_k
+    if y.shape[0] != T * k or tuple(probs.shape) != (T, k):
+        raise ValueError(f"y, probs: expected ({T * k}, hidden) and ({T}, {k}), got "
+                         f"{tuple(y.shape)} and {tuple(probs.shape)}")
+    slots = y.index_select(0, plan.inverse).view(T, k, *y.shape[1:])
+    return (slots * probs.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all with autograd
+
+def _all_to_all_chunks(chunks, in_splits, out_splits, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    totals = [sum(s) for s in out_splits]
+    first = chunks[0]
+    out = first.new_empty((sum(totals), *first.shape[1:]))
+    for x, o, si, so in zip(chunks, out.split(totals), in_splits, out_splits):
+        dist.all_to_all_single(o, x.contiguous(), output_split_sizes=list(so),
+                               input_split_sizes=list(si), group=group)
+    return out
+
+
+class _AllToAllChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, in_splits, out_splits, *chunks):
+        ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
+        return _all_to_all_chunks(chunks, in_splits, out_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        totals = [sum(s) for s in ctx.out_splits]
+        g = _all_to_all_chunks(grad.contiguous().split(totals), ctx.out_splits, ctx.in_splits,
+                               ctx.group)
+        return (None, None, None, *g.split([sum(s) for s in ctx.in_splits]))
+
+
+def all_to_all_chunks(chunks: Sequence[torch.Tensor], in_splits: Sequence[Sequence[int]],
+                      out_splits: Sequence[Sequence[int]], group=None) -> torch.Tensor:
+    """One ``all_to_all_single`` per chunk, differentiable; the outputs are laid end to end.
+
+    ``chunks[c]`` has ``sum(in_splits[c])`` rows, ``in_splits[c][r]`` of them for rank ``r``; the
+    result holds, for each ``c`` in turn, ``out_splits[c][r]`` rows from each rank ``r``. The
+    backward runs the reverse exchange (splits swapped). Every rank of ``group`` must call it with
+    the same number of chunks (collectives are issued in chunk order).
+    """
+    if not chunks or len(in_splits) != len(chunks) or len(out_splits) != len(chunks):
+        raise ValueError(f"in_splits, out_splits: expected one list per chunk ({len(chunks)}), got "
+                         f"{len(in_splits)} and {len(out_splits)}")
+    return _AllToAllChunks.apply(group, tuple(map(tuple, in_splits)),
+                                 tuple(map(tuple, out_splits)), *chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block
+
+def _group_rank_size(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+_EXPERT_KEY = re.compile(r"^(?P<pre>.*?(?:fc1|fc2)\.(?:weight|bias))(?P<i>\d+)$")
+
+
+def shard_state_dict(global_state: Mapping[str, torch.Tensor], num_experts: int, ep_rank: int,
+                     ep_size: int, prefix: str = "") -> dict:
+    """The state dict of rank ``ep_rank``'s shard from a block with all ``num_experts`` experts.
+
+    ``fc1.weight{e}`` (and ``bias``, ``fc2``) for ``e`` in ``ep_rank·L .. ep_rank·L + L - 1``
+    become ``fc1.weight{e - ep_rank·L}``; other experts are dropped; the router is kept as is.
+    FP8 delayed-scaling extra state (per expert rows ``which·E + e``) is sliced the same way.
+    Keys are taken under ``prefix`` (e.g. ``"layers.3.moe."``) and returned without it.
+    """
+    if num_experts % ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank, ep_size: expected 0 <= ep_rank < ep_size dividing num_experts="
+                         f"{num_experts}, got {ep_rank}, {ep_size}")
+    L = num_experts // ep_size
+    lo = ep_rank * L
+    out = {}
+    for key, value in global_state.items():
+        if not key.startswith(prefix):
+            continue
+        key = key[len(prefix):]
+        m = _EXPERT_KEY.match(key)
+        if m:
+            e = int(m["i"])
+            if lo <= e < lo + L:
+                out[f"{m['pre']}{e - lo}"] = value
+        elif key.endswith("._extra_state") and value is not None:
+            out[key] = _shard_fp8_state(value, num_experts, lo, L)
+        else:
+            out[key] = value
+    return out
+
+
+def _shard_fp8_state(state: dict, num_experts: int, lo: int, L: int) -> dict:
+    if int(state["num_experts"]) != num_experts:
+        raise ValueError(f"state_dict: FP8 extra state is for {state['num_experts']} experts, "
+                         f"expected {num_experts}")
+    rows = [w * num_experts + lo + l for w in range(3) for l in range(L)]
+    idx = torch.tensor(rows)
+    return {**state, "num_experts": L,
+            **{k: state[k].index_select(0, idx.to(state[k].device))
+               for k in ("amax_history", "amax", "scale", "scale_inv")}}
+
+
+class MoEFeedForward(torch.nn.Module):
+    """Top-k routed experts ``fc2(act(fc1(x)))``, sharded over an expert-parallel process group.
+
+    Parameters
+    ----------
+    hidden_size, ffn_hidden_size : int  the experts map hidden -> ffn -> hidden (multiples of 16
+        for FP8; fc1 has ``2·ffn_hidden_size`` outputs for the gated activations).
+    num_experts : int  E, a multiple of the group's size W; rank ``r`` holds experts
+        ``r·E/W .. (r+1)·E/W - 1`` as ``fc1`` / ``fc2`` (``GroupedLinear`` with E/W gemms).
+    top_k : int  experts per token.
+    activation : one of ``ACTIVATIONS``: ``"swiglu"`` (``silu(a) · b`` over fc1's two halves
+        ``[a | b]``, Megatron's gated linear unit), ``"geglu"``, or ``"silu"``, ``"gelu"``, ``"relu"``.
+    normalize_topk : rescale each token's top-k probabilities to sum to 1.
+    bias : per-expert biases in fc1 and fc2.  router_bias : a bias on the router logits.
+    group : the expert-parallel ``torch.distributed`` process group; None: the world if
+        torch.distributed is initialized, else a single process.
+    params_dtype, device : of all parameters (default ``torch.get_default_dtype()``, ``"cuda"``).
+
+    ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
+    counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
+    enclosing :func:`~cugrouped.pytorch.fp8_autocast` (the experts only; the router stays in
+    high precision).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
+                 *, activation: str = "swiglu", normalize_topk: bool = True, bias: bool = False,
+                 router_bias: bool = False, group=None, params_dtype: torch.dtype | None = None,
+                 device="cuda"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        rank, size = _group_rank_size(group)
+        if num_experts % size:
+            raise ValueError(f"num_experts: expected a multiple of the expert-parallel group size "
+                             f"{size}, got {num_experts}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+        self.group, self.ep_rank, self.ep_size = group, rank, size
+        self.num_local_experts = num_experts // size
+        self.router = TopKRouter(hidden_size, num_experts, top_k, normalize_topk, router_bias,
+                                 params_dtype, device)
+        fc1_out = ffn_hidden_size * (2 if activation in _GATED else 1)
+        L = self.num_local_experts
+        self.fc1 = GroupedLinear(L, hidden_size, fc1_out, bias=bias, params_dtype=params_dtype,
+                                 device=device)
+        self.fc2 = GroupedLinear(L, ffn_hidden_size, hidden_size, bias=bias,
+                                 params_dtype=params_dtype, device=device)
+
+    @property
+    def local_expert_ids(self) -> range:
+        """Global ids of this rank's experts (``fc1.weight{i}`` is expert ``local_expert_ids[i]``)."""
+        return range(self.ep_rank * self.num_local_experts,
+                     (self.ep_rank + 1) * self.num_local_experts)
+
+    def load_global_state_dict(self, global_state: Mapping[str, torch.Tensor], prefix: str = "",
+                               strict: bool = True):
+        """Load this rank's shard of the state dict of a block holding all experts (built with
+        the same arguments in one process): the router, and the weights of
+        :attr:`local_expert_ids`. See :func:`shard_state_dict`."""
+        return self.load_state_dict(shard_state_dict(global_state, self.num_experts, self.ep_rank,
+                                                     self.ep_size, prefix), strict=strict)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"activation={self.activation!r}, ep_rank={self.ep_rank}, ep_size={self.ep_size}")
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation in _GATED:
+            a, b = h.chunk(2, dim=-1)
+            return _GATED[self.activation](a) * b
+        return _PLAIN[self.activation](h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected shape (..., hidden_size={self.hidden_size}), got "
+                             f"{tuple(x.shape)}")
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)
+        probs, expert_ids = self.router(x)
+        plan = plan_routing(expert_ids, self.num_experts, self.ep_size)
+        x_sorted = permute_tokens(x, plan)
+        W, L = self.ep_size, self.num_local_experts
+        if W == 1:
+            m_splits = plan.tokens_per_expert.tolist()           # host sync
+            y = self._experts(list(x_sorted.split(m_splits)))
+            y_sorted = torch.cat(y) if L > 1 else y[0]
+        else:
+            import torch.distributed as dist
+
+            counts = plan.tokens_per_expert
+            recv = torch.empty_like(counts)   # recv[s·L + l]: rows rank s sends to my expert l
+            dist.all_to_all_single(recv, counts, group=self.group)
+            host = torch.cat([counts, recv]).tolist()             # host sync
+            send_splits = plan.send_counts(host[:self.num_experts])             # [l][r]
+            recv_splits = [[host[self.num_experts + s * L + l] for s in range(W)] for l in range(L)]
+            chunks = x_sorted.split([sum(s) for s in send_splits])
+            received = all_to_all_chunks(chunks, send_splits, recv_splits, self.group)
+            m_splits = [sum(s) for s in recv_splits]
+            y = self._experts(list(received.split(m_splits)))
+            y_sorted = all_to_all_chunks(y, recv_splits, send_splits, self.group)
+        out = unpermute_tokens(y_sorted, plan, probs)
+        return out.reshape(shape)
+
+    def _experts(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """fc1 -> activation -> fc2 on the list of this rank's per-expert rows."""
+        h = self.fc1(xs)
+        return self.fc2([self._act(t) for t in h])
