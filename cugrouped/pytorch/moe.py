@@ -215,6 +215,9 @@ def all_to_all_chunks(chunks: Sequence[torch.Tensor], in_splits: Sequence[Sequen
     result holds, for each ``c`` in turn, ``out_splits[c][r]`` rows from each rank ``r``. The
     backward runs the reverse exchange (splits swapped). Every rank of ``group`` must call it with
     the same number of chunks (collectives are issued in chunk order).
+
+    (``torch.distributed.nn.functional.all_to_all_single`` does the one-chunk case, but torch 2.13
+    deprecates it with a FutureWarning in favour of ``_functional_collectives``, a private module.)
     """
     if not chunks or len(in_splits) != len(chunks) or len(out_splits) != len(chunks):
         raise ValueError(f"in_splits, out_splits: expected one list per chunk ({len(chunks)}), got "
