@@ -404,3 +404,13 @@ def test_cuda_large_case_over_2_31_elements():
     want = reference.multi_pad_cast_transpose([last], scale=sc)
     assert np.array_equal(cupy.asnumpy(got.rowwise(3)), want.data.view(np.uint8))
     assert np.array_equal(cupy.asnumpy(got.columnwise(3)), want.columnwise(0))
+
+
+def test_all_experts_empty_with_out_buffers():
+    """Zero rows in total (an expert-parallel rank that receives no token): empty buffers are fine."""
+    xs = [np.zeros((0, 32), np.float32), np.zeros((0, 32), np.float32)]
+    first = cugrouped.multi_pad_cast_transpose(xs, backend="emulate", column_sums=True)
+    again = cugrouped.multi_pad_cast_transpose(xs, backend="emulate", column_sums=True, out=first)
+    assert again.data.shape == (0, 32) and again.data_t.shape == (0,)
+    assert not again.amax.any() and not again.column_sums.any()
+    assert np.array_equal(again.scale, np.ones(2, np.float32))

@@ -357,6 +357,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
 
 
 def _contiguous(v: ArrayView) -> bool:
+    if 0 in v.shape:          # an empty buffer is trivially contiguous (torch reports 0 strides)
+        return True
     expect, acc = [], 1
     for n in reversed(v.shape):
         expect.append(acc)
