@@ -87,6 +87,10 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
             for r in rows:
                 w.writerow({**env, **r})
         print(f"wrote {out / 'bench.csv'}")
+        from .plot import write_png
+
+        for png in write_png([{**env, **r} for r in rows], out / "bench.png"):
+            print(f"wrote {png}")
     return 0
 
 

@@ -1,0 +1,46 @@
+"""The benchmark plots: rows written to a CSV, read back and drawn, for GPU rows and host rows."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from cugrouped.bench import plot  # noqa: E402
+
+
+def _write(tmp_path, rows):
+    keys = sorted({k for r in rows for k in r})
+    path = tmp_path / "bench.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_gpu_and_host_rows_become_pngs(tmp_path):
+    # made-up numbers: this tests the plotting code, not a measurement
+    rows = [dict(op="cast", config="E8", impl="cugrouped", scaling="current", ms=0.2, pct_copy_bw=85.0,
+                 gpu="test"),
+            dict(op="cast", config="E8", impl="torch-eager", scaling="current", ms=0.9,
+                 speedup_of_cugrouped=4.5, gpu="test"),
+            dict(op="gemm", config="E8", pass_name="fprop", impl="cugrouped-fp8", ms=1.0, pct_peak=60.0,
+                 gpu="test"),
+            dict(op="cast-host", config="E8-list", host_us_per_expert=9.0, gpu="none"),
+            dict(op="cast-host", config="E64-list", host_us_per_expert=3.0, gpu="none")]
+    back = plot.load_rows(_write(tmp_path, rows))
+    assert back[1]["speedup_of_cugrouped"] == 4.5 and "speedup_of_cugrouped" not in back[0]
+    written = plot.write_png(back, tmp_path / "bench.png")
+    names = sorted(p.name for p in written)
+    assert names == ["bench-cast.png", "bench-gemm.png", "bench-host.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_no_rows_of_a_kind_no_png(tmp_path):
+    assert plot.write_png([dict(op="cast-host", config="E8-tensor", host_us_per_expert=2.0)],
+                          tmp_path / "b.png") == [tmp_path / "b-host.png"]
+    assert plot.plot_host([dict(op="cast", config="E8")]) is None
