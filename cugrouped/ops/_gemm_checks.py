@@ -1,0 +1,439 @@
+"""Argument checks of the grouped GEMMs: operands (GroupedFP8 or plain arrays) to a
+:class:`~cugrouped.ops._gemm_plan.Problem`, and the outputs (checked or new) to per-expert blocks.
+Every failure is a TypeError/ValueError naming the argument. Package-private: the public names are
+re-exported by :mod:`cugrouped.ops.grouped_gemm`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._array import ArrayView, as_view
+from ..grouped_fp8 import GroupedFP8
+from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
+
+# cuBLASLt FP8 GEMMs need the reduction and output dims, leading dims and pointers in multiples of
+# 16 (elements = bytes for FP8).
+FP8_MULTIPLE = 16
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+PLAIN_DTYPES = ("bfloat16", "float16", "float32")
+_FP8_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+# Output dtypes cuBLASLt offers for each plain input dtype (fp32 compute).
+_PLAIN_OUT = {"bfloat16": ("bfloat16", "float32"), "float16": ("float16", "float32"),
+              "float32": ("float32",)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: operands -> blocks.
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    blocks: tuple[Block, ...]
+    dtype: str
+    scale_inv: tuple[int, ...] | None
+    fmt: str | None
+    on_device: bool
+    device: int
+    kind: str
+    m_splits: tuple[int, ...]
+
+
+def _stacked(v: ArrayView) -> list[ArrayView]:
+    """The per-expert views of one stacked ``(E, ...)`` array (its leading index taken off)."""
+    return [dataclasses.replace(v, ptr=v.ptr + i * v.strides[0] * v.itemsize,
+                                shape=v.shape[1:], strides=v.strides[1:])
+            for i in range(v.shape[0])]
+
+
+def _where(views: Sequence[ArrayView], arg: str) -> tuple[bool, int, str]:
+    first = views[0]
+    for v in views[1:]:
+        if (v.kind, v.device) != (first.kind, first.device):
+            raise ValueError(f"{arg}: mixes a {first.kind} array on device {first.device} with a "
+                             f"{v.kind} array on device {v.device}")
+    if first.kind == "torch":
+        raise TypeError(f"{arg}: torch tensors go through cugrouped.pytorch (not implemented yet); "
+                        "pass NumPy or CuPy arrays")
+    return first.on_device, first.device, first.kind
+
+
+def _fp8_operand(g: GroupedFP8, copy: str, arg: str, need: str) -> _Operand:
+    """Blocks of the row-wise ``(m_i, k)`` or transposed ``(k, m_pad_i)`` copies of ``g``."""
+    if getattr(g, "splits_on_device", False):
+        raise ValueError(f"{arg}: its token counts live on the device; the per-expert cuBLASLt loop "
+                         "needs them on the host (cast with host m_splits, or rebuild the "
+                         "GroupedFP8 with m_splits, m_pad_splits = g.host_splits(), a sync)")
+    data = g.data if copy == "rowwise" else g.data_t
+    if data is None:
+        raise ValueError(f"{arg}: {need} needs the {copy} FP8 copy; cast with "
+                         f"multi_pad_cast_transpose(..., {copy}=True)")
+    if g.fp8_format not in _FP8_DTYPE:
+        raise ValueError(f"{arg}: unknown fp8_format {g.fp8_format!r}")
+    dv = as_view(data, arg=f"{arg}.data" if copy == "rowwise" else f"{arg}.data_t")
+    sv = as_view(g.scale_inv, arg=f"{arg}.scale_inv")
+    E_ = g.num_experts
+    if sv.dtype != "float32" or sv.shape != (E_,) or (E_ > 1 and sv.strides != (1,)):
+        raise ValueError(f"{arg}.scale_inv: expected a contiguous float32 array of shape ({E_},), "
+                         f"got {sv.dtype} {sv.shape}")
+    on_device, device, kind = _where([dv, sv], arg)
+    k = g.k
+    dtype = _FP8_DTYPE[g.fp8_format]
+    if copy == "rowwise":
+        m = np.asarray(g.m_splits, dtype=np.int64)
+        rows = int(m.sum())
+        if dv.shape != (rows, k) or (rows > 1 and dv.strides != (k, 1)):
+            raise ValueError(f"{arg}.data: expected a contiguous ({rows}, {k}) array, got shape "
+                             f"{dv.shape} strides {dv.strides}")
+        blocks = Blocks(dv.ptr + (np.cumsum(m) - m) * k, m, k, k, dtype)
+    else:
+        mp = np.asarray(g.m_pad_splits, dtype=np.int64)
+        ends = np.cumsum(mp) * k
+        total = int(ends[-1]) if E_ else 0
+        if dv.size != total or (total > 1 and dv.strides[-1] != 1):
+            raise ValueError(f"{arg}.data_t: expected {total} contiguous bytes, got shape {dv.shape}")
+        blocks = Blocks(dv.ptr + ends - mp * k, k, mp, mp, dtype)
+    scales = sv.ptr + 4 * np.arange(E_, dtype=np.int64)
+    return _Operand(blocks, dtype, scales, g.fp8_format, on_device, device, kind,
+                    tuple(g.m_splits))
+
+
+def _plain_operand(x: Any, arg: str, expect_3d: bool = False) -> _Operand:
+    """A list/tuple of 2-D arrays (or, for weights, one 3-D ``(E, rows, cols)`` array)."""
+    if isinstance(x, (list, tuple)):
+        if len(x) == 0:
+            raise ValueError(f"{arg}: expected at least one expert, got an empty sequence")
+        views = [as_view(a, arg=f"{arg}[{i}]") for i, a in enumerate(x)]
+        names = [f"{arg}[{i}]" for i in range(len(x))]
+    else:
+        v = as_view(x, arg=arg)
+        if not (expect_3d and len(v.shape) == 3):
+            raise TypeError(f"{arg}: expected a GroupedFP8 or a list of 2-D arrays"
+                            + (" or one 3-D (E, rows, cols) array" if expect_3d else "")
+                            + f", got {type(x).__name__} of shape {v.shape}")
+        views = _stacked(v)
+        names = [arg] * len(views)
+        if not views:
+            raise ValueError(f"{arg}: expected at least one expert, got shape {v.shape}")
+    on_device, device, kind = _where(views, arg)
+    dtype = views[0].dtype
+    blocks = []
+    for v, name in zip(views, names):
+        if len(v.shape) != 2:
+            raise ValueError(f"{name}: expected a 2-D array, got shape {v.shape}")
+        if v.dtype not in PLAIN_DTYPES:
+            raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32, got {v.dtype} "
+                            "(CuPy callers pass bfloat16 as a GroupedFP8 or as NumPy/ml_dtypes)")
+        if v.dtype != dtype:
+            raise TypeError(f"{name}: dtype {v.dtype} differs from the first expert's {dtype}")
+        rows, cols = v.shape
+        if rows > 0 and cols > 0 and not v.is_row_major_rows():
+            raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
+                             f"strides {v.strides} (elements) for shape {v.shape}")
+        ld = v.strides[0] if rows > 1 else cols
+        blocks.append((v.ptr, rows, cols, max(ld, 1)))
+    b = np.array(blocks, dtype=np.int64).reshape(-1, 4)
+    return _Operand(Blocks(b[:, 0], b[:, 1], b[:, 2], b[:, 3], dtype), dtype, None, None,
+                    on_device, device, kind, tuple(b[:, 1].tolist()))
+
+
+def _operand(x: Any, arg: str, copy: str, need: str, expect_3d: bool = False) -> _Operand:
+    if isinstance(x, GroupedFP8):
+        return _fp8_operand(x, copy, arg, need)
+    return _plain_operand(x, arg, expect_3d)
+
+
+def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
+    if (a.fmt is None) != (b.fmt is None):
+        fp8, plain = (a_name, b_name) if a.fmt else (b_name, a_name)
+        raise TypeError(f"{fp8} is a GroupedFP8 but {plain} is not: both operands must be FP8 "
+                        "(GroupedFP8) or both plain arrays")
+    if a.fmt == "e5m2" and b.fmt == "e5m2":
+        raise ValueError(f"{a_name}, {b_name}: E5M2 x E5M2 is not a cuBLASLt FP8 GEMM (supported "
+                         "pairs: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3); cast one of them as e4m3")
+    if a.fmt is None and a.dtype != b.dtype:
+        raise TypeError(f"{b_name}: dtype {b.dtype} differs from {a_name}'s {a.dtype}")
+    if (a.on_device, a.device, a.kind) != (b.on_device, b.device, b.kind):
+        raise ValueError(f"{a_name} and {b_name}: must be arrays of the same kind on the same "
+                         f"device, got {a.kind}@{a.device} and {b.kind}@{b.device}")
+    if len(a.blocks) != len(b.blocks):
+        raise ValueError(f"{a_name} has {len(a.blocks)} experts but {b_name} has {len(b.blocks)}")
+
+
+def _check_out_dtype(out_dtype: str, op: _Operand) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: got {out_dtype!r}, expected one of {OUT_DTYPES}")
+    if op.fmt is None and out_dtype not in _PLAIN_OUT[op.dtype]:
+        raise ValueError(f"out_dtype: {op.dtype} operands give {_PLAIN_OUT[op.dtype]} outputs in "
+                         f"cuBLASLt, got {out_dtype!r}")
+
+
+def _check_fp8_dim(value: int, name: str) -> None:
+    if value % FP8_MULTIPLE:
+        raise ValueError(f"{name}: FP8 GEMMs need a multiple of {FP8_MULTIPLE}, got {value}")
+
+
+def _uniform(blocks: Blocks, attr: str, arg: str, what: str) -> int:
+    vals = getattr(blocks, attr)
+    lo, hi = int(vals.min()), int(vals.max())
+    if lo != hi:
+        raise ValueError(f"{arg}: every expert must have the same {what}, got "
+                         f"{np.unique(vals).tolist()}")
+    return lo
+
+
+def _tagged_view(a, dtype: str, arg: str) -> ArrayView:
+    """``as_view``, reading an integer carrier (CuPy's ``uint16`` for bfloat16) as ``dtype``."""
+    carrier = getattr(getattr(a, "dtype", None), "kind", "") in ("u", "i")
+    return as_view(a, dtype=dtype if carrier else None, arg=arg)
+
+
+def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand) -> tuple[int, ...] | None:
+    if bias is None:
+        return None
+    if isinstance(bias, (list, tuple)):
+        views = [_tagged_view(b, dtype, f"bias[{i}]") for i, b in enumerate(bias)]
+        if len(views) != num:
+            raise ValueError(f"bias: expected {num} per-expert vectors, got {len(views)}")
+    else:
+        v = _tagged_view(bias, dtype, "bias")
+        if len(v.shape) != 2 or v.shape[0] != num:
+            raise ValueError(f"bias: expected an ({num}, {n}) array or a list of {num} ({n},) "
+                             f"vectors, got shape {v.shape}")
+        views = _stacked(v)
+    on_device, device, kind = _where(views, "bias")
+    if (on_device, device, kind) != (where.on_device, where.device, where.kind):
+        raise ValueError("bias: must live with the operands (same array kind and device)")
+    for i, v in enumerate(views):
+        if v.shape != (n,) or (n > 1 and v.strides != (1,)):
+            raise ValueError(f"bias[{i}]: expected a contiguous ({n},) vector, got shape {v.shape} "
+                             f"strides {v.strides}")
+        if v.dtype != dtype:
+            raise TypeError(f"bias[{i}]: cuBLASLt's bias epilogue needs {dtype} here (output "
+                            f"{'FP8 GEMM ' if where.fmt else ''}type), got {v.dtype}")
+    return tuple(v.ptr for v in views)
+
+
+def check_fprop(x, w, bias=None, *, out_dtype="bfloat16", fast_accum=True) -> Problem:
+    """Check fprop's operands; raise TypeError/ValueError naming the argument."""
+    xo = _operand(x, "x", "rowwise", "fprop")
+    wo = _operand(w, "w", "rowwise", "fprop", expect_3d=True)
+    _check_pair(wo, "w", xo, "x")
+    _check_out_dtype(out_dtype, xo)
+    k = _uniform(xo.blocks, "cols", "x", "k (columns)") if xo.fmt is None else xo.blocks[0].cols
+    n = _uniform(wo.blocks, "rows", "w", "n (rows)")
+    wk = _uniform(wo.blocks, "cols", "w", "k (columns)")
+    if wk != k:
+        raise ValueError(f"w: has k={wk} columns but x has k={k}")
+    if k < 1 or n < 1:
+        raise ValueError(f"x, w: need k >= 1 and n >= 1, got k={k}, n={n}")
+    if xo.fmt:
+        _check_fp8_dim(k, "k (x.k, w.k)")
+        _check_fp8_dim(n, "n (w's rows per expert)")
+    bdt = bias_dtype_for(out_dtype, xo.fmt is not None)
+    return Problem("fprop", xo.fmt is not None, xo.blocks, False, wo.blocks, True,
+                   (k,) * len(xo.blocks), xo.scale_inv, wo.scale_inv,
+                   _bias(bias, n, len(xo.blocks), bdt, xo), bdt if bias is not None else None,
+                   bool(fast_accum), False, out_dtype, _place(xo))
+
+
+def check_dgrad(dy, w, *, out_dtype="bfloat16", fast_accum=False) -> Problem:
+    """Check dgrad's operands. FP8: ``dy`` row-wise ``(m_i, n)``, ``w`` transposed ``(k, n)``."""
+    dyo = _operand(dy, "dy", "rowwise", "dgrad")
+    wo = _operand(w, "w", "columnwise", "dgrad (the transposed weight)", expect_3d=True)
+    _check_pair(wo, "w", dyo, "dy")
+    _check_out_dtype(out_dtype, dyo)
+    n = dyo.blocks[0].cols if dyo.fmt else _uniform(dyo.blocks, "cols", "dy", "n (columns)")
+    if wo.fmt:
+        # w's transposed blocks are (k, n_pad) with the true n = w.m_splits[i] columns
+        w_n = set(wo.m_splits)
+        if len(w_n) != 1:
+            raise ValueError(f"w: every expert must have the same n (rows), got {sorted(w_n)}")
+        wn = w_n.pop()
+        k = wo.blocks[0].rows
+        right = wo.blocks.replace(cols=wn)
+    else:
+        wn = _uniform(wo.blocks, "rows", "w", "n (rows)")
+        k = _uniform(wo.blocks, "cols", "w", "k (columns)")
+        right = wo.blocks
+    if wn != n:
+        raise ValueError(f"w: has n={wn} rows per expert but dy has n={n} columns")
+    if k < 1 or n < 1:
+        raise ValueError(f"dy, w: need k >= 1 and n >= 1, got k={k}, n={n}")
+    if dyo.fmt:
+        _check_fp8_dim(n, "n (dy.k, w's rows per expert)")
+        _check_fp8_dim(k, "k (w.k)")
+    return Problem("dgrad", dyo.fmt is not None, dyo.blocks, False, right, bool(wo.fmt),
+                   (n,) * len(dyo.blocks), dyo.scale_inv, wo.scale_inv, None, None,
+                   bool(fast_accum), False, out_dtype, _place(dyo))
+
+
+def check_wgrad(x, dy, *, out_dtype="float32", fast_accum=False, accumulate=False) -> Problem:
+    """Check wgrad's operands. FP8: both transposed, ``x`` ``(k, m_pad_i)``, ``dy`` ``(n, m_pad_i)``."""
+    xo = _operand(x, "x", "columnwise", "wgrad")
+    dyo = _operand(dy, "dy", "columnwise", "wgrad")
+    _check_pair(xo, "x", dyo, "dy")
+    _check_out_dtype(out_dtype, xo)
+    if xo.m_splits != dyo.m_splits:
+        raise ValueError(f"x, dy: token counts per expert differ: {xo.m_splits} vs {dyo.m_splits}")
+    if xo.fmt:
+        k, n = xo.blocks[0].rows, dyo.blocks[0].rows
+        pads = tuple(xo.blocks.cols.tolist())
+        if pads != tuple(dyo.blocks.cols.tolist()):
+            raise ValueError(f"x, dy: padded token counts differ ({pads} vs "
+                             f"{tuple(dyo.blocks.cols.tolist())}): cast both with the same align")
+        for i, mp in enumerate(pads):
+            if mp % FP8_MULTIPLE:
+                raise ValueError(f"x, dy: FP8 wgrad reduces over the padded token count, which must "
+                                 f"be a multiple of {FP8_MULTIPLE}; expert {i} has m_pad={mp} "
+                                 f"(cast with align=16)")
+        _check_fp8_dim(k, "k (x.k)")
+        _check_fp8_dim(n, "n (dy.k)")
+        reduction = pads
+    else:
+        k = _uniform(xo.blocks, "cols", "x", "k (columns)")
+        n = _uniform(dyo.blocks, "cols", "dy", "n (columns)")
+        reduction = xo.m_splits
+    if k < 1 or n < 1:
+        raise ValueError(f"x, dy: need k >= 1 and n >= 1, got k={k}, n={n}")
+    # wgrad: Y = dW (n x k) = dyᵀ · x. FP8: dyᵀ stored as L (n, m_pad); xᵀ stored as Rᵀ (k, m_pad).
+    # Plain: dy (m, n) is Lᵀ; x (m, k) is R.
+    return Problem("wgrad", xo.fmt is not None, dyo.blocks, not xo.fmt, xo.blocks, bool(xo.fmt),
+                   reduction, dyo.scale_inv, xo.scale_inv, None, None, bool(fast_accum),
+                   bool(accumulate), out_dtype, _place(xo))
+
+
+def _place(op: _Operand) -> tuple[bool, int, str]:
+    return (op.on_device, op.device, op.kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.
+
+_ACCUMULATE_NEEDS_OUT = ("out: accumulate=True adds into existing gradients; pass them as out "
+                         "(an (E, n, k) array or a list of E (n, k) float32 main_grad arrays)")
+
+
+def _empty(xp, shape, out_dtype: str):
+    """A new output; bfloat16 is ml_dtypes' on the host and a ``uint16`` carrier in CuPy."""
+    if xp is np:
+        import ml_dtypes
+
+        dt = ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
+    else:
+        dt = np.uint16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
+    return xp.empty(shape, dtype=dt)
+
+
+def _out_rows(out, rows: int, cols: int, out_dtype: str, place, xp) -> tuple[Any, ArrayView]:
+    """The ``(Σ m_i, cols)`` output: ``out`` checked, or a new array."""
+    if out is None:
+        out = _empty(xp, (rows, cols), out_dtype)
+    v = _tagged_view(out, out_dtype, "out")
+    if v.dtype != out_dtype:
+        raise TypeError(f"out: dtype {v.dtype} differs from out_dtype={out_dtype!r}")
+    if v.shape != (rows, cols):
+        raise ValueError(f"out: expected shape ({rows}, {cols}), got {v.shape}")
+    if rows > 0 and cols > 0 and not v.is_row_major_rows():
+        raise ValueError(f"out: expected rows with unit column stride, got strides {v.strides}")
+    if (v.on_device, v.device, v.kind) != place:
+        raise ValueError(f"out: must be a {place[2]} array on the operands' device "
+                         f"({place[1]}), got {v.kind}@{v.device}")
+    return out, v
+
+
+def _row_blocks(v: ArrayView, m_splits, dtype: str) -> Blocks:
+    ld = v.strides[0] if v.shape[0] > 1 else v.shape[1]
+    m = np.asarray(m_splits, dtype=np.int64)
+    return Blocks(v.ptr + (np.cumsum(m) - m) * ld * v.itemsize, m, v.shape[1], max(ld, 1), dtype)
+
+
+def _wgrad_out(out, num: int, n: int, k: int, out_dtype: str, place, xp, accumulate):
+    """``(E, n, k)`` array or a list of E ``(n, k)`` arrays (``main_grad``)."""
+    if out is None:
+        if accumulate:
+            raise ValueError(_ACCUMULATE_NEEDS_OUT)
+        out = _empty(xp, (num, n, k), out_dtype)
+    if isinstance(out, (list, tuple)):
+        if len(out) != num:
+            raise ValueError(f"out: expected {num} per-expert arrays, got {len(out)}")
+        views = [_tagged_view(a, out_dtype, f"out[{i}]") for i, a in enumerate(out)]
+        names = [f"out[{i}]" for i in range(num)]
+    else:
+        v = _tagged_view(out, out_dtype, "out")
+        if v.shape != (num, n, k):
+            raise ValueError(f"out: expected shape ({num}, {n}, {k}) or a list of {num} ({n}, {k}) "
+                             f"arrays, got {v.shape}")
+        views = _stacked(v)
+        names = ["out"] * num
+    blocks = []
+    for v, name in zip(views, names):
+        if v.dtype != out_dtype:
+            raise TypeError(f"{name}: dtype {v.dtype} differs from out_dtype={out_dtype!r}")
+        if v.shape != (n, k):
+            raise ValueError(f"{name}: expected shape ({n}, {k}), got {v.shape}")
+        if not v.is_row_major_rows():
+            raise ValueError(f"{name}: expected rows with unit column stride, got {v.strides}")
+        if (v.on_device, v.device, v.kind) != place:
+            raise ValueError(f"{name}: must be a {place[2]} array on the operands' device "
+                             f"({place[1]}), got {v.kind}@{v.device}")
+        blocks.append(Block(v.ptr, n, k, v.strides[0] if n > 1 else k, out_dtype))
+    return out, as_blocks(blocks)
+
+
+def check_alignment(problem: Problem, out) -> None:
+    """FP8 operands and outputs must be 16-byte aligned; plain ones aligned to their element."""
+    bad = []  # (expert, order, message) of the first failure of each operand
+    for order, (name, b) in enumerate((("left operand", as_blocks(problem.left)),
+                                       ("right operand", as_blocks(problem.right)),
+                                       ("out", as_blocks(out)))):
+        need = FP8_MULTIPLE if problem.fp8 else b.itemsize
+        nonempty = (b.rows > 0) & (b.cols > 0)
+        mis = np.nonzero(nonempty & (pointer_alignments(b.ptr) < need))[0]
+        if mis.size:
+            i = int(mis[0])
+            bad.append((i, 2 * order, f"{name} of expert {i}: address {int(b.ptr[i]):#x} is not "
+                        f"{need}-byte aligned (cuBLASLt {'FP8 ' if problem.fp8 else ''}GEMMs need it)"))
+        if problem.fp8:
+            st = np.nonzero((b.rows > 1) & ((b.ld * b.itemsize) % FP8_MULTIPLE != 0))[0]
+            if st.size:
+                i = int(st[0])
+                bad.append((i, 2 * order + 1, f"{name} of expert {i}: row stride "
+                            f"{int(b.ld[i]) * b.itemsize} bytes is not a multiple of "
+                            f"{FP8_MULTIPLE} (FP8 GEMMs need it)"))
+    if bad:  # the error the per-expert scan in expert order would meet first
+        raise ValueError(min(bad)[2])
+
+
+
+def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:
+    """The output (``out`` checked, or allocated with ``xp``) and its per-expert blocks."""
+    place, out_dtype = problem.place, problem.out_dtype
+    if out is None:
+        out = new_output(problem, xp)
+    if problem.pass_name == "wgrad":
+        num, n, k = _out_shape(problem)
+        return _wgrad_out(out, num, n, k, out_dtype, place, xp, problem.accumulate)
+    m_splits = as_blocks(problem.left).rows
+    rows, cols = _out_shape(problem)
+    out, v = _out_rows(out, rows, cols, out_dtype, place, xp)
+    return out, _row_blocks(v, m_splits, out_dtype)
+
+
+def _out_shape(problem: Problem) -> tuple[int, ...]:
+    """``(Σ m_i, cols)`` for fprop/dgrad, ``(E, n, k)`` for wgrad."""
+    if problem.pass_name == "wgrad":
+        n = problem.left[0].rows if problem.fp8 else problem.left[0].cols
+        k = problem.right[0].rows if problem.right_t else problem.right[0].cols
+        return (len(problem.left), n, k)
+    cols = problem.right[0].rows if problem.right_t else problem.right[0].cols
+    return (int(as_blocks(problem.left).rows.sum()), cols)
+
+
+def new_output(problem: Problem, xp):
+    """A new output array for ``problem`` (wgrad with ``accumulate=True`` needs the caller's)."""
+    if problem.pass_name == "wgrad" and problem.accumulate:
+        raise ValueError(_ACCUMULATE_NEEDS_OUT)
+    return _empty(xp, _out_shape(problem), problem.out_dtype)

@@ -1,0 +1,292 @@
+"""cuBLASLt's grouped GEMM (one call for all experts): the path decision, the device-workspace
+layout, the descriptors, the setup kernel's description and the grouped launch. Package-private:
+the public names are re-exported by :mod:`cugrouped.ops.grouped_gemm`."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
+from . import _launch
+from . import grouped_gemm_setup as _setup  # registers the setup kernel (compile-check, warmup)
+from ._gemm_plan import _ITEMSIZE, Problem, VecPlan, as_blocks
+
+if TYPE_CHECKING:
+    from ._gemm_launch import _DeviceState
+
+# ---------------------------------------------------------------------------------------------
+# cuBLASLt's grouped GEMM (one call for all experts): capability rules and descriptors.
+#
+# What is built: the decision (pure, tested), the device-workspace layout the per-group arrays
+# live in, and the descriptors over it (tested on the CPU against the real library). Not built
+# yet: the setup kernel that fills those arrays on the device and the launch through them; until
+# then the ops always run the per-expert loop, and ``choose_path`` is what the launch will call.
+
+# cuBLAS versions (cublasLtGetVersion: major*10000 + minor*100 + patch), from TransformerEngine's
+# cublaslt_grouped_gemm.cu and design.md §5.
+GROUPED_MIN_VERSION_BLACKWELL = 130300     # sm_100..sm_110, BF16/FP16 and FP8
+GROUPED_MIN_VERSION_HOPPER = 130400        # sm_90, BF16/FP16
+GROUPED_MIN_VERSION_HOPPER_FP8 = 130500    # sm_90, FP8 per-tensor scaling (PER_BATCH_SCALAR_32F)
+GROUPED_BAD_VERSIONS = (130700, 130801)    # [lo, hi): TE reports data corruption with per-group outputs
+GROUPED_MAX_GROUPS = 256                   # what one setup launch's argument block will hold
+_GROUPED_INPUTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def grouped_gemm_unsupported(version: int, compute_capability: int, *, fp8: bool, in_dtype: str,
+                             has_symbol: bool = True) -> str | None:
+    """Why cuBLASLt's grouped GEMM cannot run this configuration, or None if it can."""
+    if not has_symbol:
+        return f"libcublasLt {version} has no cublasLtGroupedMatrixLayoutCreate (needs 13.1+)"
+    if in_dtype not in _GROUPED_INPUTS:
+        return f"grouped GEMM inputs must be FP8, bfloat16 or float16, got {in_dtype}"
+    cc = int(compute_capability)
+    if cc < 90 or cc > 110:
+        return f"grouped GEMM runs on sm_90 (Hopper) and sm_100..sm_110 (Blackwell), not sm_{cc}"
+    need = (GROUPED_MIN_VERSION_BLACKWELL if cc >= 100
+            else GROUPED_MIN_VERSION_HOPPER_FP8 if fp8 else GROUPED_MIN_VERSION_HOPPER)
+    if version < need:
+        return (f"grouped {'FP8' if fp8 else in_dtype} GEMM on sm_{cc} needs cuBLAS "
+                f"{need // 10000}.{need // 100 % 100}+, this is {version // 10000}.{version // 100 % 100}")
+    return None
+
+
+def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capability: int,
+                has_symbol: bool, discrete_out: bool, requested: str | None = None) -> tuple[str, str]:
+    """``("grouped" | "loop", reason)`` for a planned problem.
+
+    The loop is kept when the library or GPU lacks the grouped GEMM, for a bias epilogue (not
+    offered by the grouped path), more than :data:`GROUPED_MAX_GROUPS` experts, the cuBLAS
+    versions with the per-group-output corruption (``discrete_out``: wgrad into a list of
+    ``main_grad`` buffers), and when a group's m, n or k is not a multiple of 16 bytes of its
+    input type (NVIDIA's grouped samples state that requirement; to be relaxed once a GPU test
+    shows more works), or fewer than two experts compute anything.
+    ``requested="loop"`` forces the loop; ``"grouped"`` raises if the grouped GEMM cannot run.
+    """
+    if requested not in (None, "loop", "grouped"):
+        raise ValueError(f"path: got {requested!r}, expected None, 'loop' or 'grouped'")
+    if requested == "loop":
+        return "loop", "requested"
+    in_dtype = as_blocks(problem.left).dtype
+    reason = grouped_gemm_unsupported(version, compute_capability, fp8=problem.fp8,
+                                      in_dtype=in_dtype, has_symbol=has_symbol)
+    if reason is None and problem.bias is not None:
+        reason = "the grouped GEMM has no bias epilogue"
+    if reason is None and len(problem.reduction) > GROUPED_MAX_GROUPS:
+        reason = f"more than {GROUPED_MAX_GROUPS} experts"
+    if reason is None and discrete_out and GROUPED_BAD_VERSIONS[0] <= version < GROUPED_BAD_VERSIONS[1]:
+        reason = f"cuBLAS {version} corrupts per-group outputs (fixed in 13.8.1)"
+    if reason is None:
+        unit = 16 // _ITEMSIZE[in_dtype]
+        if np.any(vp.mnk % unit):
+            reason = f"a group's m, n or k is not a multiple of {unit} elements (16 bytes)"
+    if reason is None and vp.mnk.shape[0] < 2:
+        reason = "fewer than two experts to compute"
+    if reason is None:
+        return "grouped", "supported"
+    if requested == "grouped":
+        raise RuntimeError(f"path='grouped' cannot run: {reason}")
+    return "loop", reason
+
+
+# Device workspace of one grouped call: 6 pointer arrays (A, B, C, D, A scale, B scale; each
+# 16-byte aligned, as cuBLAS requires for pointer arrays), 9 int32 arrays (rows, cols, ld of A,
+# B and D; C shares D's) and the two float scalars alpha, beta (device pointer mode).
+GROUPED_PTR_ARRAYS = ("a", "b", "c", "d", "a_scale", "b_scale")
+GROUPED_INT_ARRAYS = ("a_rows", "a_cols", "a_ld", "b_rows", "b_cols", "b_ld", "d_rows", "d_cols",
+                      "d_ld")
+
+
+def grouped_workspace_layout(groups: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of every array of a grouped call's device workspace, and its total size."""
+    off, pos = {}, 0
+    for name in GROUPED_PTR_ARRAYS:
+        pos = -(-pos // 16) * 16
+        off[name], pos = pos, pos + 8 * groups
+    for name in GROUPED_INT_ARRAYS:
+        off[name], pos = pos, pos + 4 * groups
+    pos = -(-pos // 16) * 16
+    off["alpha"], off["beta"] = pos, pos + 4
+    return off, pos + 16
+
+
+def grouped_descriptors(config, groups: int, base: int, vp: VecPlan, workspace_bytes: int):
+    """The descriptors of one grouped call whose workspace starts at device address ``base``:
+    ``(desc, a_layout, b_layout, c_layout, d_layout, preference)``. ``config`` must be the plan's
+    config with ``grouped=True``; the scale pointers point at the workspace's pointer arrays; the
+    preference carries the average D rows, D columns and reduction (the heuristic's only view of
+    the device-side shapes). Needs no GPU."""
+    off, _ = grouped_workspace_layout(groups)
+    desc = _D.MatmulDesc()
+    for name, value in config.attributes().items():
+        desc.set(name, value)
+    if config.scaled:
+        desc.set("A_SCALE_POINTER", base + off["a_scale"])
+        desc.set("B_SCALE_POINTER", base + off["b_scale"])
+    k0 = vp.keys[0]
+    lay = {x: _D.GroupedMatrixLayout(int(k0[t]), groups, base + off[f"{x}_rows"],
+                                     base + off[f"{x}_cols"], base + off[f"{x}_ld"])
+           for x, t in (("a", 0), ("b", 4), ("d", 8))}
+    c = _D.GroupedMatrixLayout(int(k0[8]), groups, base + off["d_rows"], base + off["d_cols"],
+                               base + off["d_ld"])
+    pref = _D.MatmulPreference()
+    pref.set("MAX_WORKSPACE_BYTES", workspace_bytes)
+    avg = np.maximum(vp.mnk.sum(axis=0) // max(groups, 1), 1)
+    pref.set("GROUPED_DESC_D_AVERAGE_ROWS", int(avg[0]))
+    pref.set("GROUPED_DESC_D_AVERAGE_COLS", int(avg[1]))
+    pref.set("GROUPED_AVERAGE_REDUCTION_DIM", int(avg[2]))
+    return desc, lay["a"], lay["b"], c, lay["d"], pref
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped launch: the setup kernel fills the workspace arrays, one cublasLtMatmul reads them.
+
+def _affine(ptrs: np.ndarray, prefix: np.ndarray) -> tuple[int, int] | None:
+    """``(group_stride, token_stride)`` with ``ptrs[e] == ptrs[0] + gs * e + ts * prefix[e]`` for
+    every expert (one of the two is 0), or None."""
+    E_ = ptrs.shape[0]
+    e = np.arange(E_, dtype=np.int64)
+    if E_ == 1:
+        return 0, 0
+    gs = int(ptrs[1] - ptrs[0])
+    if np.array_equal(ptrs, ptrs[0] + gs * e):
+        return gs, 0
+    nz = np.nonzero(prefix)[0]
+    if nz.size:
+        i = int(nz[0])
+        ts = int(ptrs[i] - ptrs[0]) // int(prefix[i])
+        if np.array_equal(ptrs, ptrs[0] + ts * prefix):
+            return 0, ts
+    return None
+
+
+def _dim(values: np.ndarray, tokens: np.ndarray) -> int | None:
+    if np.all(values == values[0]):
+        return int(values[0])
+    if np.array_equal(values, tokens):
+        return _setup.TOKENS
+    return None
+
+
+def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec | None":
+    """The setup kernel's description of ``problem`` writing ``out`` (host counts: the tokens are
+    the per-expert token dimension of the plan -- rows of fprop/dgrad, the padded reduction of
+    wgrad), or None when an operand's experts are not evenly placed (lists of separate weight or
+    ``main_grad`` arrays) or a shape is neither constant nor the token count. Experts with nothing
+    to compute are dropped (their outputs are zeroed by the caller, as for the loop)."""
+    L, R, O = as_blocks(problem.left), as_blocks(problem.right), as_blocks(out)
+    E_ = len(L)
+    if not 1 <= E_ <= _setup.MAX_GROUPS:
+        return None
+    r = np.asarray(problem.reduction, dtype=np.int64)
+    tokens = r if problem.pass_name == "wgrad" else O.rows
+    prefix = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+    rt, lt = problem.right_t, problem.left_t
+    p, q = O.rows, O.cols
+    dims = {"a": ((r, q) if rt else (q, r), R), "b": ((p, r) if lt else (r, p), L),
+            "d": ((q, p), O)}
+    mats = {}
+    for name, ((rows, cols), blk) in dims.items():
+        aff = _affine(blk.ptr, prefix)
+        d = [_dim(np.asarray(v, dtype=np.int64), tokens) for v in (rows, cols, blk.ld)]
+        if aff is None or None in d:
+            return None
+        gs, ts = aff
+        mats[name] = _setup.MatrixSpec(int(blk.ptr[0]), gs, ts, *d)  # strides in bytes
+    keep = np.ones(E_, bool)
+    keep[list(vp.skipped)] = False
+    slots = tuple(int(v) for v in np.where(keep, np.cumsum(keep) - 1, -1))
+    scales = (int(problem.right_scale[0]) if problem.right_scale is not None else 0,
+              int(problem.left_scale[0]) if problem.left_scale is not None else 0)
+    for sc in (problem.right_scale, problem.left_scale):
+        if sc is not None and not np.array_equal(np.asarray(sc), sc[0] + 4 * np.arange(E_)):
+            return None
+    return _setup.SetupSpec(mats["a"], mats["b"], mats["d"], E_, 1, scales, 1.0, vp.beta, slots)
+
+
+def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: str | None = None):
+    """``(path, reason, setup spec or None)``, decided once per plan, device and request."""
+    key = ("_path", st.device, st.compute_capability, st.cublas_version, requested)
+    hit = vp.__dict__.get(key)
+    if hit is not None:
+        return hit
+    discrete = problem.pass_name == "wgrad" and _affine(as_blocks(out).ptr, np.zeros(len(out), np.int64)) is None
+    path, reason = choose_path(problem, vp, version=st.cublas_version,
+                               compute_capability=st.compute_capability,
+                               has_symbol=st.has_grouped_symbol, discrete_out=discrete,
+                               requested=requested)
+    spec = None
+    if path == "grouped":
+        spec = grouped_setup_spec(problem, vp, out)
+        if spec is None:
+            reason = "operands or outputs are not evenly placed per expert"
+            if requested == "grouped":
+                raise RuntimeError(f"path='grouped' cannot run: {reason}")
+            path = "loop"
+    hit = vp.__dict__[key] = (path, reason, spec)
+    return hit
+
+
+class _GroupedState:
+    """Per device: one setup workspace per caller stream (sized for the most groups) and the
+    grouped descriptors + algorithm per (config, groups, workspace, average dims)."""
+
+    def __init__(self, alloc=None, setup_backend: str = "cuda"):
+        self.workspaces: dict[int, Any] = {}
+        self.calls: dict[tuple, tuple] = {}
+        self.alloc = alloc            # nbytes -> 16-byte aligned uint8 array (default: CuPy)
+        self.setup_backend = setup_backend  # "emulate" / "reference" run the CPU tests
+
+    def workspace(self, stream_ptr: int):
+        ws = self.workspaces.get(stream_ptr)
+        if ws is None:
+            _, nbytes = grouped_workspace_layout(_setup.MAX_GROUPS)
+            if self.alloc is None:
+                import cupy
+
+                ws = cupy.empty(nbytes, dtype=np.uint8)
+            else:
+                ws = self.alloc(nbytes)
+            self.workspaces[stream_ptr] = ws
+        return ws
+
+
+def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> None:
+    """Setup kernel (workspace arrays from the counts) and one grouped ``cublasLtMatmul``, both on
+    the caller's stream, device pointer mode (alpha, beta and the per-group scales read from the
+    workspace)."""
+    if st.grouped is None:
+        st.grouped = _GroupedState()
+    g = st.grouped
+    caller = st.current_stream()
+    ws = g.workspace(caller.ptr)
+    base = _setup._ptr(ws)
+    groups = spec.groups
+    tokens = [int(v) for v in (problem.reduction if problem.pass_name == "wgrad"
+                               else as_blocks(problem.left).rows)]
+    _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]], m_host=tokens,
+                              backend=g.setup_backend)
+    config = dataclasses.replace(vp.config, grouped=True)
+    avg = tuple((vp.mnk.sum(axis=0) // max(groups, 1)).tolist())
+    key = (config, groups, base, avg)
+    hit = g.calls.get(key)
+    if hit is None:
+        descs = grouped_descriptors(config, groups, base, vp, st.workspace_bytes)
+        desc, la, lb, lc, ld, pref = descs
+        res = st.heuristic(desc, la, lb, ld, pref, f"grouped {config} x{groups} avg {avg}")
+        hit = g.calls[key] = (descs, res)
+    (desc, la, lb, lc, ld, _), res = hit
+    off, _ = grouped_workspace_layout(groups)
+    for log in _launch._recorders.get():
+        log.append(_launch.Launch("cuda", "cublasLtMatmul[grouped]", 1, 1))
+    status = st.matmul(st.handle, desc.handle, base + off["alpha"], base + off["a"], la.handle,
+                       base + off["b"], lb.handle, base + off["beta"], base + off["c"], lc.handle,
+                       base + off["d"], ld.handle, ctypes.byref(res.algo),
+                       st.caller_workspace(caller.ptr), st.workspace_bytes, caller.ptr)
+    if status:
+        from ..cublaslt import check
+
+        check(status, "cublasLtMatmul", f"grouped call of {groups} groups")

@@ -1,0 +1,243 @@
+"""The per-expert launch of the grouped GEMMs (CUDA only): per-device state, the
+``cublasLtMatmul`` loop over side streams, and the dispatch between it and the grouped path.
+Package-private: the names are re-exported by :mod:`cugrouped.ops.grouped_gemm`."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..cublaslt import _enums as E
+from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
+from . import _launch
+from ._gemm_grouped import _launch_grouped, path_for
+from ._gemm_memo import Checked, prepared_out
+from ._gemm_plan import ExpertGemm, Problem, VecPlan, as_blocks, workspace_bytes_for
+
+# Side streams the per-expert loop is spread over (TransformerEngine uses 4).
+NUM_STREAMS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch (CUDA only).
+#
+# Host cost per expert is what limits small-expert MoE layers, so the loop does as little as it
+# can: the plan is vectorized (NumPy, in :mod:`._gemm_plan`); each distinct per-expert shape (its
+# layouts, pointer alignments and bias alignment) maps to a cached template holding its three
+# layouts and its heuristic result; every expert slot owns a matmul descriptor whose scale/bias
+# pointers are set only when they change; events, workspaces and the ctypes scalars are made once
+# per device. What is left per expert is a list lookup, a dict lookup and the ``cublasLtMatmul``
+# call.
+# ``_DeviceState`` takes the device calls as arguments, so the CPU benchmark
+# (:func:`cugrouped.bench.gemm.bench_host_loop`) runs this very loop with fakes for them.
+
+HEURISTIC_CACHE_SIZE = 1 << 14
+
+
+class _DeviceState:
+    """Per device: the cuBLASLt handle, side streams with a workspace each, reusable events, the
+    shape templates, and the device calls (``heuristic``, ``matmul``, ``memset``, stream/event
+    functions), injectable so that the host loop can be timed without a GPU."""
+
+    def __init__(self, device: int, compute_capability: int, handle, streams, workspace_ptrs,
+                 current_stream, make_event, heuristic, matmul, memset):
+        self.device = device
+        self.compute_capability = int(compute_capability)
+        self.workspace_bytes = workspace_bytes_for(self.compute_capability)
+        self.handle = handle                      # ctypes.c_void_p (or an object ctypes accepts)
+        self.streams = list(streams)              # objects with .ptr and .wait_event(event)
+        self.stream_ptrs = [s.ptr for s in self.streams]
+        self.ws_ptrs = list(workspace_ptrs)       # one workspace per side stream
+        self.current_stream = current_stream
+        self.fork_event = make_event()
+        self.done_events = [make_event() for _ in self.streams]
+        self.make_event = make_event
+        self.caller_ws: dict[int, int] = {}
+        self.heuristic = heuristic
+        self.matmul = matmul
+        self.memset = memset
+        self.templates: dict[Any, dict] = {}
+        self.alpha = ctypes.c_float(1.0)
+        self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
+        self.grouped = None                       # grouped-GEMM state, made on first use
+        self.cublas_version = 0                   # 0: the grouped GEMM is never chosen
+        self.has_grouped_symbol = False
+
+    @classmethod
+    def for_device(cls, device: int) -> "_DeviceState":
+        import cupy
+
+        from ..cublaslt import Handle, lib
+
+        cc = int(cupy.cuda.Device(device).compute_capability)
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(NUM_STREAMS)]
+        nbytes = workspace_bytes_for(cc)
+        keep = [cupy.empty(nbytes, dtype=np.uint8) for _ in streams]
+        handle = Handle()
+        st = cls(device, cc, handle.handle, streams, [w.data.ptr for w in keep],
+                 cupy.cuda.get_current_stream, lambda: cupy.cuda.Event(disable_timing=True),
+                 _real_heuristic(handle), lib().cublasLtMatmul,
+                 lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream))
+        st._keep = (handle, keep)  # owners of the handle and workspaces
+        from ..cublaslt import has_grouped_gemm, version
+
+        st.cublas_version, st.has_grouped_symbol = version(), has_grouped_gemm()
+        return st
+
+    def caller_workspace(self, stream_ptr: int) -> int:
+        """A workspace for a call made on the caller's own stream (a single expert)."""
+        ws = self.caller_ws.get(stream_ptr)
+        if ws is None:
+            import cupy
+
+            buf = cupy.empty(self.workspace_bytes, dtype=np.uint8)
+            self._keep = self._keep + (buf,)
+            ws = self.caller_ws[stream_ptr] = buf.data.ptr
+        return ws
+
+
+def _real_heuristic(handle):
+    from ..cublaslt import CublasLtError, HeuristicResult, lib
+
+    get = lib().cublasLtMatmulAlgoGetHeuristic
+
+    def heuristic(desc, la, lb, ld, pref, what: str):
+        res, count = HeuristicResult(), ctypes.c_int(0)
+        status = get(handle.handle, desc.handle, la.handle, lb.handle, ld.handle, ld.handle,
+                     pref.handle, 1, ctypes.byref(res), ctypes.byref(count))
+        if status != 0 or count.value == 0:
+            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic",
+                                status or E.CUBLAS_STATUS_NOT_SUPPORTED, f"no algorithm for {what}")
+        return res
+
+    return heuristic
+
+
+_states: dict[int, _DeviceState] = {}
+
+
+def _state(device: int) -> _DeviceState:
+    st = _states.get(device)
+    if st is None:
+        st = _states[device] = _DeviceState.for_device(device)
+    return st
+
+
+class _Template:
+    """What every expert with one shape signature shares: three layouts and the algorithm."""
+
+    __slots__ = ("layouts", "pref", "result", "la", "lb", "ld", "algo")
+
+    def __init__(self, layouts, pref, result):
+        self.layouts, self.pref, self.result = layouts, pref, result  # owners
+        self.la, self.lb, self.ld = (lay.handle for lay in layouts)
+        self.algo = ctypes.byref(result.algo)
+
+
+def _template(st: _DeviceState, config, key: tuple, desc) -> _Template:
+    """Build the template of one shape signature ``key`` = A layout (4), B layout (4), D layout
+    (4), alignments (4), bias alignment: the same descriptors :func:`build_descriptors` makes."""
+    layouts = tuple(_D.MatrixLayout(*key[i:i + 4]) for i in (0, 4, 8))
+    pref = _D.preference(st.workspace_bytes, *key[12:16])
+    what = f"{config} with A{key[0:4]} B{key[4:8]} D{key[8:12]} alignments {key[12:16]}"
+    return _Template(layouts, pref, st.heuristic(desc, *layouts, pref, what))
+
+
+def build_descriptors(config, call: ExpertGemm, workspace_bytes: int):
+    """Descriptors for one call with its pointers set, as the launch makes them: the expert slot's
+    matmul descriptor (:func:`~cugrouped.cublaslt.descriptors.expert_desc`), the layouts and the
+    preference. Returns ``(desc, a_layout, b_layout, d_layout, preference)``. Needs no GPU."""
+    desc = _D.expert_desc(config, call.expert)
+    desc.set_pointers(call.a_scale_ptr, call.b_scale_ptr, call.bias_ptr)
+    la = _D.matrix_layout(*call.a_layout)
+    lb = _D.matrix_layout(*call.b_layout)
+    ld = _D.matrix_layout(*call.d_layout)
+    pref = _D.preference(workspace_bytes, *call.alignments)
+    return desc, la, lb, ld, pref
+
+
+def _zero_outputs(st: _DeviceState, vp: VecPlan, out, caller_ptr: int) -> None:
+    if not vp.zero:
+        return
+    o = as_blocks(out)
+    for i in vp.zero:  # empty reduction, not accumulating: dW_i = 0
+        rows, cols, ld, ptr, isz = int(o.rows[i]), int(o.cols[i]), int(o.ld[i]), int(o.ptr[i]), o.itemsize
+        if ld == cols:
+            st.memset(ptr, ((rows - 1) * ld + cols) * isz, caller_ptr)
+        else:
+            for r in range(rows):
+                st.memset(ptr + r * ld * isz, cols * isz, caller_ptr)
+
+
+def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
+    """The per-expert ``cublasLtMatmul`` loop over the side streams (forked from and joined back to
+    the caller's stream)."""
+    ncalls = vp.experts.shape[0]
+    if ncalls == 0:
+        return
+    if fp8 and st.compute_capability < 89:
+        raise RuntimeError(f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); device "
+                           f"{st.device} is sm_{st.compute_capability}")
+    caller = st.current_stream()
+    config = vp.config
+    if ncalls > 1:
+        streams, ws = st.stream_ptrs, st.ws_ptrs
+        st.fork_event.record(caller)
+        for s in st.streams:
+            s.wait_event(st.fork_event)
+    else:
+        streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
+    nstreams = len(streams)
+    templates = st.templates.get(config)
+    if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
+        templates = st.templates[config] = {}
+    rows = vp.launch_rows
+    descs = _D.expert_descs(config, rows[-1][0] + 1)
+    recorders = _launch._recorders.get()
+    matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
+    beta = ctypes.byref(st.betas[vp.beta])
+    wsb = st.workspace_bytes
+    for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
+        desc = descs[e]
+        ptrs = desc.ptrs
+        if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
+            desc.set_pointers(sa, sb, bias)
+        t = templates.get(key)
+        if t is None:
+            t = templates[key] = _template(st, config, key, desc)
+        for log in recorders:
+            log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
+        s = j % nstreams
+        status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
+                        t.algo, ws[s], wsb, streams[s])
+        if status:
+            from ..cublaslt import check
+
+            check(status, "cublasLtMatmul", f"expert {e}")
+    if ncalls > 1:
+        for idx in range(min(nstreams, ncalls)):
+            ev = st.done_events[idx]
+            ev.record(st.streams[idx])
+            caller.wait_event(ev)
+
+
+def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str | None = None) -> None:
+    if vp.zero:
+        _zero_outputs(st, vp, out, st.current_stream().ptr)
+    chosen, _, spec = path_for(problem, vp, out, st, path)
+    if chosen == "grouped":
+        _launch_grouped(st, vp, problem, spec)
+    else:
+        _launch_loop(st, vp, problem.fp8)
+
+
+def launch_checked(call: "Checked", out, xp, st: "_DeviceState", path: str | None = None):
+    """The CUDA path after the operand checks: output (checked or new), plan, launch; returns
+    the output. ``xp`` allocates a new output; ``st`` holds the device calls (the CPU benchmark
+    passes NumPy and fakes)."""
+    out, blocks, vp = prepared_out(call, out, xp)
+    _launch_plan(vp, call.problem, blocks, st, path)
+    return out
+

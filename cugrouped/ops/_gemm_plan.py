@@ -1,0 +1,323 @@
+"""Planning for the grouped GEMMs: per-expert :class:`Block` descriptions, the checked
+:class:`Problem`, and the cuBLASLt calls that compute it, as pure functions of pointers and sizes
+(no GPU, no library load; tested on the CPU). Package-private: the public names are re-exported by
+:mod:`cugrouped.ops.grouped_gemm`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..cublaslt import _enums as E
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# ---------------------------------------------------------------------------------------------
+# Planning: pure functions of pointers and sizes.
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One expert's matrix as stored: row-major ``rows x cols`` with row stride ``ld`` (elements)
+    at device address ``ptr``."""
+
+    ptr: int
+    rows: int
+    cols: int
+    ld: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+
+class Blocks(Sequence):
+    """The per-expert blocks of one operand (or output) as int64 arrays: what the hot path plans
+    with, vectorized over experts. Indexing gives a :class:`Block`; a tuple of blocks converts with
+    :func:`as_blocks`."""
+
+    __slots__ = ("ptr", "rows", "cols", "ld", "dtype")
+
+    def __init__(self, ptr, rows, cols, ld, dtype: str):
+        self.ptr = np.asarray(ptr, dtype=np.int64).reshape(-1)
+        n = self.ptr.shape[0]
+        self.rows, self.cols, self.ld = (v if type(v) is np.ndarray and v.dtype == np.int64
+                                         else np.full(n, v, np.int64) if isinstance(v, (int, np.integer))
+                                         else np.asarray(v, dtype=np.int64).reshape(-1)
+                                         for v in (rows, cols, ld))
+        self.dtype = dtype
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    def __len__(self) -> int:
+        return self.ptr.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return Block(int(self.ptr[i]), int(self.rows[i]), int(self.cols[i]), int(self.ld[i]),
+                     self.dtype)
+
+    def __iter__(self):
+        for p, r, c, l in zip(self.ptr.tolist(), self.rows.tolist(), self.cols.tolist(),
+                              self.ld.tolist()):
+            yield Block(p, r, c, l, self.dtype)
+
+    def __eq__(self, other):
+        return tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Blocks({list(self)!r})"
+
+    def replace(self, **kw) -> "Blocks":
+        f = {k: getattr(self, k) for k in self.__slots__}
+        f.update(kw)
+        return Blocks(**f)
+
+
+def as_blocks(blocks) -> Blocks:
+    """``blocks`` as a :class:`Blocks` (a sequence of :class:`Block` of one dtype is converted)."""
+    if isinstance(blocks, Blocks):
+        return blocks
+    blocks = tuple(blocks)
+    if not blocks:
+        return Blocks(np.zeros(0, np.int64), 0, 0, 1, "float32")
+    cols = np.array([(b.ptr, b.rows, b.cols, b.ld) for b in blocks], dtype=np.int64)
+    return Blocks(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], blocks[0].dtype)
+
+
+def pointer_alignment(ptr: int, cap: int = 256) -> int:
+    """Largest power of two (at most ``cap``, cuBLASLt's default assumption) dividing ``ptr``."""
+    ptr = int(ptr)
+    return cap if ptr == 0 else min(ptr & -ptr, cap)
+
+
+def pointer_alignments(ptrs, cap: int = 256) -> np.ndarray:
+    """:func:`pointer_alignment` of every pointer of an int64 array."""
+    p = np.asarray(ptrs, dtype=np.int64)
+    return np.where(p == 0, cap, np.minimum(p & -p, cap))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemm:
+    """One ``cublasLtMatmul`` in cuBLAS (column-major) terms: ``D (m x n) = op(A) · op(B) + beta·C``
+    with reduction ``k``; layouts are ``(cudaDataType, rows, cols, ld)`` of the stored matrices;
+    ``C = D``. Alignments are the real ones of the pointers, for the ``MIN_ALIGNMENT`` preferences."""
+
+    expert: int
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    a_ptr: int
+    a_layout: tuple[int, int, int, int]
+    b_ptr: int
+    b_layout: tuple[int, int, int, int]
+    d_ptr: int
+    d_layout: tuple[int, int, int, int]
+    beta: float = 0.0
+    a_scale_ptr: int = 0
+    b_scale_ptr: int = 0
+    bias_ptr: int = 0
+
+    @property
+    def alignments(self) -> tuple[int, int, int, int]:
+        """(A, B, C, D) pointer alignments in bytes (C is D)."""
+        d = pointer_alignment(self.d_ptr)
+        return pointer_alignment(self.a_ptr), pointer_alignment(self.b_ptr), d, d
+
+
+def plan_expert(expert: int, left: Block, left_t: bool, right: Block, right_t: bool, out: Block,
+                reduction: int, *, beta: float = 0.0, a_scale_ptr: int = 0, b_scale_ptr: int = 0,
+                bias_ptr: int = 0) -> ExpertGemm:
+    """Map the row-major product ``Y (p x q) = L (p x r) · R (r x q)`` onto one cuBLASLt call.
+
+    ``left`` stores ``L`` row-major (``left_t=False``: a ``(p, r)`` block) or ``Lᵀ``
+    (``left_t=True``: ``(r, p)``); ``right`` stores ``R`` (``(r, q)``) or ``Rᵀ`` (``(q, r)``);
+    ``out`` is ``Y`` (``(p, q)``). Column-major, ``Yᵀ = Rᵀ · Lᵀ``: cuBLAS's A is the right operand,
+    B the left one, ``D`` is ``(q, p)``, and an operand stored transposed needs ``OP_N``.
+    """
+    p, q, r = out.rows, out.cols, reduction
+    for name, b, want in (("left", left, (r, p) if left_t else (p, r)),
+                          ("right", right, (q, r) if right_t else (r, q))):
+        if (b.rows, b.cols) != want:
+            raise ValueError(f"expert {expert}: {name} operand is {b.rows}x{b.cols}, expected "
+                             f"{want[0]}x{want[1]}")
+    ct = E.DTYPE_TO_CUDA
+    # A = Rᵀ (q x r, col-major): stored R (r, q) row-major is Rᵀ col-major -> OP_N;
+    # stored Rᵀ (q, r) row-major is R col-major (r x q) -> OP_T.
+    transa = E.CUBLAS_OP_T if right_t else E.CUBLAS_OP_N
+    a_layout = (ct[right.dtype], r, q, right.ld) if right_t else (ct[right.dtype], q, r, right.ld)
+    # B = Lᵀ (r x p, col-major): stored L (p, r) -> OP_N; stored Lᵀ (r, p) -> OP_T.
+    transb = E.CUBLAS_OP_T if left_t else E.CUBLAS_OP_N
+    b_layout = (ct[left.dtype], p, r, left.ld) if left_t else (ct[left.dtype], r, p, left.ld)
+    d_layout = (ct[out.dtype], q, p, out.ld)
+    return ExpertGemm(expert, transa, transb, q, p, r, right.ptr, a_layout, left.ptr, b_layout,
+                      out.ptr, d_layout, float(beta), int(a_scale_ptr), int(b_scale_ptr),
+                      int(bias_ptr))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A checked grouped GEMM, as numbers: per-expert blocks of both operands and the output.
+
+    ``left``/``right`` follow :func:`plan_expert`; ``reduction`` is per expert; scales are the
+    device addresses of each expert's ``scale_inv`` (FP8), ``bias`` of each bias vector; ``place``
+    is (on_device, device ordinal, array kind) of the operands.
+    """
+
+    pass_name: str
+    fp8: bool
+    left: tuple[Block, ...]
+    left_t: bool
+    right: tuple[Block, ...]
+    right_t: bool
+    reduction: tuple[int, ...]
+    left_scale: tuple[int, ...] | None = None
+    right_scale: tuple[int, ...] | None = None
+    bias: tuple[int, ...] | None = None
+    bias_dtype: str | None = None
+    fast_accum: bool = False
+    accumulate: bool = False
+    out_dtype: str = "bfloat16"
+    place: tuple[bool, int, str] = (False, -1, "numpy")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """The calls to make (non-empty experts only), the experts to zero, and the shared config."""
+
+    config: Any  # cublaslt.GemmConfig
+    calls: tuple[ExpertGemm, ...]
+    zero: tuple[int, ...]
+    skipped: tuple[int, ...]
+
+
+def bias_dtype_for(out_dtype: str, fp8: bool) -> str:
+    """cuBLASLt's bias type for the ``BIAS`` epilogue: the output type, except that FP8 GEMMs with
+    a float32 output take a bfloat16 bias."""
+    return "bfloat16" if fp8 and out_dtype == "float32" else out_dtype
+
+
+def gemm_config(problem: Problem, transa: int, transb: int):
+    """The :class:`~cugrouped.cublaslt.GemmConfig` (descriptor cache key) of a problem."""
+    from ..cublaslt.descriptors import GemmConfig
+
+    ct = E.DTYPE_TO_CUDA
+    return GemmConfig(
+        a_type=ct[problem.right[0].dtype], b_type=ct[problem.left[0].dtype],
+        d_type=ct[problem.out_dtype], transa=transa, transb=transb,
+        bias_type=ct[problem.bias_dtype] if problem.bias is not None else None,
+        fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VecPlan:
+    """:func:`plan_problem` vectorized over the non-empty experts: what the launch iterates over.
+
+    ``keys`` is ``(calls, 17)`` int64: A layout, B layout, D layout (each ``(cudaDataType, rows,
+    cols, ld)``), the A, B, C, D pointer alignments and the bias pointer's (0 without bias); a
+    row is the shape signature that selects the cached layouts and algorithm. ``ptrs`` is
+    ``(calls, 7)``: expert, A, B, D, A scale, B scale and bias pointers. ``mnk`` is ``(calls, 3)``.
+    """
+
+    config: Any
+    keys: np.ndarray
+    ptrs: np.ndarray
+    mnk: np.ndarray
+    beta: float
+    zero: tuple[int, ...]
+    skipped: tuple[int, ...]
+
+    @property
+    def experts(self) -> np.ndarray:
+        return self.ptrs[:, 0]
+
+    @functools.cached_property
+    def launch_rows(self) -> list[tuple]:
+        """Per call, as Python ints: ``(expert, A, B, D, A scale, B scale, bias, key)`` with
+        ``key`` the shape signature tuple (what the launch loop reads; made once per plan)."""
+        return [(*p, tuple(k)) for p, k in zip(self.ptrs.tolist(), self.keys.tolist())]
+
+    def calls(self) -> tuple[ExpertGemm, ...]:
+        t = self.config.transa, self.config.transb
+        return tuple(ExpertGemm(e, *t, m, n, k, a, tuple(key[0:4]), b, tuple(key[4:8]), d,
+                                tuple(key[8:12]), self.beta, sa, sb, bias)
+                     for key, (e, a, b, d, sa, sb, bias), (m, n, k)
+                     in zip(self.keys.tolist(), self.ptrs.tolist(), self.mnk.tolist()))
+
+
+def plan_arrays(problem: Problem, out) -> VecPlan:
+    """The per-expert cuBLASLt calls of ``problem`` writing ``out``, vectorized over experts with
+    exactly :func:`plan_expert`'s mapping (a test checks that the two agree): cuBLAS's A is the
+    right operand, B the left one, ``D = Yᵀ`` is ``(q, p)``. Experts with nothing to compute are
+    skipped (``m_i == 0`` in fprop/dgrad: an empty output; an empty reduction in wgrad: zeroed, or
+    left untouched when accumulating)."""
+    L, R, O = as_blocks(problem.left), as_blocks(problem.right), as_blocks(out)
+    r = np.asarray(problem.reduction, dtype=np.int64)
+    p, q = O.rows, O.cols
+    lt, rt = problem.left_t, problem.right_t
+    lr, lc = (r, p) if lt else (p, r)
+    rr, rc = (q, r) if rt else (r, q)
+    empty = (p == 0) | (q == 0) | (r == 0)
+    bad = ~empty & ((L.rows != lr) | (L.cols != lc) | (R.rows != rr) | (R.cols != rc))
+    if bad.any():
+        i = int(np.nonzero(bad)[0][0])
+        name, blk, want = (("left", L, (lr, lc)) if (L.rows[i], L.cols[i]) != (lr[i], lc[i])
+                           else ("right", R, (rr, rc)))
+        raise ValueError(f"expert {i}: {name} operand is {int(blk.rows[i])}x{int(blk.cols[i])}, "
+                         f"expected {int(want[0][i])}x{int(want[1][i])}")
+    num = r.shape[0]
+    ct = E.DTYPE_TO_CUDA
+    K = np.empty((num, 17), np.int64)
+    K[:, 0], K[:, 3] = ct[R.dtype], R.ld
+    K[:, 1], K[:, 2] = (r, q) if rt else (q, r)
+    K[:, 4], K[:, 7] = ct[L.dtype], L.ld
+    K[:, 5], K[:, 6] = (p, r) if lt else (r, p)
+    K[:, 8], K[:, 9], K[:, 10], K[:, 11] = ct[O.dtype], q, p, O.ld
+    P = np.zeros((num, 7), np.int64)
+    P[:, 0], P[:, 1], P[:, 2], P[:, 3] = np.arange(num), R.ptr, L.ptr, O.ptr
+    if problem.right_scale is not None:
+        P[:, 4] = problem.right_scale
+    if problem.left_scale is not None:
+        P[:, 5] = problem.left_scale
+    if problem.bias is not None:
+        P[:, 6] = problem.bias
+    al = pointer_alignments(P[:, 1:7])
+    K[:, 12], K[:, 13], K[:, 14], K[:, 15] = al[:, 0], al[:, 1], al[:, 2], al[:, 2]
+    K[:, 16] = al[:, 5] if problem.bias is not None else 0
+    mnk = np.stack([q, p, r], axis=1)
+    skipped = np.nonzero(empty)[0]
+    if skipped.shape[0]:
+        keep = ~empty
+        K, P, mnk = K[keep], P[keep], mnk[keep]
+        zero = () if problem.accumulate else tuple(
+            np.nonzero((r == 0) & (p * q > 0))[0].tolist())
+    else:
+        zero = ()
+    transa = E.CUBLAS_OP_T if rt else E.CUBLAS_OP_N
+    transb = E.CUBLAS_OP_T if lt else E.CUBLAS_OP_N
+    return VecPlan(gemm_config(problem, transa, transb), K, P, mnk,
+                   1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()))
+
+
+def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
+    """Per-expert calls for ``problem`` writing ``out`` (:func:`plan_arrays` as one
+    :class:`ExpertGemm` per non-empty expert)."""
+    vp = plan_arrays(problem, out)
+    return GemmPlan(vp.config, vp.calls(), vp.zero, vp.skipped)
+
+
+def workspace_bytes_for(compute_capability: int) -> int:
+    """cuBLASLt workspace per stream: 32 MiB on Hopper and newer (what its FP8 kernels want, as in
+    TransformerEngine), 4 MiB before."""
+    return (32 << 20) if compute_capability >= 90 else (4 << 20)
