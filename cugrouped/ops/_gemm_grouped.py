@@ -21,10 +21,12 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 # cuBLASLt's grouped GEMM (one call for all experts): capability rules and descriptors.
 #
-# What is built: the decision (pure, tested), the device-workspace layout the per-group arrays
-# live in, and the descriptors over it (tested on the CPU against the real library). Not built
-# yet: the setup kernel that fills those arrays on the device and the launch through them; until
-# then the ops always run the per-expert loop, and ``choose_path`` is what the launch will call.
+# The decision (``choose_path``: pure, tested), the device-workspace layout the per-group arrays
+# live in, the descriptors over it (tested on the CPU against the real library), the setup spec
+# that ``kernels_cu/grouped_gemm_setup.cu`` fills those arrays from in one launch, and the one
+# grouped ``cublasLtMatmul`` through them. When ``choose_path`` refuses (old cuBLAS, bias, more
+# than 256 experts, unevenly placed operands, ...) the ops run the per-expert loop. Never run on
+# a GPU yet: the GPU tests in tests/test_grouped_gemm.py are what will prove it.
 
 # cuBLAS versions (cublasLtGetVersion: major*10000 + minor*100 + patch), from TransformerEngine's
 # cublaslt_grouped_gemm.cu and design.md §5.
