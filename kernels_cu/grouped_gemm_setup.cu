@@ -26,6 +26,7 @@
 // One block of GGS_THREADS threads; thread e handles expert e (num_experts <= GGS_THREADS); the
 // prefix is a block scan (warp shuffles + one shared array), the same in every thread order.
 #include "common.cuh"
+#include "block_scan.cuh"
 
 #ifndef CG_GGS_MAX_GROUPS
 #define CG_GGS_MAX_GROUPS 256
@@ -68,20 +69,10 @@ struct GgsArgs {
     short slot[CG_GGS_MAX_GROUPS];
 };
 
+// Exclusive prefix sum over the block (see block_scan.cuh).
 CG_DEVICE i64 ggs_block_exclusive_scan(i64 v, i64* warp_totals) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    i64 incl = v;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const i64 up = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += up;
-    }
-    if (lane == 31) warp_totals[warp] = incl;
-    __syncthreads();
-    i64 before = 0;
-    for (int w = 0; w < warp; ++w) before += warp_totals[w];
-    __syncthreads();
-    return before + incl - v;
+    i64 total;
+    return block_inclusive_scan<GGS_THREADS>(v, warp_totals, total) - v;
 }
 
 CG_DEVICE i32 ggs_dim(i32 c, i64 tokens) { return c >= 0 ? c : static_cast<i32>(tokens); }

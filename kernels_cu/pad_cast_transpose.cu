@@ -26,6 +26,7 @@
 // CUDA threadFenceReduction sample): no memset, no second launch, deterministic results.
 #include "common.cuh"
 #include "fp8.cuh"
+#include "block_scan.cuh"
 
 #ifndef CG_PCT_MAX_EXPERTS
 #define CG_PCT_MAX_EXPERTS 64
@@ -132,26 +133,6 @@ CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k) {
     return (rows > 0 ? rows : 1) * tiles_k;
 }
 
-// Inclusive sum over the block (PCT_THREADS threads) of one value per thread; `total` gets the sum.
-CG_DEVICE i64 block_inclusive_scan(i64 v, i64* warp_totals, i64& total) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const i64 up = __shfl_up_sync(0xffffffffu, v, d);
-        if (lane >= d) v += up;
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    i64 before = 0;
-    total = 0;
-    for (int w = 0; w < PCT_THREADS / 32; ++w) {
-        if (w < warp) before += warp_totals[w];
-        total += warp_totals[w];
-    }
-    __syncthreads();
-    return before + v;
-}
-
 // Device splits: read the counts of experts [0, first + num) in passes of PCT_THREADS, clamp them so
 // that they never run past total_rows (clamped prefix = min(prefix, total_rows)), and fill the
 // chunk's per-expert rows, row offsets, padded-column offsets and tile offsets in shared memory:
@@ -169,16 +150,16 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
         i64 raw = i < last ? g.m_dev[i] : 0;
         raw = raw > 0 ? raw : 0;
         i64 total;
-        const i64 incl = block_inclusive_scan(raw, warp_totals, total);
+        const i64 incl = block_inclusive_scan<PCT_THREADS>(raw, warp_totals, total);
         const i64 hi = row_carry + incl < g.total_rows ? row_carry + incl : g.total_rows;
         const i64 lo = row_carry + incl - raw < g.total_rows ? row_carry + incl - raw : g.total_rows;
         const i64 m = hi - lo;                            // this expert's rows after clamping
         const i64 padded = i < last ? round_up(m, align) : 0;
         i64 col_total;
-        const i64 col_incl = block_inclusive_scan(padded, warp_totals, col_total);
+        const i64 col_incl = block_inclusive_scan<PCT_THREADS>(padded, warp_totals, col_total);
         const i64 tiles = mine ? tiles_of(padded, tiles_k) : 0;
         i64 tile_total;
-        const i64 tile_incl = block_inclusive_scan(tiles, warp_totals, tile_total);
+        const i64 tile_incl = block_inclusive_scan<PCT_THREADS>(tiles, warp_totals, tile_total);
         if (mine) {
             sh_m[j] = m;
             sh_row[j] = lo;

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .common import copy_bandwidth_gbs, median_ms
+from .common import copy_bandwidth_gbs, median_ms, moe_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,16 +21,7 @@ class CastConfig:
     jagged: bool
 
     def m_splits(self) -> list[int]:
-        if not self.jagged:
-            base = [self.tokens // self.experts] * self.experts
-            base[-1] += self.tokens - sum(base)
-            return base
-        rng = np.random.default_rng(self.experts * 7919 + self.k)
-        w = rng.dirichlet(np.full(self.experts, 0.5))
-        w[self.experts // 3] = 0.0                       # always one empty expert
-        m = np.floor(w / w.sum() * self.tokens).astype(int)
-        m[0] += self.tokens - m.sum()
-        return [int(v) for v in m]
+        return moe_splits(self.experts, self.tokens, self.jagged, self.experts * 7919 + self.k)
 
 
 CAST_CONFIGS = (

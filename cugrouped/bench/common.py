@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-__all__ = ["median_ms", "copy_bandwidth_gbs", "environment"]
+__all__ = ["median_ms", "copy_bandwidth_gbs", "environment", "moe_splits"]
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> float:
@@ -58,3 +58,18 @@ def environment() -> dict:
     env["python"] = platform.python_version()
     env["cwd"] = os.getcwd()
     return env
+
+
+def moe_splits(experts: int, tokens: int, jagged: bool, seed: int) -> list[int]:
+    """Tokens per expert for a benchmark: equal shares, or jagged (Dirichlet(0.5) shares, seeded,
+    with expert ``experts // 3`` always empty); always summing to ``tokens``."""
+    if not jagged:
+        base = [tokens // experts] * experts
+        base[-1] += tokens - sum(base)
+        return base
+    rng = np.random.default_rng(seed)
+    w = rng.dirichlet(np.full(experts, 0.5))
+    w[experts // 3] = 0.0
+    m = np.floor(w / w.sum() * tokens).astype(int)
+    m[0] += tokens - m.sum()
+    return [int(v) for v in m]

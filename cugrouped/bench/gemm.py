@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from .common import median_ms
+from .common import median_ms, moe_splits
 
 __all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "bench_gemm",
            "bench_host_loop", "host_loop_state"]
@@ -38,16 +38,7 @@ class GemmBench:
     jagged: bool
 
     def m_splits(self) -> list[int]:
-        if not self.jagged:
-            base = [self.tokens // self.experts] * self.experts
-            base[-1] += self.tokens - sum(base)
-            return base
-        rng = np.random.default_rng(self.experts * 7919 + self.k + self.n)
-        w = rng.dirichlet(np.full(self.experts, 0.5))
-        w[self.experts // 3] = 0.0
-        m = np.floor(w / w.sum() * self.tokens).astype(int)
-        m[0] += self.tokens - m.sum()
-        return [int(v) for v in m]
+        return moe_splits(self.experts, self.tokens, self.jagged, self.experts * 7919 + self.k + self.n)
 
 
 def gemm_flops(cfg: GemmBench, pass_name: str) -> int:
