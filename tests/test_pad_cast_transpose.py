@@ -414,3 +414,23 @@ def test_all_experts_empty_with_out_buffers():
     assert again.data.shape == (0, 32) and again.data_t.shape == (0,)
     assert not again.amax.any() and not again.column_sums.any()
     assert np.array_equal(again.scale, np.ones(2, np.float32))
+
+
+def test_argument_blocks_are_reused_only_for_identical_values():
+    """The packed argument blocks are remembered per value; any changed pointer makes new ones."""
+    xs = make_inputs([9, 0, 20], 32, "float32", 3)
+    x = np.concatenate(xs)
+    first = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate")
+    g = pct.normalize_inputs(x, [9, 0, 20])
+    plans = pct.plan_launches(g.m_splits, g.k, 16)
+    a = pct._packed_groups(g, first, plans, 16)
+    assert pct._packed_groups(g, first, plans, 16) is a            # same values: same blocks
+    other = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate")   # new outputs
+    b = pct._packed_groups(g, other, plans, 16)
+    assert b is not a and b[0]["out_row"][0] == np.asarray(other.data).ctypes.data
+    x2 = x.copy()                                                   # new input pointer
+    c = pct._packed_groups(pct.normalize_inputs(x2, [9, 0, 20]), other, plans, 16)
+    assert c is not b and c[0]["in"][0] == x2.ctypes.data
+    # and results stay right when blocks are reused
+    again = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate", out=first)
+    assert_same_bits(again, reference.multi_pad_cast_transpose(x, [9, 0, 20]))

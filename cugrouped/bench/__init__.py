@@ -19,9 +19,10 @@ __all__ = ["run_bench"]
 
 
 def bench_planning(rows: list[dict]) -> None:
-    """Host cost per call that needs no GPU: checking the inputs, planning the launches and packing
-    the by-value argument blocks of the cast op (everything but allocation and the launch itself),
-    for a list of E arrays and for one array plus its splits."""
+    """Host cost per call that needs no GPU: checking the inputs, allocating the outputs (NumPy
+    here, CuPy's pool or torch's allocator on a GPU), planning the launches and packing the
+    by-value argument blocks of the cast op (remembered when splits and buffers repeat), for a
+    list of E arrays and for one array plus its splits; everything but the launch itself."""
     import numpy as np
 
     for experts in (8, 64, 256):
@@ -33,7 +34,7 @@ def bench_planning(rows: list[dict]) -> None:
                 g = pct.normalize_inputs(*args)
                 res = pct._outputs(g, np, "e4m3", 16, True, True, False, None, None)
                 plans = pct.plan_launches(g.m_splits, g.k, 16)
-                pct._pack_groups(g, res, plans, 16)
+                pct._packed_groups(g, res, plans, 16)
 
             once()
             n = 200

@@ -7,6 +7,7 @@ emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_tran
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -339,7 +340,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     else:
         plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
-    for chunk, arg in zip(plans, _pack_groups(g, res, plans, align)):
+    for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
         sl = slice(chunk.first, chunk.first + chunk.count)
         ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
         colsum = res.column_sums[sl] if column_sums else None
@@ -438,6 +439,31 @@ def _ptr(a) -> int:
     if isinstance(a, np.ndarray):
         return a.ctypes.data
     return as_view(a).ptr
+
+
+_PACKED: collections.OrderedDict = collections.OrderedDict()
+_PACKED_SIZE = 64
+
+
+def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
+    """:func:`_pack_groups`, remembered per argument values: a training step repeats the same
+    splits with buffers the caching allocators hand out again, so the argument blocks repeat too.
+    The key holds every value written into them (splits, k, align, every pointer and row stride)."""
+    if g.m_dev is not None:
+        key = ("dev", g.num_experts, g.k, align, g.base.ptr, _row_stride(g.base), g.m_dev.ptr,
+               g.total_rows, _ptr(res.data), _ptr(res.data_t))
+    else:
+        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), _ptr(res.data),
+               _ptr(res.data_t))
+    args = _PACKED.get(key)
+    if args is None:
+        args = _pack_groups(g, res, plans, align)
+        _PACKED[key] = args
+        if len(_PACKED) > _PACKED_SIZE:
+            _PACKED.popitem(last=False)
+    else:
+        _PACKED.move_to_end(key)
+    return args
 
 
 def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
