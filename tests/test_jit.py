@@ -94,6 +94,19 @@ def test_offline_nvrtc_compile_reports_resources_and_catches_errors(tmp_path, mo
     assert res[0].registers > 0 and res[0].spills == 0
 
 
+@pytest.mark.parametrize("name", ["scale_update", "grouped_gemm_setup"])
+def test_small_kernels_compile_for_every_arch_without_spills(name):
+    """Every instantiation of the small kernels, every architecture, through the offline NVRTC
+    path (pad_cast_transpose, 72 compiles, is checked by the test command's compile-check step and
+    by test_cli on sm_90)."""
+    spec = _jit.registered()[name]
+    for arch in _compile_check.ARCHS:
+        _, mapping, log = _compile_check.compile_offline(spec, arch)
+        found = _compile_check.parse_ptxas_log(log, arch, mapping)
+        assert {r.name for r in found} == set(spec.name_expressions), arch
+        assert all(r.spills == 0 for r in found), found
+
+
 def test_compile_check_fails_on_compile_error(tmp_path, monkeypatch):
     bad_dir = tmp_path / "k"
     bad_dir.mkdir()
