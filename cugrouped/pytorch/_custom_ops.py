@@ -23,6 +23,7 @@ from .. import ops as _ops
 from ..grouped_fp8 import GroupedFP8
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
+from . import functional as _functional
 from ._adapters import dtype_name, launch_context, to_array
 
 __all__ = ["fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_accumulate",
@@ -90,18 +91,15 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
         torch.empty(s_e, dtype=torch.float32, device=dev)
     sc = scale[offset:offset + E] if scale is not None else None
     scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
-    out = GroupedFP8(data=_arr(data) if rowwise else None,
-                     data_t=_arr(data_t) if columnwise else None,
-                     m_splits=(), m_pad_splits=(), amax=_arr(amax), scale=_arr(scale_buf),
-                     scale_inv=_arr(scale_inv), fp8_format=fp8_format, k=xs[0].shape[1],
-                     align=align, column_sums=_arr(colsum) if column_sums else None)
-    arrays = [to_array(x) for x in xs]
-    with launch_context(dev):
-        _ops.multi_pad_cast_transpose(
-            [a for a, _ in arrays], fp8_format=fp8_format, scale=_arr(sc) if sc is not None else None,
-            margin=margin, align=align, rowwise=rowwise, columnwise=columnwise,
-            column_sums=column_sums, out=out, dtype=arrays[0][1],
-            backend=_backend(xs[0], cast_backend))
+    out = GroupedFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
+                     m_splits=(), m_pad_splits=(), amax=amax, scale=scale_buf, scale_inv=scale_inv,
+                     fp8_format=fp8_format, k=xs[0].shape[1], align=align,
+                     column_sums=colsum if column_sums else None)
+    # the torch front of the op: zero-copy views of these buffers, torch's current stream
+    _functional.multi_pad_cast_transpose(
+        list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
+        columnwise=columnwise, column_sums=column_sums, out=out,
+        backend=_backend(xs[0], cast_backend))
     return data, data_t, scale_inv, colsum
 
 
