@@ -35,6 +35,8 @@ __all__ = [
     "code_for",
     "nvrtc_options",
     "get_function",
+    "get_emulated_function",
+    "clear_cache",
     "warmup",
 ]
 
@@ -107,18 +109,59 @@ def _announce(spec: KernelSpec, code: str, options: tuple[str, ...], where: str)
                                                  + "\n".join(spec.name_expressions) + "\n")
 
 
+_codes: dict[KernelSpec, str] = {}
 _modules: dict[tuple[int, KernelSpec, str], object] = {}
+_functions: dict[tuple[int, KernelSpec, str], object] = {}
 _lock = threading.Lock()
 
 
-def _module(spec: KernelSpec):
-    import cupy
+_emulated: dict[tuple[KernelSpec, str], object] = {}
 
-    device = cupy.cuda.Device().id
-    code = code_for(spec)
+
+def get_emulated_function(spec: KernelSpec, name_expression: str):
+    """The same instantiation built for the CPU emulator (:mod:`cugrouped.emulate`), kept in memory
+    per (spec, instantiation) like :func:`get_function`: building the ``EmuModule`` re-hashes the
+    sources (~ms), so it is done once per process (or after :func:`clear_cache`)."""
+    if name_expression not in spec.name_expressions:
+        raise ValueError(f"{name_expression!r} is not one of the instantiations of "
+                         f"{spec.source}: {spec.name_expressions}")
+    key = (spec, name_expression)
+    fn = _emulated.get(key)
+    if fn is None:
+        from . import emulate
+
+        options = tuple(f"-D{d}" for d in spec.defines)
+        mod = emulate.EmuModule(path=spec.source, name_expressions=spec.name_expressions,
+                                options=options)
+        fn = _emulated[key] = mod.get_function(name_expression)
+    return fn
+
+
+def clear_cache() -> None:
+    """Forget the in-memory code strings, modules and kernels: the next launch re-reads and
+    re-hashes the sources (for editing kernels in a running process; CuPy's disk cache still
+    serves unchanged code)."""
+    with _lock:
+        _codes.clear()
+        _modules.clear()
+        _functions.clear()
+        _emulated.clear()
+
+
+def _code(spec: KernelSpec) -> str:
+    code = _codes.get(spec)
+    if code is None:   # reading and hashing the sources costs ~1 ms: once per process, not per launch
+        code = _codes[spec] = code_for(spec)
+    return code
+
+
+def _module(spec: KernelSpec, device: int):
+    code = _code(spec)
     key = (device, spec, code)
     mod = _modules.get(key)
     if mod is None:
+        import cupy
+
         with _lock:
             mod = _modules.get(key)
             if mod is None:
@@ -133,13 +176,21 @@ def _module(spec: KernelSpec):
 def get_function(spec: KernelSpec, name_expression: str):
     """The ``cupy.RawKernel`` for one instantiation, compiled for the current device on first use.
 
-    Modules are kept in memory per (device, spec, code) so a header edit in a running process is
-    picked up on the next call, and CuPy's disk cache makes the second process start warm.
+    Kernels are kept in memory per (device, spec, instantiation): after the first call a launch
+    costs a dictionary lookup. The sources are read and hashed once per process (see
+    :func:`clear_cache` to pick up an edit without restarting); CuPy's disk cache, keyed by that
+    hash, makes the next process start warm.
     """
+    import cupy
+
     if name_expression not in spec.name_expressions:
-        raise ValueError(f"{name_expression!r} is not one of the instantiations of {spec.source}: "
-                         f"{spec.name_expressions}")
-    return _module(spec).get_function(name_expression)
+        raise ValueError(f"{name_expression!r} is not one of the instantiations of "
+                         f"{spec.source}: {spec.name_expressions}")
+    key = (cupy.cuda.runtime.getDevice(), spec, name_expression)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = _module(spec, key[0]).get_function(name_expression)
+    return fn
 
 
 def warmup() -> list[str]:

@@ -192,3 +192,29 @@ def test_wheel_ships_kernel_sources_and_works_outside_checkout(tmp_path):
 def test_public_api():
     assert callable(cugrouped.multi_pad_cast_transpose)
     assert cugrouped.kernel_sources() == _sources.kernels_dir()
+
+
+def test_sources_are_hashed_once_per_process_until_cleared(monkeypatch):
+    """A launch must not re-read and re-hash the sources (~1 ms): the code string is computed once
+    per spec, and clear_cache() makes the next launch pick up an edit."""
+    spec = _jit.registered()["pad_cast_transpose"]
+    calls = []
+    real = _jit.code_for
+    monkeypatch.setattr(_jit, "code_for", lambda s: calls.append(s) or real(s))
+    _jit.clear_cache()
+    first = _jit._code(spec)
+    assert _jit._code(spec) is first and len(calls) == 1
+    _jit.clear_cache()
+    assert _jit._code(spec) == first and len(calls) == 2
+
+
+def test_emulated_kernels_are_built_once_per_process():
+    spec = _jit.registered()["scale_update"]
+    name = spec.name_expressions[0]
+    _jit.clear_cache()
+    fn = _jit.get_emulated_function(spec, name)
+    assert _jit.get_emulated_function(spec, name) is fn
+    _jit.clear_cache()
+    assert _jit.get_emulated_function(spec, name) is not fn
+    with pytest.raises(ValueError, match="not one of the instantiations"):
+        _jit.get_emulated_function(spec, "cg::nope")

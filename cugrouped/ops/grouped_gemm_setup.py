@@ -163,10 +163,8 @@ def grouped_gemm_setup(spec: SetupSpec, workspace, *, m_host=None, m_dev=None, t
     if backend == "cuda":
         _jit.get_function(KERNEL_SPEC, KERNEL_NAME)((1,), (THREADS,), (arg,))
     elif backend == "emulate":
-        from .. import emulate
-
-        mod = emulate.EmuModule(path=KERNEL_SPEC.source, name_expressions=KERNEL_SPEC.name_expressions)
-        mod.get_function(KERNEL_NAME)((1,), (THREADS,), (arg,), order=_launch.current_emulation_order())
+        _jit.get_emulated_function(KERNEL_SPEC, KERNEL_NAME)(
+            (1,), (THREADS,), (arg,), order=_launch.current_emulation_order())
     else:
         raise ValueError(f"backend: got {backend!r}, expected 'cuda', 'emulate' or 'reference'")
     return None

@@ -524,13 +524,10 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum)
         kern = _jit.get_function(KERNEL_SPEC, name)
         kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count))
     else:
-        from .. import emulate
-
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
         partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
-        mod = emulate.EmuModule(path=KERNEL_SPEC.source, name_expressions=KERNEL_SPEC.name_expressions)
-        kern = mod.get_function(name)
+        kern = _jit.get_emulated_function(KERNEL_SPEC, name)
         kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count),
              order=_launch.current_emulation_order())
         if ws.any() or (count is not None and count.any()):

@@ -153,9 +153,6 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
         kern = _jit.get_function(KERNEL_SPEC, plan.kernel)
         kern((plan.grid,), (plan.block,), args)
     else:
-        from .. import emulate
-
-        mod = emulate.EmuModule(path=KERNEL_SPEC.source, name_expressions=KERNEL_SPEC.name_expressions)
-        mod.get_function(plan.kernel)((plan.grid,), (plan.block,), args,
-                                      order=_launch.current_emulation_order())
+        _jit.get_emulated_function(KERNEL_SPEC, plan.kernel)(
+            (plan.grid,), (plan.block,), args, order=_launch.current_emulation_order())
     return None
