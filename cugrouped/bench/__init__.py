@@ -19,20 +19,31 @@ __all__ = ["run_bench"]
 
 
 def bench_planning(rows: list[dict]) -> None:
-    """Host cost per call that needs no GPU: checking the inputs, allocating the outputs (NumPy
-    here, CuPy's pool or torch's allocator on a GPU), planning the launches and packing the
-    by-value argument blocks of the cast op (remembered when splits and buffers repeat), for a
-    list of E arrays and for one array plus its splits; everything but the launch itself."""
+    """Host cost per call that needs no GPU: checking the inputs and ``scale``, allocating the
+    outputs (NumPy here, CuPy's pool or torch's allocator on a GPU), planning the launches and
+    packing the by-value argument blocks of the cast op (remembered when splits and buffers
+    repeat), for a list of E arrays and for one array plus its splits; everything but the launch
+    itself. NumPy arrays, and torch CPU tensors, whose views are read the way CUDA tensors' are."""
     import numpy as np
 
+    try:
+        import torch
+    except ImportError:
+        torch = None
     for experts in (8, 64, 256):
         xs = [np.empty((1000 + 17 * i, 128), np.float32) for i in range(experts)]
         x = np.empty((sum(a.shape[0] for a in xs), 128), np.float32)
         m = [a.shape[0] for a in xs]
-        for form, args in (("list", (xs, None)), ("tensor", (x, m))):
+        scale = np.ones(experts, np.float32)
+        forms = [("numpy", "list", (xs, None)), ("numpy", "tensor", (x, m))]
+        if torch is not None:
+            forms += [("torch", "list", ([torch.from_numpy(a) for a in xs], None)),
+                      ("torch", "tensor", (torch.from_numpy(x), m))]
+        for kind, form, args in forms:
             def once():
                 g = pct.normalize_inputs(*args)
-                res = pct._outputs(g, np, "e4m3", 16, True, True, False, None, None)
+                pct.check_scale_and_out(g, 16, True, True, False, scale, None)
+                res = pct._outputs(g, np, "e4m3", 16, True, True, False, scale, None)
                 plans = pct.plan_launches(g.m_splits, g.k, 16)
                 pct._packed_groups(g, res, plans, 16)
 
@@ -42,10 +53,10 @@ def bench_planning(rows: list[dict]) -> None:
             for _ in range(n):
                 once()
             us = (time.perf_counter() - t0) / n * 1e6
-            rows.append(dict(op="cast-host", config=f"E{experts}-{form}", impl="cugrouped", host_us=us,
-                             host_us_per_expert=us / experts))
-            print(f"cast op host path, {experts:>3} experts, {form:<6}: {us:8.1f} us per call "
-                  f"({us / experts:.2f} us per expert)")
+            rows.append(dict(op="cast-host", config=f"E{experts}-{kind}-{form}", impl="cugrouped",
+                             host_us=us, host_us_per_expert=us / experts))
+            print(f"cast op host path, {experts:>3} experts, {kind:<5} {form:<6}: {us:8.1f} us per "
+                  f"call ({us / experts:.2f} us per expert)")
 
 
 def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False) -> int:

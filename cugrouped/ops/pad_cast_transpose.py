@@ -66,6 +66,11 @@ def padded_array(m: np.ndarray, align: int) -> np.ndarray:
 
 def padded_splits(m_splits: Sequence[int], align: int) -> tuple[int, ...]:
     """``m_pad_i = ceil(m_i / align) * align``."""
+    return _padded(tuple(m_splits), align)
+
+
+@functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
+def _padded(m_splits: tuple[int, ...], align: int) -> tuple[int, ...]:
     return tuple(-(-int(m) // align) * align for m in m_splits)
 
 
@@ -158,14 +163,14 @@ def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
     if array_is_device(m_splits):
         raise TypeError("m_splits: a device array was given with splits_on_device=False; pass a host "
                         "sequence of ints, or leave splits_on_device=None to let the kernel read it")
-    if isinstance(m_splits, (list, tuple)) and all(type(v) is int for v in m_splits):
+    if type(m_splits) in (list, tuple) and set(map(type, m_splits)) <= {int}:
         splits = tuple(m_splits)                      # the common case, without NumPy
     else:
         arr = np.asarray(m_splits)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {m_splits!r}")
         splits = tuple(int(v) for v in arr)
-    if any(v < 0 for v in splits):
+    if splits and min(splits) < 0:
         raise ValueError(f"m_splits: expected non-negative counts, got {splits}")
     if sum(splits) != rows:
         raise ValueError(f"m_splits: counts sum to {sum(splits)} but inputs has {rows} rows")
@@ -205,14 +210,11 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
         if len(inputs) == 0:
             raise ValueError("inputs: expected at least one expert, got an empty sequence")
         views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
-        for i, v in enumerate(views):
-            if len(v.shape) != 2:
-                raise ValueError(f"inputs[{i}]: expected a 2-D (m_i, k) array, got shape {v.shape}")
-        splits = tuple(v.shape[0] for v in views)
+        _check_views(views, True)
+        splits = tuple([v.shape[0] for v in views])
         if m_splits is not None and _host_splits(m_splits, sum(splits)) != splits:
             raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
                              f"a list; got {m_splits}")
-        _check_views(views, True)
         first = views[0]
         return GroupedInput(first, splits, first.shape[1], first.dtype, first.on_device, first.kind,
                             first.device, sum(splits), len(splits),
@@ -233,31 +235,48 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
     if len(splits) == 0:
         raise ValueError("m_splits: expected at least one expert")
     ld = _row_stride(view)
-    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
-    ptrs = (np.uint64(view.ptr) + (first_rows * (ld * view.itemsize)).astype(np.uint64))
+    ptrs, lds = _split_pointers(splits, view.ptr, ld, view.itemsize)
     return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
-                        view.device, view.shape[0], len(splits), ptrs,
-                        np.full(len(splits), ld, dtype=np.int64))
+                        view.device, view.shape[0], len(splits), ptrs, lds)
+
+
+@functools.lru_cache(maxsize=64)   # same splits, same buffer: same pointers (arrays read-only)
+def _split_pointers(splits: tuple[int, ...], ptr: int, ld: int, itemsize: int):
+    """First-element pointers and row strides of the experts of one ``(sum(splits), k)`` array."""
+    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
+    ptrs = np.uint64(ptr) + (first_rows * (ld * itemsize)).astype(np.uint64)
+    lds = np.full(len(splits), ld, dtype=np.int64)
+    ptrs.flags.writeable = lds.flags.writeable = False
+    return ptrs, lds
 
 
 def _check_views(views: list[ArrayView], is_list: bool) -> None:
     first = views[0]
-    k = first.shape[1]
+    if len(first.shape) != 2:
+        raise ValueError(f"inputs{'[0]' if is_list else ''}: expected a 2-D (m_i, k) array, got "
+                         f"shape {first.shape}")
+    k, dt, place = first.shape[1], first.dtype, (first.kind, first.device)
+    if dt not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"inputs{'[0]' if is_list else ''}: expected dtype float32, float16 or "
+                        f"bfloat16, got {dt} (CuPy callers pass bfloat16 as a uint16 view with "
+                        "dtype='bfloat16')")
     for i, v in enumerate(views):
+        shape = v.shape
+        if len(shape) == 2 and shape[1] == k and v.dtype == dt and (v.kind, v.device) == place and (
+                shape[0] == 0 or ((k <= 1 or v.strides[1] == 1) and (shape[0] <= 1 or v.strides[0] >= k))):
+            continue                                   # the common case: one test per view
         name = f"inputs[{i}]" if is_list else "inputs"
-        if v.dtype not in FLOAT_INPUT_DTYPES:
-            raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {v.dtype}"
-                            " (CuPy callers pass bfloat16 as a uint16 view with dtype='bfloat16')")
-        if v.dtype != first.dtype:
-            raise TypeError(f"{name}: dtype {v.dtype} differs from inputs[0]'s {first.dtype}")
-        if v.shape[1] != k:
-            raise ValueError(f"{name}: has k={v.shape[1]} columns, inputs[0] has {k}")
-        if (v.kind, v.device) != (first.kind, first.device):
+        if len(shape) != 2:
+            raise ValueError(f"{name}: expected a 2-D (m_i, k) array, got shape {shape}")
+        if v.dtype != dt:
+            raise TypeError(f"{name}: dtype {v.dtype} differs from inputs[0]'s {dt}")
+        if shape[1] != k:
+            raise ValueError(f"{name}: has k={shape[1]} columns, inputs[0] has {k}")
+        if (v.kind, v.device) != place:
             raise ValueError(f"{name}: is a {v.kind} array on device {v.device}, inputs[0] is a "
                              f"{first.kind} array on device {first.device}")
-        if v.shape[0] > 0 and not v.is_row_major_rows():
-            raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
-                             f"strides {v.strides} (in elements) for shape {v.shape}")
+        raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
+                         f"strides {v.strides} (in elements) for shape {shape}")
     if k < 1:
         raise ValueError(f"inputs: expected k >= 1 columns, got {k}")
 
@@ -341,9 +360,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
-        sl = slice(chunk.first, chunk.first + chunk.count)
-        ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
-        colsum = res.column_sums[sl] if column_sums else None
+        if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
+            ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
+        else:
+            sl = slice(chunk.first, chunk.first + chunk.count)
+            ptrs = (res.scale[sl], res.amax[sl], res.scale_inv[sl])
+            colsum = res.column_sums[sl] if column_sums else None
         passes = (mode,) if mode == "CAST_AMAX" else ("AMAX_ONLY", "CAST")
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
