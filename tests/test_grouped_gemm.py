@@ -1091,3 +1091,269 @@ def test_gpu_grouped_vs_loop_vs_reference(split, pass_name):
     r = np.asarray(ref).astype(np.float64)
     tol = 2 * half_ulp(r, odt) + 2**-11 * np.abs(r).max()
     assert np.all(np.abs(gn - r) <= tol) and np.all(np.abs(ln - r) <= tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch's cuBLASLt calls executed on the CPU by a NumPy model of cublasLtMatmul.
+#
+# The model reads everything back from the real descriptors (through libcublasLt's getters) and
+# from host memory at the addresses the op passes: column-major layouts (type, rows, cols, ld),
+# TRANSA/TRANSB, pointer mode, alpha/beta, the A/B scale pointers (per-group pointer arrays in the
+# grouped mode), the bias epilogue and its data type, grouped layouts' device arrays. It applies
+# cuBLAS's rules (op(A) is m x k, op(B) k x n, D m x n, ld >= rows, FP8 only TN with 16-byte
+# pointers and leading dimensions, fp32 compute and scale types, bias of m elements) and computes
+# D = alpha * sa * sb * op(A) op(B) + beta * C (+ bias) in float64, rounded once. So the first
+# GPU run can only differ from the reference by cuBLAS's accumulation, never by a mapping, ld,
+# transpose, scale-pointer or pointer-array mistake.
+
+_CUDA_NP = {E.CUDA_R_32F: np.dtype(np.float32), E.CUDA_R_16F: np.dtype(np.float16),
+            E.CUDA_R_16BF: np.dtype(ml_dtypes.bfloat16),
+            E.CUDA_R_8F_E4M3: np.dtype(ml_dtypes.float8_e4m3fn),
+            E.CUDA_R_8F_E5M2: np.dtype(ml_dtypes.float8_e5m2)}
+
+
+def _host_mem(ptr, nbytes):
+    import ctypes
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * max(int(nbytes), 1)).from_address(int(ptr)))
+
+
+def _attr(kind, handle, table, name):
+    import ctypes
+
+    from cugrouped import cublaslt
+
+    attr, ctype = table[name]
+    buf, written = ctype(), ctypes.c_size_t()
+    status = getattr(cublaslt.lib(), f"cublasLt{kind}GetAttribute")(
+        handle, attr, ctypes.byref(buf), ctypes.sizeof(buf), ctypes.byref(written))
+    assert status == 0, (kind, name, status)
+    return buf.value
+
+
+def _col_major(ptr, dtype, rows, cols, ld):
+    """The column-major ``rows x cols`` matrix at host address ``ptr`` (a writable view)."""
+    assert ld >= max(rows, 1), f"ld {ld} < rows {rows}"
+    isz = dtype.itemsize
+    nbytes = ((cols - 1) * ld + rows) * isz if rows and cols else 0
+    buf = _host_mem(ptr, nbytes).view(f"u{isz}")  # as_strided cannot take ml_dtypes' dtypes
+    return np.lib.stride_tricks.as_strided(buf, shape=(rows, cols),
+                                           strides=(isz, ld * isz)).view(dtype)
+
+
+def _model_matmul(calls):
+    """A fake ``cublasLtMatmul`` (the launch's signature) that computes on host memory; each call's
+    description is appended to ``calls``."""
+    import ctypes
+
+    from cugrouped.cublaslt import descriptors as D
+
+    def desc_attr(h, name):
+        return _attr("MatmulDesc", h, D.MATMUL_DESC_ATTRS, name)
+
+    def lay_attr(h, name):
+        return _attr("MatrixLayout", h, D.MATRIX_LAYOUT_ATTRS, name)
+
+    def f32_at(ptr):
+        return float(_host_mem(ptr, 4).view(np.float32)[0])
+
+    def array_at(ptr, n, dt):
+        return _host_mem(ptr, n * np.dtype(dt).itemsize).view(dt).tolist()
+
+    def matmul(handle, desc, alpha, a, la, b, lb, beta, c, lc, d, ld_, algo, ws, ws_bytes, stream):
+        h = lambda x: x.value if isinstance(x, ctypes.c_void_p) else x  # noqa: E731
+        desc, la, lb, lc, ld_ = (h(x) for x in (desc, la, lb, lc, ld_))
+        assert desc_attr(desc, "COMPUTE_TYPE") == E.CUBLAS_COMPUTE_32F
+        assert desc_attr(desc, "SCALE_TYPE") == E.CUDA_R_32F
+        ta, tb = desc_attr(desc, "TRANSA"), desc_attr(desc, "TRANSB")
+        mode = desc_attr(desc, "POINTER_MODE")
+        grouped = lay_attr(ld_, "BATCH_MODE") == E.CUBLASLT_BATCH_MODE_GROUPED
+        for lay in (la, lb, lc):
+            assert (lay_attr(lay, "BATCH_MODE") == E.CUBLASLT_BATCH_MODE_GROUPED) == grouped
+        if mode == E.CUBLASLT_POINTER_MODE_HOST:
+            assert not grouped
+            al, be = alpha._obj.value, beta._obj.value     # ctypes.byref(c_float)
+        else:
+            assert mode == E.CUBLASLT_POINTER_MODE_DEVICE
+            al, be = f32_at(alpha), f32_at(beta)
+        types = [lay_attr(x, "TYPE") for x in (la, lb, lc, ld_)]
+        assert types[2] == types[3], "C and D share a type"
+        fp8 = types[0] in (E.CUDA_R_8F_E4M3, E.CUDA_R_8F_E5M2)
+        sa_ptr, sb_ptr = desc_attr(desc, "A_SCALE_POINTER"), desc_attr(desc, "B_SCALE_POINTER")
+        if fp8:
+            assert (ta, tb) == (E.CUBLAS_OP_T, E.CUBLAS_OP_N), "FP8 is TN only"
+            assert types[1] in (E.CUDA_R_8F_E4M3, E.CUDA_R_8F_E5M2)
+            assert not (types[0] == types[1] == E.CUDA_R_8F_E5M2)
+            assert sa_ptr and sb_ptr
+        else:
+            assert types[0] == types[1] and not sa_ptr and not sb_ptr
+        epi = desc_attr(desc, "EPILOGUE")
+        assert epi in (E.CUBLASLT_EPILOGUE_DEFAULT, E.CUBLASLT_EPILOGUE_BIAS)
+        bias_ptr = desc_attr(desc, "BIAS_POINTER") if epi == E.CUBLASLT_EPILOGUE_BIAS else 0
+        if epi == E.CUBLASLT_EPILOGUE_BIAS:
+            bias_type = desc_attr(desc, "BIAS_DATA_TYPE")
+            want = E.CUDA_R_16BF if fp8 and types[3] == E.CUDA_R_32F else types[3]
+            assert bias_type == want and bias_ptr
+        if grouped:
+            count = lay_attr(ld_, "BATCH_COUNT")
+            for lay in (la, lb, lc):
+                assert lay_attr(lay, "BATCH_COUNT") == count
+                assert lay_attr(lay, "ROWS_COLS_ARRAY_INTEGER_WIDTH") == E.CUBLASLT_INTEGER_WIDTH_32
+            dims = {x: [array_at(lay_attr(x, n), count, np.int32)
+                        for n in ("ROWS_ARRAY", "COLS_ARRAY", "LD_ARRAY")] for x in (la, lb, lc, ld_)}
+            ptrs = [array_at(p, count, np.uint64) for p in (a, b, c, d)]
+            if fp8:
+                assert desc_attr(desc, "A_SCALE_MODE") == E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
+                assert desc_attr(desc, "B_SCALE_MODE") == E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
+                sas, sbs = array_at(sa_ptr, count, np.uint64), array_at(sb_ptr, count, np.uint64)
+            groups = [dict(ptr=[p[g] for p in ptrs],
+                           lay=[tuple(v[g] for v in dims[x]) for x in (la, lb, lc, ld_)],
+                           sa=sas[g] if fp8 else 0, sb=sbs[g] if fp8 else 0) for g in range(count)]
+        else:
+            lays = [tuple(lay_attr(x, n) for n in ("ROWS", "COLS", "LD")) for x in (la, lb, lc, ld_)]
+            groups = [dict(ptr=[a, b, c, d], lay=lays, sa=sa_ptr, sb=sb_ptr)]
+        for g in groups:
+            pa, pb, pc, pd = (int(p) for p in g["ptr"])
+            (ar, ac, ald), (br, bc, bld), (cr, cc, cld), (dr, dc, dld) = g["lay"]
+            A = _col_major(pa, _CUDA_NP[types[0]], ar, ac, ald).astype(np.float64)
+            B = _col_major(pb, _CUDA_NP[types[1]], br, bc, bld).astype(np.float64)
+            opA = A.T if ta == E.CUBLAS_OP_T else A
+            opB = B.T if tb == E.CUBLAS_OP_T else B
+            m, k = opA.shape
+            assert opB.shape[0] == k and (dr, dc) == (m, opB.shape[1]) == (cr, cc)
+            if fp8:
+                for p, isz, ldv in ((pa, 1, ald), (pb, 1, bld), (pd, _CUDA_NP[types[3]].itemsize, dld)):
+                    assert p % 16 == 0 and (ldv * isz) % 16 == 0, "FP8 needs 16-byte pointers and lds"
+            y = opA @ opB * al
+            if fp8:
+                y = y * f32_at(g["sa"]) * f32_at(g["sb"])
+            if be != 0:
+                y = y + be * _col_major(pc, _CUDA_NP[types[2]], cr, cc, cld).astype(np.float64)
+            if bias_ptr:
+                bdt = _CUDA_NP[desc_attr(desc, "BIAS_DATA_TYPE")]
+                y = y + _host_mem(bias_ptr, m * bdt.itemsize).view(bdt).astype(np.float64)[:, None]
+            out = _col_major(pd, _CUDA_NP[types[3]], dr, dc, dld)
+            out[...] = y.astype(out.dtype)
+            calls.append(dict(grouped=grouped, m=m, n=opB.shape[1], k=k))
+        return 0
+
+    return matmul
+
+
+def _model_close(got, ref, out_dtype):
+    """Equal up to one rounding of the output (the model scales after summing, the reference
+    before: an exact cancellation may leave a last-bit residue in one of them)."""
+    g, r = np.asarray(got).astype(np.float64), np.asarray(ref).astype(np.float64)
+    assert not np.isnan(g).any(), "an output element was never written"
+    tol = 2 * half_ulp(r, out_dtype) + 2.0 ** -40 * np.abs(r).max(initial=0.0)
+    assert np.all(np.abs(g - r) <= tol), f"max err/tol {np.max(np.abs(g - r) / tol):.3g}"
+
+
+def _model_state(grouped=False):
+    import ctypes
+
+    st = _grouped_cpu_state() if grouped else __import__(
+        "cugrouped.bench.gemm", fromlist=["host_loop_state"]).host_loop_state()
+    if not grouped:
+        st.cublas_version = 0
+        st.caller_ws[0] = 0x7E0000000000  # a single expert runs on the (fake) caller stream
+    calls = []
+    st.matmul = _model_matmul(calls)
+    st.memset = lambda ptr, nbytes, stream: ctypes.memset(int(ptr), 0, int(nbytes))
+    return st, calls
+
+
+def _model_cases():
+    for pass_name in ("fprop", "dgrad", "wgrad"):
+        for operands in ("e4m3xe4m3", "e5m2xe4m3", "e4m3xe5m2", "bfloat16", "float16", "float32"):
+            yield pass_name, operands
+
+
+@pytest.mark.parametrize("pass_name,operands", list(_model_cases()))
+@pytest.mark.parametrize("split", ["skewed", "empty_first", "empty_last", "single"])
+def test_loop_calls_computed_by_a_cublaslt_model_equal_the_reference(split, pass_name, operands):
+    from cugrouped.cublaslt import descriptors as D
+
+    gg.clear_memo()
+    m_splits, k, n = SPLITS[split]
+    fp8 = "x" in operands
+    if fp8:
+        a_fmt, b_fmt = operands.split("x")     # (A, B) of the cuBLAS call
+        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
+                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
+                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
+        X, W, DY = make_fp8(m_splits, k, n, seed=21, **fmts)
+        outs = OUT_DTYPES if pass_name != "wgrad" else ("float32", "bfloat16")
+    else:
+        k, n = k + 8, n + 8
+        rng = np.random.default_rng(5)
+        dt = NP_DTYPE[operands]
+        X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
+        W = np.stack([rand(rng, (n, k), 0.1).astype(dt) for _ in m_splits])
+        DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
+        outs = {"bfloat16": ("bfloat16", "float32"), "float16": ("float16", "float32"),
+                "float32": ("float32",)}[operands]
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    args = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    st, calls = _model_state()
+    for out_dtype in outs:
+        for bias in ((False, True) if pass_name == "fprop" else (False,)):
+            extra = ()
+            if bias:
+                bdt = gg.bias_dtype_for(out_dtype, fp8)
+                extra = (np.random.default_rng(3).standard_normal((len(m_splits), n))
+                         .astype(NP_DTYPE[bdt]),)
+            kw = dict(out_dtype=out_dtype)
+            call = gg.checked(pass_name, args + extra, dict(
+                kw, fast_accum=False, **({"accumulate": False} if pass_name == "wgrad" else {})))
+            out = gg.new_output(call.problem, np)
+            out[...] = np.nan if out.dtype.kind == "f" else 0
+            calls.clear()
+            gg.launch_checked(call, out, np, st, "loop")
+            assert len(calls) == sum(1 for m in m_splits if m), calls
+            ref = np.asarray(fn(*args, *extra, out_dtype=out_dtype, backend="reference"))
+            _model_close(out, ref, out_dtype)
+    # a strided output (row stride > columns): D's ld is the row stride; the gap is not written
+    call = gg.checked(pass_name, args, dict(out_dtype="float32", fast_accum=False, **(
+        {"accumulate": False} if pass_name == "wgrad" else {})))
+    shape = gg.new_output(call.problem, np).shape
+    big = np.full(shape[:-1] + (shape[-1] + 16,), np.nan, np.float32)
+    strided = big[..., :shape[-1]]
+    gg.launch_checked(call, strided if pass_name != "wgrad" else list(strided), np, st, "loop")
+    _model_close(strided, fn(*args, out_dtype="float32", backend="reference"), "float32")
+    assert np.isnan(big[..., shape[-1]:]).all()
+    if pass_name == "wgrad":  # accumulate into main_grad (beta = 1, C = D), empty experts untouched
+        rng = np.random.default_rng(8)
+        before = [rand(rng, (n, k)) for _ in m_splits]
+        got, want = [b.copy() for b in before], [b.copy() for b in before]
+        gg.launch_checked(gg.checked("wgrad", args, dict(out_dtype="float32", fast_accum=False,
+                                                           accumulate=True)), got, np, st, "loop")
+        grouped_wgrad(*args, out=want, accumulate=True, backend="reference")
+        for g_, w_ in zip(got, want):
+            _model_close(g_, w_, "float32")
+    gg.clear_memo()
+    D.clear_caches()
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("split", ["uniform", "empty_middle"])
+def test_grouped_call_computed_by_a_cublaslt_model_equals_the_reference(split, pass_name):
+    """The grouped path end to end on the CPU: the emulated setup kernel fills the workspace, the
+    model reads the grouped layouts' device arrays, pointer arrays and per-group scale pointers."""
+    gg.clear_memo()
+    m_splits = {"uniform": [32, 16, 48, 64], "empty_middle": [16, 0, 48]}[split]
+    k, n = 32, 48
+    X, W, DY = make_fp8(m_splits, k, n, seed=2)
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    args = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    st, calls = _model_state(grouped=True)
+    call = gg.checked(pass_name, args, dict(out_dtype=odt, fast_accum=False, **(
+        {"accumulate": False} if pass_name == "wgrad" else {})))
+    out = gg.new_output(call.problem, np)
+    out[...] = np.nan
+    gg.launch_checked(call, out, np, st, "grouped")
+    assert calls and all(c["grouped"] for c in calls)
+    assert len(calls) == sum(1 for m in m_splits if m)
+    _model_close(out, np.asarray(fn(*args, out_dtype=odt, backend="reference")), odt)
+    gg.clear_memo()
