@@ -829,6 +829,9 @@ def test_gpu_launch_count_streams_and_out():
     X, W, _ = make_fp8(m_splits, 32, 16, seed=7, xp=cupy)
     ref = grouped_fprop(_host(X), _host(W))
     out = cupy.zeros((sum(m_splits), 16), cupy.uint16)
+    # the casts and the zero fill ran on the legacy default stream, which a non-blocking stream
+    # does not wait for: finish them before handing their buffers to that stream
+    cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream, cugrouped.record_launches() as log:
         res = grouped_fprop(X, W, out=out)
@@ -1356,4 +1359,50 @@ def test_grouped_call_computed_by_a_cublaslt_model_equals_the_reference(split, p
     assert calls and all(c["grouped"] for c in calls)
     assert len(calls) == sum(1 for m in m_splits if m)
     _model_close(out, np.asarray(fn(*args, out_dtype=odt, backend="reference")), odt)
+    gg.clear_memo()
+
+
+def test_loop_joins_the_side_streams_even_when_an_expert_fails():
+    """A failing expert (here: no algorithm for its shape) raises, but the experts already
+    launched on the side streams are still joined back into the caller's stream."""
+    from cugrouped.bench.gemm import host_loop_state
+    from cugrouped.cublaslt import CublasLtError, HeuristicResult
+
+    log = []
+
+    class Ev:
+        def record(self, stream=None):
+            log.append(("record", stream.ptr))
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def wait_event(self, ev):
+            log.append(("wait", self.ptr))
+
+    st = host_loop_state()
+    st.streams = [Stream(0x1000 + i) for i in range(gg.NUM_STREAMS)]
+    st.stream_ptrs = [s.ptr for s in st.streams]
+    st.fork_event, st.done_events = Ev(), [Ev() for _ in st.streams]
+    caller = Stream(0x42)
+    st.current_stream = lambda: caller
+    seen = []
+
+    def heuristic(desc, la, lb, ld, pref, what):
+        if len(seen) == 2:
+            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", 15, what)
+        return HeuristicResult()
+
+    st.heuristic = heuristic
+    st.matmul = lambda *a: seen.append(a) or 0
+    X, W, _ = make_fp8([16, 32, 48, 64], 32, 16, seed=1)  # four shapes: a heuristic per expert
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    with pytest.raises(CublasLtError):
+        gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+    assert len(seen) == 2
+    assert log[0] == ("record", 0x42)                           # fork on the caller
+    waits = [i for i, e in enumerate(log) if e == ("wait", 0x42)]
+    assert len(waits) == gg.NUM_STREAMS                        # joined back, every side stream
     gg.clear_memo()

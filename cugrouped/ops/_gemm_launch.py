@@ -199,28 +199,33 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
     beta = ctypes.byref(st.betas[vp.beta])
     wsb = st.workspace_bytes
-    for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
-        desc = descs[e]
-        ptrs = desc.ptrs
-        if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
-            desc.set_pointers(sa, sb, bias)
-        t = templates.get(key)
-        if t is None:
-            t = templates[key] = _template(st, config, key, desc)
-        for log in recorders:
-            log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
-        s = j % nstreams
-        status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
-                        t.algo, ws[s], wsb, streams[s])
-        if status:
-            from ..cublaslt import check
+    try:
+        for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
+            desc = descs[e]
+            ptrs = desc.ptrs
+            if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
+                desc.set_pointers(sa, sb, bias)
+            t = templates.get(key)
+            if t is None:
+                t = templates[key] = _template(st, config, key, desc)
+            for log in recorders:
+                log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
+            s = j % nstreams
+            status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
+                            t.algo, ws[s], wsb, streams[s])
+            if status:
+                from ..cublaslt import check
 
-            check(status, "cublasLtMatmul", f"expert {e}")
-    if ncalls > 1:
-        for idx in range(min(nstreams, ncalls)):
-            ev = st.done_events[idx]
-            ev.record(st.streams[idx])
-            caller.wait_event(ev)
+                check(status, "cublasLtMatmul", f"expert {e}")
+    finally:
+        # Join even when an expert fails (no algorithm, a refused call): the experts already
+        # launched on the side streams must be ordered before the caller's next work, or the
+        # buffers they read and write could be freed and reused under them.
+        if ncalls > 1:
+            for idx in range(min(nstreams, ncalls)):
+                ev = st.done_events[idx]
+                ev.record(st.streams[idx])
+                caller.wait_event(ev)
 
 
 def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str | None = None) -> None:
