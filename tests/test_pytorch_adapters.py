@@ -52,8 +52,33 @@ def test_fake_impls_match_real_shapes(fmt):
     assert FP8_TORCH_DTYPES[fmt] in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def test_cuda_export_asks_torch_for_no_cross_stream_sync():
+    """CUDA tensors are exported for torch's current stream (the ops run there): whatever stream
+    CuPy offers, ``__dlpack__`` gets ``stream=-1``, so torch records no event and makes no other
+    stream (the legacy default one) wait."""
+    from cugrouped.pytorch._adapters import _SameStream
+
+    seen = []
+
+    class Tensor:
+        def __dlpack__(self, stream=None, max_version=None, copy=None):
+            seen.append((stream, max_version, copy))
+            return "capsule"
+
+        def __dlpack_device__(self):
+            return (2, 3)
+
+    w = _SameStream(Tensor())
+    assert w.__dlpack_device__() == (2, 3)
+    assert w.__dlpack__(stream=1, max_version=(1, 0), copy=None) == "capsule"
+    assert w.__dlpack__(stream=0x1234) == "capsule"
+    assert seen == [(-1, (1, 0), None), (-1, None, None)]
+    t = torch.arange(4.0)      # torch accepts stream=-1 (CPU: the only value besides None)
+    assert torch.from_dlpack(_SameStream(t).__dlpack__(stream=7)).data_ptr() == t.data_ptr()
+
+
 @pytest.mark.gpu
-def test_cuda_round_trip_same_pointer_and_stream():
+def test_cuda_round_trip_same_pointer_and_stream(monkeypatch):
     import cupy
 
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
@@ -64,3 +89,12 @@ def test_cuda_round_trip_same_pointer_and_stream():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s), launch_context(torch.device("cuda")):
         assert cupy.cuda.get_current_stream().ptr == s.cuda_stream
+    # on a side stream, outside launch_context: no event recorded for the legacy default stream
+    events = []
+    real_event = torch.cuda.Event
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: events.append(1) or real_event(*a, **k))
+    t = torch.randn(5, 16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        a, _ = to_array(t)
+    assert a.data.ptr == t.data_ptr() and events == []

@@ -52,8 +52,31 @@ def to_array(t: torch.Tensor) -> tuple[Any, str | None]:
     import cupy
 
     if carrier is None:
-        return cupy.from_dlpack(t), None
-    return cupy.from_dlpack(t.view(carrier[0])), dtype_name(t.dtype)
+        return cupy.from_dlpack(_SameStream(t)), None
+    return cupy.from_dlpack(_SameStream(t.view(carrier[0]))), dtype_name(t.dtype)
+
+
+class _SameStream:
+    """A CUDA tensor exported for use on torch's current stream (where :func:`launch_context` runs
+    every op): ``__dlpack__`` is asked for no cross-stream ordering (``stream=-1``).
+
+    ``cupy.from_dlpack(tensor)`` passes CuPy's current stream instead, which outside
+    :func:`launch_context` is the legacy default stream: whenever torch's current stream is another
+    one (``torch.cuda.stream(s)``, a CUDA graph capture), torch then records an event on its stream
+    and makes the legacy stream wait for it, for every tensor converted (work on the legacy stream,
+    and an error during graph capture). CuPy still sets the tensor's device around the call.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
 @contextlib.contextmanager
