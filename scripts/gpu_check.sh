@@ -1,36 +1,64 @@
 #!/usr/bin/env bash
-# The one-command GPU check: every GPU test, then the benchmarks with short configs.
+# The one-command GPU check: every GPU test, then the benchmarks with short configs, then the
+# notebooks (which CI already runs on the CPU).
 # Usage: scripts/gpu_check.sh OUT_DIR
-# Needs only what a CUDA image with torch and CuPy already has (numpy, ml_dtypes, pytest): no
-# network, no install; the checkout is put on PYTHONPATH. Target: under 8 minutes on one H200.
+# Needs only what a CUDA image with torch and CuPy already has (numpy, ml_dtypes, pytest; uses
+# pytest-timeout and pytest-xdist when present): no network, no install; the checkout is put on
+# PYTHONPATH. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
+# cannot eat the machine's lease: a stage stopped at its limit is reported and the next one runs.
+# OUT_DIR receives at most 6 files: gpu_check.log, gpu_tests.xml, bench.csv and up to three PNGs.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# stage limits in seconds (override for a slower machine)
+TESTS_S="${CUGROUPED_GPU_TESTS_S:-240}" BENCH_S="${CUGROUPED_GPU_BENCH_S:-170}"
+NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
 if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
     echo "gpu_check: no GPU visible to CuPy; nothing to check here (set CUGROUPED_GPU_CHECK_DRY=1 to run it anyway)"
     [ "${CUGROUPED_GPU_CHECK_DRY:-0}" = 1 ] || exit 2
 fi
-{
-    echo "== gpu_check $(date -u +%FT%TZ)"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    "$PY" -m cugrouped info
-    echo "== GPU tests"
-    "$PY" -m pytest -m "gpu" -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests
-    tests_rc=$?
-    if "$PY" -c "import nbmake, ipykernel" 2>/dev/null; then
-        echo "== notebooks (GPU cells run here)"
-        "$PY" -m pytest -q -p no:cacheprovider --nbmake --nbmake-kernel=python3 notebooks || tests_rc=1
-    else
-        echo "== notebooks skipped: nbmake/ipykernel not in this image"
+
+# stage NAME LIMIT CMD...: run CMD under a time limit (SIGINT first, so pytest still writes its
+# report and the bench keeps its CSV), say how it ended and how long it took.
+stage() {
+    local name="$1" limit="$2" t0=$SECONDS rc
+    shift 2
+    echo "== $name (limit ${limit} s)"
+    timeout --signal=INT --kill-after=20 "$limit" "$@"
+    rc=$?
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        echo "== $name: STOPPED at its ${limit} s limit"
     fi
-    echo "== benchmarks"
-    "$PY" -m cugrouped bench all --quick --out "$OUT"
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    return "$rc"
+}
+
+{
+    echo "== gpu_check $(date -u +%FT%TZ) at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
+    "$PY" -m cugrouped info
+    extra=()
+    if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=90); fi
+    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); fi   # references run on the CPU
+    stage "GPU tests" "$TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs "${extra[@]}" \
+        --junitxml="$OUT/gpu_tests.xml" tests
+    tests_rc=$?
+    stage "benchmarks" "$BENCH_S" "$PY" -m cugrouped bench all --quick --out "$OUT"
     bench_rc=$?
-    echo "== done: tests rc=$tests_rc bench rc=$bench_rc"
-    exit $(( tests_rc || bench_rc ))
+    nb_rc=0
+    if "$PY" -c "import nbmake, ipykernel" 2>/dev/null; then
+        stage "notebooks (GPU cells run here)" "$NOTEBOOKS_S" "$PY" -m pytest -q -p no:cacheprovider \
+            --nbmake --nbmake-kernel=python3 notebooks
+        nb_rc=$?
+    else
+        echo "== notebooks skipped: nbmake/ipykernel not in this image (CI runs them on the CPU)"
+    fi
+    echo "== done in $SECONDS s: tests rc=$tests_rc bench rc=$bench_rc notebooks rc=$nb_rc"
+    exit $(( tests_rc || bench_rc || nb_rc ))
 } 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

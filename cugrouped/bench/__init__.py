@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import time
+import traceback
 from pathlib import Path
 
 from ..ops import pad_cast_transpose as pct
@@ -59,16 +60,45 @@ def bench_planning(rows: list[dict]) -> None:
                   f"call ({us / experts:.2f} us per expert)")
 
 
+def _write_csv(rows: list[dict], env: dict, out: Path) -> None:
+    keys = sorted({k for r in rows for k in r} | set(env))
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**env, **r})
+
+
 def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False) -> int:
+    """Run the benchmarks; with ``out_dir`` the CSV is rewritten after every section, so a run
+    stopped part-way (a time limit) keeps what it measured. A section that raises is reported
+    and the others still run; the return code is then 1."""
     from .. import gpu_available
 
     rows: list[dict] = []
+    out = Path(out_dir) if out_dir else None
+    env = environment() if out else {}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
+
+    def section(name, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception:                           # report, keep the other sections' numbers
+            traceback.print_exc()
+            failed.append(name)
+        print(f"bench {name}: {time.perf_counter() - t0:.1f} s")
+        if out:
+            _write_csv(rows, env, out)
+
     if what in ("cast", "all"):
-        bench_planning(rows)
+        section("cast-host", bench_planning, rows)
     if what in ("gemm", "all"):
         from .gemm import bench_host_loop
 
-        bench_host_loop(rows)
+        section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
         print(f"bench {what}: no GPU here; skipped the device timings (cast vs torch eager/compile, "
               "gemm, layer). Run scripts/gpu_check.sh on a GPU machine.")
@@ -76,33 +106,21 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
         if what in ("cast", "all"):
             from .cast import bench_cast
 
-            bench_cast(quick, rows)
+            section("cast", bench_cast, quick, rows)
         if what in ("gemm", "all"):
-            try:
-                from .gemm import bench_gemm
-            except ImportError:
-                print("bench gemm: not written yet; skipped")
-            else:
-                bench_gemm(quick, rows)
+            from .gemm import bench_gemm
+
+            section("gemm", bench_gemm, quick, rows)
         if what in ("layer", "all"):
             from .layer import bench_layer
 
-            bench_layer(quick, rows)
-    if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        env = environment()
-        keys = sorted({k for r in rows for k in r} | set(env))
-        with open(out / "bench.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            for r in rows:
-                w.writerow({**env, **r})
+            section("layer", bench_layer, quick, rows)
+    if out:
         print(f"wrote {out / 'bench.csv'}")
         from .plot import write_png
 
         for png in write_png([{**env, **r} for r in rows], out / "bench.png"):
             print(f"wrote {png}")
-    return 0
-
-
+    if failed:
+        print(f"bench: these sections failed: {', '.join(failed)}")
+    return 1 if failed else 0

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .common import copy_bandwidth_gbs, median_ms, moe_splits
+from .common import copy_bandwidth_gbs, host_us, median_ms, moe_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,9 @@ CAST_CONFIGS = (
 QUICK_CAST = CAST_CONFIGS[:1] + CAST_CONFIGS[3:4]
 
 
-def _torch_peers(cfg: CastConfig, x_torch, m_splits):
-    """The peers: torch eager cat-pad + scale/clamp/cast + transpose + amax, and torch.compile of it."""
+def _torch_peers(cfg: CastConfig, x_torch, m_splits, compile_peer: bool = True):
+    """The peers: torch eager cat-pad + scale/clamp/cast + transpose + amax (current scaling, as
+    the op does it: the same bits, tested on CPU), and ``torch.compile`` of it."""
     import torch
 
     m_pad = pct.padded_splits(m_splits, 16)
@@ -51,7 +52,7 @@ def _torch_peers(cfg: CastConfig, x_torch, m_splits):
             outs.append((q, padded.t().contiguous(), amax, 1 / scale))
         return outs
 
-    return eager, torch.compile(eager, dynamic=False)
+    return eager, (torch.compile(eager, dynamic=False) if compile_peer else None)
 
 
 def bench_cast(quick: bool, rows: list[dict]) -> None:
@@ -68,28 +69,41 @@ def bench_cast(quick: bool, rows: list[dict]) -> None:
     for cfg in configs:
         m_splits = cfg.m_splits()
         copies = max(2, int(np.ceil(256e6 / (cfg.tokens * cfg.k * 2))))   # > L2 in rotation
-        xs = [cupy.random.standard_normal((cfg.tokens, cfg.k), dtype=np.float32).astype(cupy.float16)
-              .view(cupy.uint16) for _ in range(copies)]
+        if torch is not None:   # bfloat16, as MoE activations are; the same tensors for the peers
+            xt = [torch.randn((cfg.tokens, cfg.k), device="cuda", dtype=torch.bfloat16)
+                  for _ in range(copies)]
+            xs, tag = xt, None
+        else:                   # CuPy alone has no bfloat16: float16 data in uint16 carriers
+            xs = [cupy.random.standard_normal((cfg.tokens, cfg.k), dtype=np.float32)
+                  .astype(cupy.float16).view(cupy.uint16) for _ in range(copies)]
+            tag = "float16"
         for scaling in ("current", "delayed"):
-            scale = None if scaling == "current" else cupy.ones(cfg.experts, np.float32)
-            ms = median_ms(lambda i: pct.multi_pad_cast_transpose(
-                xs[i % copies], m_splits, dtype="float16", scale=scale), 30)
+            scale = None if scaling == "current" else (
+                cupy.ones(cfg.experts, np.float32) if torch is None
+                else torch.ones(cfg.experts, device="cuda", dtype=torch.float32))
+            def ours(i, scale=scale):
+                return pct.multi_pad_cast_transpose(xs[i % copies], m_splits, dtype=tag,
+                                                    scale=scale)
+
+            ms = median_ms(ours, 30)
+            hus = host_us(ours)
             reads = (2 if scaling == "current" else 1) * cfg.tokens * cfg.k * 2
             writes = cfg.tokens * cfg.k + sum(pct.padded_splits(m_splits, 16)) * cfg.k
             gbs = (reads + writes) / ms / 1e6
             row = dict(op="cast", config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms, gbs=gbs,
-                       pct_copy_bw=100 * gbs / bw)
+                       pct_copy_bw=100 * gbs / bw, host_us=hus, host_us_per_expert=hus / cfg.experts)
             rows.append(row)
             print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
-                  f"{row['pct_copy_bw']:5.1f}% of copy")
+                  f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
         if torch is None:
             continue
-        xt = [torch.from_dlpack(x).view(torch.float16) for x in xs]
         for impl, fn in zip(("torch-eager", "torch-compile"), _torch_peers(cfg, xt[0], m_splits)):
-            ms = median_ms(lambda i: fn(xt[i % copies]), 30)
+            ms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
+            hus = host_us(lambda i, fn=fn: fn(xt[i % copies]))
             ours = next(r["ms"] for r in rows if r["config"] == cfg.name and r["scaling"] == "current")
             rows.append(dict(op="cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                             speedup_of_cugrouped=ms / ours))
-            print(f"{cfg.name:<22} current  {impl:<14} {ms:8.3f} ms   cugrouped is {ms / ours:5.2f}x faster")
+                             host_us=hus, speedup_of_cugrouped=ms / ours))
+            print(f"{cfg.name:<22} current  {impl:<14} {ms:8.3f} ms   cugrouped is {ms / ours:5.2f}x "
+                  f"faster (host {hus:6.1f} us/call)")
 
 

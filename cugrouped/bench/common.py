@@ -8,17 +8,62 @@ import time
 
 import numpy as np
 
-__all__ = ["median_ms", "copy_bandwidth_gbs", "environment", "moe_splits"]
+__all__ = ["median_ms", "host_us", "spin", "copy_bandwidth_gbs", "environment", "moe_splits"]
+
+
+# A one-thread kernel that holds the stream for a given number of nanoseconds (%globaltimer),
+# so that the host has queued the whole timed call before the GPU reaches the start event.
+_SPIN_SOURCE = r"""
+extern "C" __global__ void cugrouped_bench_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+_spin_kernel = None
+
+
+def spin(ns: int) -> None:
+    """Hold the current stream for ``ns`` nanoseconds (one thread; the GPU stays otherwise free)."""
+    global _spin_kernel
+    import cupy
+
+    if _spin_kernel is None:
+        _spin_kernel = cupy.RawKernel(_SPIN_SOURCE, "cugrouped_bench_spin")
+    _spin_kernel((1,), (1,), (np.uint64(ns),))
+
+
+def host_us(fn, runs: int = 20) -> float:
+    """Median host (CPU) time of one call of ``fn`` in microseconds: what the call costs the
+    Python thread that enqueues it, the GPU work itself not waited for (synchronised between
+    calls so that the queue never fills up)."""
+    import cupy
+
+    times = []
+    for i in range(runs):
+        cupy.cuda.get_current_stream().synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    cupy.cuda.get_current_stream().synchronize()
+    return float(np.median(times)) * 1e6
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> float:
+    """Median device time of ``fn(i)`` in milliseconds, between two CUDA events on the current
+    stream, after ``warmup`` calls. Before each timed call a spin kernel holds the stream for
+    longer than the call takes to enqueue, so the events measure the GPU work alone, not the
+    host's launch overhead (reported apart by :func:`host_us`). ``fn`` must run on the current
+    stream (CuPy's, which is torch's default stream too), or on streams joined back to it."""
     import cupy
 
     for _ in range(warmup):
         fn(0)
+    lead_ns = int(min(20e6, max(200e3, 3e3 * host_us(fn, 5))))   # 3x the host time, 0.2-20 ms
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for i in range(runs):
+        spin(lead_ns)
         start.record()
         fn(i)
         stop.record()
@@ -50,9 +95,16 @@ def environment() -> dict:
     except Exception:
         env["gpu"] = "none"
     try:
+        from .. import cublaslt
+
+        env["cublaslt"] = cublaslt.version()
+    except Exception:          # no libcublasLt installed: the GEMM benchmarks will say so
+        env["cublaslt"] = "none"
+    try:
         import torch
 
         env["torch"] = torch.__version__
+        env["torch_cuda"] = torch.version.cuda
     except ImportError:
         pass
     env["python"] = platform.python_version()

@@ -1,0 +1,61 @@
+"""The benchmark timing machinery: the spin kernel that keeps host overhead out of device times,
+the host-time probe, the environment recorded with every CSV, and the cast bench's peers."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+
+from cugrouped.bench import common
+
+
+@pytest.mark.parametrize("arch", ["80", "90", "100"])
+def test_spin_kernel_compiles_with_nvrtc(arch):
+    """The spin kernel (inline PTX reading %globaltimer) compiles for every target, no GPU needed."""
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    prog = _NVRTCProgram(common._SPIN_SOURCE, "spin.cu", method="cubin")
+    image, _ = prog.compile((f"-arch=sm_{arch}",), io.StringIO())
+    assert len(image) > 0
+
+
+def test_environment_names_the_libraries():
+    env = common.environment()
+    for key in ("gpu", "cupy", "numpy", "cublaslt", "python", "date"):
+        assert key in env, key
+    assert env["cublaslt"] == "none" or int(env["cublaslt"]) >= 120000
+
+
+def test_cast_peer_eager_matches_the_reference_bits():
+    """The torch eager peer does the same work as the op (so the speed-up compares like with
+    like): on CPU its FP8 rows, padded transposed copy and amax equal the reference's."""
+    torch = pytest.importorskip("torch")
+    from cugrouped.bench.cast import CastConfig, _torch_peers
+    from cugrouped.reference import multi_pad_cast_transpose
+
+    cfg = CastConfig("t", 4, 64, 100, True)
+    m = cfg.m_splits()
+    x = torch.randn((sum(m), cfg.k), dtype=torch.float32)
+    eager, _ = _torch_peers(cfg, x, m, compile_peer=False)
+    outs = eager(x)
+    ref = multi_pad_cast_transpose(x.numpy(), m)
+    for i, (q, padded_t, amax, scale_inv) in enumerate(outs):
+        assert np.array_equal(q.view(torch.uint8).numpy(), ref.rowwise(i).view(np.uint8)), i
+        assert np.array_equal(padded_t.numpy(), ref.columnwise(i).view(np.uint8)), i
+        assert float(amax) == float(ref.amax[i]), i
+
+
+@pytest.mark.gpu
+def test_median_ms_measures_device_time_not_host_time():
+    """A call that spends 5 ms on the host before launching 0.2 ms of GPU work measures ~0.2 ms
+    of device time and ~5 ms of host time."""
+    def fn(i):
+        time.sleep(0.005)
+        common.spin(200_000)
+
+    ms = common.median_ms(fn, 5)
+    assert 0.15 < ms < 1.0, ms
+    assert common.host_us(fn, 3) > 4000
