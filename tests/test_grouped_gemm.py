@@ -1085,10 +1085,18 @@ def test_gpu_grouped_vs_loop_vs_reference(split, pass_name):
     path, reason, _ = gg.path_for(call.problem, vp, blocks, st)
     if path != "grouped":
         pytest.skip(f"grouped GEMM not available here: {reason}")
+
+    def nan_out():
+        # NaN-filled outputs: beta is 0 (read from the device in the grouped call), so C = D must
+        # not be read; a NaN left anywhere (C read, an expert not written) fails the comparison
+        o = gg.new_output(call.problem, cupy)
+        o.fill(0xFFFF if odt == "bfloat16" else np.nan)  # 0xFFFF: a bfloat16 NaN
+        return o
+
     with cugrouped.record_launches() as log:
-        g = fn(*dev, out_dtype=odt, path="grouped")
+        g = fn(*dev, out=nan_out(), out_dtype=odt, path="grouped")
     assert "cublasLtMatmul[grouped]" in [e.kernel for e in log]
-    lp = fn(*dev, out_dtype=odt, path="loop")
+    lp = fn(*dev, out=nan_out(), out_dtype=odt, path="loop")
     ref = fn(*host, out_dtype=odt)
     gn, ln = _to_np(g, odt).astype(np.float64), _to_np(lp, odt).astype(np.float64)
     r = np.asarray(ref).astype(np.float64)
