@@ -436,6 +436,18 @@ def test_plan_routing_sorts_stably_by_local_expert_then_rank():
     assert flat[one.sort_idx].tolist() == sorted(flat.tolist())
 
 
+@pytest.mark.parametrize("E, W, T, k", [(8, 1, 50, 2), (8, 2, 37, 3), (12, 4, 29, 2),
+                                         (6, 3, 1, 1), (8, 4, 0, 2)])
+def test_plan_counts_equal_bincount_without_it(E, W, T, k):
+    """tokens_per_expert comes from the sorted keys (torch.bincount syncs the host on CUDA); it
+    must equal bincount in global expert order, empty experts included."""
+    g = torch.Generator().manual_seed(E * 100 + W * 10 + T)
+    ids = torch.randint(0, E - 1, (T, k), generator=g)      # expert E - 1 never chosen
+    plan = plan_routing(ids, E, ep_size=W)
+    assert plan.tokens_per_expert.dtype == torch.int64
+    assert plan.tokens_per_expert.tolist() == torch.bincount(ids.flatten(), minlength=E).tolist()
+
+
 def test_permute_unpermute_round_trip_and_gradcheck():
     torch.manual_seed(0)
     T, k, E, H = 7, 3, 5, 4

@@ -138,7 +138,11 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, ep_size: int = 1) -
     sort_idx = torch.argsort(key, stable=True)
     inverse = torch.empty_like(sort_idx)
     inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    # Counts from the sorted keys (run boundaries by searchsorted), not torch.bincount: on CUDA
+    # bincount reads the input's min and max back to the host (two syncs per forward).
+    # Key l·W + r holds expert e = r·L + l.
+    bounds = torch.searchsorted(key[sort_idx], torch.arange(num_experts + 1, device=key.device))
+    tokens_per_expert = (bounds[1:] - bounds[:-1]).view(L, ep_size).t().reshape(-1)
     return RoutingPlan(sort_idx, inverse, tokens_per_expert, T, k, ep_size)
 
 
