@@ -120,6 +120,49 @@ def test_reference_exported():
     assert callable(reference.fp8.compute_scale)   # the twin builds on the FP8 reference
 
 
+def _fake_device_views(monkeypatch, device):
+    """Make update_scales see NumPy arrays as CuPy arrays on ``device`` (CPU tests of the CUDA
+    launch path up to the kernel call)."""
+    from cugrouped._array import ArrayView
+
+    def view(a, arg="array"):
+        a = np.asarray(a)
+        return ArrayView(a.ctypes.data, a.shape, tuple(b // a.itemsize for b in a.strides),
+                         str(a.dtype), device, "cupy", a)
+
+    monkeypatch.setattr(su, "as_view", view)
+
+
+def test_cuda_launch_arguments_match_the_kernel_signature(monkeypatch):
+    """(float* history, const float* amax, float* scale, float* scale_inv, i64 T, i64 L,
+    i64 num_e4m3, int margin): data pointers by value, then the scalars with their C widths."""
+    cupy = pytest.importorskip("cupy")
+    calls = []
+    monkeypatch.setattr(su._jit, "get_function",
+                        lambda spec, name: lambda grid, block, args: calls.append((name, grid, block, args)))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    _fake_device_views(monkeypatch, 0)
+    h, a = _state(6, 5, 0), _amax(6, 1)
+    s, si = np.zeros(6, np.float32), np.zeros(6, np.float32)
+    su.update_scales(h, a, s, si, fp8_format=["e4m3"] * 4 + ["e5m2"] * 2, margin=3)
+    [(name, grid, block, args)] = calls
+    assert name == su.kernel_name("max") and grid == (6,) and block == (su.THREADS,)
+    assert [type(v) for v in args] == [np.uint64] * 4 + [np.int64] * 3 + [np.int32]
+    assert [int(v) for v in args] == [h.ctypes.data, a.ctypes.data, s.ctypes.data, si.ctypes.data,
+                                      6, 5, 4, 3]
+
+
+def test_cuda_launch_refuses_arrays_on_another_device(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(su._jit, "get_function", lambda spec, name: pytest.fail("launched"))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    _fake_device_views(monkeypatch, 1)
+    h = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match="device 1 but the current CUDA device is 0"):
+        su.update_scales(h, np.zeros(3, np.float32), np.zeros(3, np.float32),
+                         np.zeros(3, np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("L", [1, 1024])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

@@ -146,13 +146,22 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
     plan = plan_update(T, L, n4, amax_compute_algo, int(margin))
     if plan.grid == 0:
         return None
-    _launch.note_launch(backend, plan.kernel, plan.grid, plan.block)
-    args = (amax_history, amax, scale, scale_inv, np.int64(T), np.int64(L), np.int64(n4),
-            np.int32(margin))
+    scalars = (np.int64(T), np.int64(L), np.int64(n4), np.int32(margin))
     if backend == "cuda":
+        import cupy
+
+        current = cupy.cuda.runtime.getDevice()
+        if views[0].device != current:   # the kernel runs on the current device
+            raise ValueError(f"amax_history: is on device {views[0].device} but the current CUDA "
+                             f"device is {current} (use `with cupy.cuda.Device({views[0].device})`)")
+        _launch.note_launch(backend, plan.kernel, plan.grid, plan.block)
         kern = _jit.get_function(KERNEL_SPEC, plan.kernel)
-        kern((plan.grid,), (plan.block,), args)
+        # data pointers from the views: any device array _check accepted (CuPy's launcher takes
+        # only CuPy arrays as pointers); the views keep the arrays alive until the launch returns
+        kern((plan.grid,), (plan.block,), tuple(np.uint64(v.ptr) for v in views) + scalars)
     else:
+        _launch.note_launch(backend, plan.kernel, plan.grid, plan.block)
+        args = (amax_history, amax, scale, scale_inv) + scalars
         _jit.get_emulated_function(KERNEL_SPEC, plan.kernel)(
             (plan.grid,), (plan.block,), args, order=_launch.current_emulation_order())
     return None
