@@ -82,7 +82,17 @@ def device_workspace(name: str, ints: int):
 
     Kernels that use one must leave it zero when they finish (the "last block" reduction pattern):
     it is zeroed once, at allocation, never per call. One per stream, so launches on different
-    streams never share counters.
+    streams never share counters: launches on one stream run one after the other, and that is the
+    only ordering the pattern needs.
+
+    What the key cannot see (each would let two launches share counters concurrently):
+
+    * a CUDA graph captured on stream S holds S's buffer; replaying it on another stream while
+      eager launches run on S, or two replays of it at once, race on that buffer (and the first
+      allocation, ``cupy.zeros``, must not happen during capture: run the op once on S before
+      capturing);
+    * a destroyed stream whose handle is reused by a new stream while the old one's kernels still
+      run.
     """
     import cupy
 
