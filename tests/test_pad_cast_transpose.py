@@ -385,25 +385,61 @@ def test_cuda_matches_reference(split, dtype, fmt, given, align, form, order):
 
 @pytest.mark.gpu
 def test_cuda_large_case_over_2_31_elements():
+    """An expert of more than 2^31 elements (its in-kernel offsets, row-wise ``row * k + col`` and
+    transposed ``col * m_pad + row``, pass 2^31) and experts that start past 2^31 elements, with
+    host and with device splits (the kernel derives the offsets itself).
+
+    The reference runs on 64-row blocks only (a block's row-wise bytes and its columns of the
+    transposed copy depend on nothing but its rows and the expert's scale): the whole expert on
+    the host took minutes of the GPU check. Amax and scale are checked per expert against CuPy's
+    max and the reference's compute_scale."""
     import cupy
 
-    free = cupy.cuda.runtime.memGetInfo()[0]
     k = 8192
-    rows = (2**31 + k * 1024) // k            # just over 2^31 elements in total
-    need = rows * k * (2 + 1 + 1) + 8 * 16 * k
-    if need > 0.8 * free:
-        rows = int(0.8 * free / (k * 4)) // 64 * 64
-    m_splits = [rows // 4 - 13, rows // 4 + 13, 0, rows - 2 * (rows // 4)]
-    x = cupy.random.standard_normal((rows, k), dtype=cupy.float32).astype(cupy.float16).view(cupy.uint16)
-    got = cugrouped.multi_pad_cast_transpose(x, m_splits, dtype="float16")
-    # check the last expert (its offsets are past 2^31) against the reference on the host
-    last = cupy.asnumpy(x[rows - m_splits[-1]:]).view(np.float16)
-    want = reference.multi_pad_cast_transpose([last], scale=None)
-    assert float(got.amax[3]) == float(want.amax[0])
-    sc = cupy.asnumpy(got.scale[3:4])
-    want = reference.multi_pad_cast_transpose([last], scale=sc)
-    assert np.array_equal(cupy.asnumpy(got.rowwise(3)), want.data.view(np.uint8))
-    assert np.array_equal(cupy.asnumpy(got.columnwise(3)), want.columnwise(0))
+    edge = 2**31 // k                      # expert 1's row where row * k reaches 2^31
+    big = edge + 69                        # > 2^31 elements, not a multiple of 16 or 64
+    m_splits = [77, big, 0, 3 * 64 + 1]
+    off = np.concatenate([[0], np.cumsum(m_splits)])
+    rows = int(off[-1])
+    need = rows * k * (4 + 2 + 2 * 2) + (1 << 30)   # f32 draw, f16 input, two casts' outputs
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    if need > 0.9 * free:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of GPU memory, {free / 2**30:.0f} GiB free")
+    pool = cupy.get_default_memory_pool()
+    try:
+        x = cupy.random.standard_normal((rows, k), dtype=cupy.float32).astype(cupy.float16)
+        got = cugrouped.multi_pad_cast_transpose(x.view(cupy.uint16), m_splits, dtype="float16")
+        dev = cugrouped.multi_pad_cast_transpose(
+            x.view(cupy.uint16), cupy.asarray(np.array(m_splits, np.int64)), dtype="float16")
+        assert bool(cupy.array_equal(dev.data, got.data)), "device splits: data"
+        assert bool(cupy.array_equal(dev.data_t[: got.data_t.size], got.data_t)), "device: data_t"
+        for f in ("amax", "scale", "scale_inv"):
+            assert bool(cupy.array_equal(getattr(dev, f).view(cupy.uint32),
+                                         getattr(got, f).view(cupy.uint32))), f"device splits: {f}"
+        del dev
+        amax, scale, scale_inv = (cupy.asnumpy(getattr(got, f)) for f in ("amax", "scale", "scale_inv"))
+        for e, m in enumerate(m_splits):
+            want = np.float32(float(cupy.abs(x[off[e]:off[e + 1]]).max()) if m else 0.0)
+            assert amax[e] == want, f"expert {e} amax {amax[e]} != {want}"
+            assert as_bits(scale[e:e + 1]) == as_bits(reference.fp8.compute_scale(want, "e4m3")), e
+            assert as_bits(scale_inv[e:e + 1]) == as_bits(reference.fp8.scale_inverse(scale[e])), e
+        # (expert, first row, rows): whole small experts; the big one's first block, the block
+        # across row * k = 2^31, and its tail with the padding columns of the transposed copy
+        blocks = [(0, 0, 77), (3, 0, 193), (1, 0, 64), (1, edge - 32, 64), (1, edge, 69)]
+        for e, r0, n in blocks:
+            host = cupy.asnumpy(x[off[e] + r0: off[e] + r0 + n])
+            want = reference.multi_pad_cast_transpose([host], scale=scale[e:e + 1])
+            label = f"expert {e} rows {r0}..{r0 + n}"
+            assert np.array_equal(cupy.asnumpy(got.rowwise(e)[r0:r0 + n]),
+                                  want.data.view(np.uint8)), label + " row-wise"
+            w = want.m_pad_splits[0]
+            assert r0 + w <= got.m_pad_splits[e]
+            assert np.array_equal(cupy.asnumpy(got.columnwise(e)[:, r0:r0 + w]),
+                                  want.columnwise(0)), label + " transposed"
+        assert got.columnwise(2).shape == (k, 0)
+    finally:
+        x = got = dev = None
+        pool.free_all_blocks()
 
 
 def test_all_experts_empty_with_out_buffers():
