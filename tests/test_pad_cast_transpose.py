@@ -442,6 +442,46 @@ def test_cuda_large_case_over_2_31_elements():
         pool.free_all_blocks()
 
 
+def _denormal_case(dtype, given):
+    """Inputs where the GPU's -ftz=true decides bytes: expert 0 holds float32 denormals only;
+    expert 1 denormals among normals so small that the scale makes an unflushed denormal a
+    non-zero FP8 value; expert 2 ordinary data (with a denormal scale when the scale is given)."""
+    rng = np.random.default_rng(5)
+    k = 48
+    tiny = np.float32(np.finfo(np.float32).tiny)         # smallest normal, 2^-126
+    den = lambda m: (rng.uniform(-1, 1, (m, k)) * tiny * 0.9).astype(np.float32)
+    mixed = den(33)
+    normal = rng.random(mixed.shape) < 0.3
+    mixed[normal] = (rng.uniform(1, 4, normal.sum()) * 1e-35).astype(np.float32)
+    xs = [den(20), mixed, rng.standard_normal((17, k)).astype(np.float32)]
+    xs = [x.astype(DTYPES[dtype]) for x in xs]
+    scale = np.array([1.0, 2.0**124, 1e-40], np.float32) if given else None
+    return xs, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("given", [False, True])
+def test_cuda_flushes_float32_denormals_like_the_reference(dtype, given):
+    """-ftz=true (design.md §7): a float32 denormal input counts as zero in the amax, the column
+    sums and the cast, and a denormal scale casts everything to zero; what the hardware flushes
+    is exactly what the emulator and the reference flush explicitly (emulation cannot show it)."""
+    import cupy
+
+    xs, scale = _denormal_case(dtype, given)
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    for fmt in ("e4m3", "e5m2"):
+        want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, scale=scale, column_sums=True)
+        got = cugrouped.multi_pad_cast_transpose(
+            dxs, fp8_format=fmt, dtype=dtype if carrier else None, column_sums=True,
+            scale=None if scale is None else cupy.asarray(scale))
+        host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                       for f, v in vars(got).items()})
+        assert_same_bits(host, want, f"denormals {dtype}/{fmt}/given={given}")
+        assert want.amax[0] == 0 and (given or want.scale[0] == 1)
+
+
 def test_all_experts_empty_with_out_buffers():
     """Zero rows in total (an expert-parallel rank that receives no token): empty buffers are fine."""
     xs = [np.zeros((0, 32), np.float32), np.zeros((0, 32), np.float32)]
