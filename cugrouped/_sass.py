@@ -1,0 +1,55 @@
+"""Machine code (SASS) of the kernels, read without a GPU: NVRTC's cubin through ``nvdisasm``.
+
+What the compiler's resource report cannot say, the disassembly can: whether the global loads
+and stores are 16 bytes wide, whether the FP8 conversion became the hardware instruction
+(``F2FP.SATFINITE``) on sm_89+, whether anything went to local memory. ``nvdisasm`` comes from
+the ``nvidia-cuda-nvdisasm`` wheel (the ``test`` extra) or a CUDA toolkit, found by
+``cuda.pathfinder``.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from . import _compile_check, _jit
+
+__all__ = ["find_nvdisasm", "disassemble", "memory_ops"]
+
+_FUNC_RE = re.compile(r"^\s*\.text\.(\S+):\s*$", re.M)
+_MEM_RE = re.compile(r"\b(?:LDG|STG|LDS|STS|LDL|STL|ATOMG|RED|F2FP)(?:\.[A-Z0-9_]+)*")
+
+
+def find_nvdisasm() -> str | None:
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+    except ImportError:
+        return None
+    return find_nvidia_binary_utility("nvdisasm")
+
+
+def disassemble(spec: _jit.KernelSpec, arch: str) -> dict[str, str]:
+    """``{name expression: SASS text}`` for every instantiation of ``spec`` on ``sm_<arch>``."""
+    tool = find_nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the test extra)")
+    image, mapping, _ = _compile_check.compile_offline(spec, arch)
+    # CuPy's getCUBIN drops the last byte (it strips a trailing NUL as for PTX text); the ELF
+    # program headers end exactly there, so put the zero back for nvdisasm.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernels.cubin"
+        path.write_bytes(image + b"\0")
+        text = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    parts = _FUNC_RE.split(text)
+    by_mangled = dict(zip(parts[1::2], parts[2::2]))
+    return {expr: by_mangled[mangled] for expr, mangled in mapping.items()}
+
+
+def memory_ops(sass: str) -> collections.Counter:
+    """Counts of the memory and FP8-conversion instructions in one kernel's SASS, by full
+    opcode (``LDG.E.128``, ``STG.E.U8``, ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C``, ...)."""
+    return collections.Counter(_MEM_RE.findall(sass))

@@ -1,0 +1,68 @@
+"""The cast kernel's machine code, read without a GPU (NVRTC cubin -> nvdisasm).
+
+What must hold in SASS for the kernel to move bytes at full width: the fast path's global loads
+and stores are 16 bytes wide (a 64 x 128 tile over 256 threads is 4 loads of 16 bytes each for
+16-bit input, 8 for float32, per code path, and 2 + 2 stores of 16 bytes for the row-wise and transposed FP8
+tiles); the FP8 conversion is the hardware ``F2FP.SATFINITE`` instruction from sm_89 on and the
+portable integer path below; nothing spills to local memory; the amax-only pass writes no tile.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cugrouped import _sass
+from cugrouped.ops import pad_cast_transpose as pct
+
+pytestmark = pytest.mark.skipif(_sass.find_nvdisasm() is None,
+                                reason="nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+
+ARCHS = ("80", "89", "90", "100")
+DTYPES = ("float32", "float16", "bfloat16")
+FORMATS = ("e4m3", "e5m2")
+MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def sass(request):
+    return request.param, _sass.disassemble(pct.KERNEL_SPEC, request.param)
+
+
+def test_every_instantiation_is_disassembled(sass):
+    arch, by_name = sass
+    assert set(by_name) == set(pct.KERNEL_SPEC.name_expressions)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_memory_access_and_hardware_fp8(sass, dtype, fmt, mode):
+    arch, by_name = sass
+    ops = _sass.memory_ops(by_name[pct.kernel_name(dtype, fmt, mode)])
+    loads = 8 if dtype == "float32" else 4           # 64 x 128 x itemsize / (256 threads x 16 B)
+    # per code path: the amax pass has one path with column sums and one without, which the
+    # compiler may or may not merge
+    assert ops["LDG.E.128"] in (loads, 2 * loads), ops
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), ops   # no local memory
+    cvt = f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"
+    f2fp = sum(v for op, v in ops.items() if op.startswith("F2FP"))
+    if mode == "AMAX_ONLY":
+        assert ops["STG.E.128"] == 0 and f2fp == 0, ops   # reads only: no tile written
+        return
+    assert ops["STG.E.128"] == 4, ops                   # 2 row-wise + 2 transposed per thread
+    if int(arch) >= 89:
+        assert ops[cvt] == 16, ops                      # 64 x 128 / 256 threads / 2 per instruction
+    else:
+        assert f2fp == 0, ops                           # sm_80: the portable conversion
+
+
+def test_memory_ops_counts_full_opcodes():
+    text = """
+        /*0010*/ LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/ @P0 STG.E.U8 desc[UR4][R6.64], R9 ;
+        /*0030*/ F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R0, R1, R2, RZ ;
+        /*0040*/ LDG.E.128 R8, desc[UR4][R2.64+0x10] ;
+        /*0050*/ FMNMX R0, R1, R2, !PT ;
+    """
+    assert _sass.memory_ops(text) == {"LDG.E.128": 2, "STG.E.U8": 1,
+                                      "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C": 1}
