@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
-           "current_emulation_order", "device_workspace"]
+           "current_emulation_order", "device_workspace", "device_scratch"]
 
 BACKENDS = ("cuda", "emulate", "reference")
 
@@ -103,4 +103,24 @@ def device_workspace(name: str, ints: int):
     if buf is None or buf.size < ints:
         buf = cupy.zeros(ints, dtype=np.int32)
         _workspaces[key] = buf
+    return buf
+
+
+_scratch: dict[tuple[int, int, str], object] = {}
+
+
+def device_scratch(name: str, nbytes: int):
+    """An uninitialised byte buffer per (device, stream, name), kept and grown as needed: scratch
+    that a kernel writes before it reads it (per-tile partial sums). Kept rather than allocated
+    per call, so no pool allocation or free sits in the launch path (a buffer freed right after
+    its launch would go back to CuPy's pool while a captured CUDA graph still uses it). Launches
+    on one stream are ordered, so they can share it; see :func:`device_workspace` for what the
+    key cannot see."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name)
+    buf = _scratch.get(key)
+    if buf is None or buf.size < nbytes:
+        buf = cupy.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        _scratch[key] = buf
     return buf

@@ -8,6 +8,7 @@ emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_tran
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -23,7 +24,8 @@ from . import _launch
 __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
-           "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE"]
+           "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE",
+           "cast_arrays", "cuda_arguments"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -340,6 +342,22 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                         align=align, rowwise=rowwise, columnwise=columnwise,
                         column_sums=column_sums, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend)
+    return cast_arrays(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
+                       align=align, rowwise=rowwise, columnwise=columnwise,
+                       column_sums=column_sums, out=out, dtype=dtype,
+                       splits_on_device=splits_on_device, backend=backend)
+
+
+def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
+                rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
+                splits_on_device=None, backend=None) -> GroupedFP8:
+    """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
+    out; CUDA torch tensors are read through their pointers, which is how the torch front
+    (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
+    buffers (uint8 ``data`` / ``data_t``)."""
+    _check_options(fp8_format, margin, align)
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one must be True")
     g = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)
@@ -359,6 +377,27 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     else:
         plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
+    with _device_scope(backend, g.device):
+        _launch_all(backend, g, res, plans, align, mode, fp8_format, margin, column_sums)
+    if backend == "emulate" and res.data is not None:
+        import ml_dtypes
+
+        res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
+                                 else ml_dtypes.float8_e5m2)
+    return res
+
+
+def _device_scope(backend: str, device: int):
+    """The inputs' device made current for the launches (kernels run on the current device)."""
+    if backend != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(device)
+
+
+def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format, margin,
+                column_sums) -> None:
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
         if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
             ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
@@ -371,12 +410,6 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             _run(backend, kernel_name(g.dtype, fp8_format, p), chunk, arg, g.k, align, margin,
                  ptrs, colsum if p != "CAST" else None)
-    if backend == "emulate" and res.data is not None:
-        import ml_dtypes
-
-        res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
-                                 else ml_dtypes.float8_e5m2)
-    return res
 
 
 def _contiguous(v: ArrayView) -> bool:
@@ -452,14 +485,23 @@ def _outputs(g: GroupedInput, xp, fp8_format, align, rowwise, columnwise, column
 
 
 def _as_bytes(a, xp):
-    return a.view(np.uint8) if a.dtype != np.uint8 else a
+    """NumPy / CuPy FP8 buffers as their bytes (torch callers pass uint8 tensors already)."""
+    if array_kind(a) in ("numpy", "cupy") and a.dtype != np.uint8:
+        return a.view(np.uint8)
+    return a
 
 
 def _ptr(a) -> int:
+    """Data pointer of a NumPy / CuPy / torch array (or anything :func:`as_view` reads); 0 for None."""
     if a is None:
         return 0
-    if isinstance(a, np.ndarray):
+    kind = array_kind(a)
+    if kind == "numpy":
         return a.ctypes.data
+    if kind == "cupy":
+        return a.data.ptr
+    if kind == "torch":
+        return a.data_ptr()
     return as_view(a).ptr
 
 
@@ -528,6 +570,26 @@ def _nullable(*arrays):
     return tuple(np.uint64(0) if a is None else a for a in arrays)
 
 
+def cuda_arguments(name: str, chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptrs,
+                   colsum) -> tuple:
+    """The argument tuple of one CUDA launch, in the order and C widths of the kernel's signature
+    ``(PctGroup g, i64 k, i32 align, i32 margin, float* scale, float* amax, float* scale_inv,
+    int* workspace, float* colsum, float* colsum_partial, int* colsum_count)``: the argument
+    block by value, every pointer as a ``uint64`` (so any device array kind works, torch
+    tensors included, with no DLPack round trip), null where a buffer is not used. The
+    workspaces are kept per (device, stream) (:mod:`._launch`), never allocated per call."""
+    tiles_k = -(-k // TILE_K)
+    ws = _launch.device_workspace("pad_cast_transpose", 2 * MAX_EXPERTS_PER_LAUNCH)
+    if colsum is not None:
+        count = _launch.device_workspace("pad_cast_transpose.colsum", MAX_EXPERTS_PER_LAUNCH * tiles_k)
+        partial = _launch.device_scratch("pad_cast_transpose.partial", 4 * chunk.grid * TILE_K)
+    else:
+        count = partial = None
+    pointers = tuple(ptrs) + (ws, colsum, partial, count)
+    return (arg, np.int64(k), np.int32(align), np.int32(margin)) + tuple(
+        np.uint64(_ptr(a)) for a in pointers)
+
+
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum) -> None:
     scale, amax, scale_inv = ptrs
     grid = chunk.grid
@@ -535,16 +597,8 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum)
     scalars = (np.int64(k), np.int32(align), np.int32(margin))
     tiles_k = -(-k // TILE_K)
     if backend == "cuda":
-        import cupy
-
-        ws = _launch.device_workspace("pad_cast_transpose", 2 * MAX_EXPERTS_PER_LAUNCH)
-        if colsum is not None:
-            count = _launch.device_workspace("pad_cast_transpose.colsum", MAX_EXPERTS_PER_LAUNCH * tiles_k)
-            partial = cupy.empty(grid * TILE_K, dtype=np.float32)   # stream-ordered pool memory
-        else:
-            count = partial = None
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count))
+        kern((grid,), (THREADS,), cuda_arguments(name, chunk, arg, k, align, margin, ptrs, colsum))
     else:
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None

@@ -21,30 +21,35 @@ __all__ = ["multi_pad_cast_transpose"]
 
 
 def _arr(t):
-    """Zero-copy NumPy/CuPy view of a tensor (1-byte tensors as uint8 bytes), or None."""
+    """Zero-copy NumPy view of a CPU tensor (1-byte tensors as uint8 bytes), or None."""
     if t is None:
         return None
-    if isinstance(t, torch.Tensor) and t.element_size() == 1:
-        t = t.view(torch.uint8)
-    return to_array(t)[0]
+    return to_array(_bytes(t))[0]
 
 
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, splits_on_device=None, backend=None) -> GroupedFP8:
     """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
-    (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes)."""
+    (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes).
+
+    CUDA tensors go to the op as they are (it reads their pointers: no DLPack round trip per
+    tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("inputs: expected torch tensors (all of them)")
     dev = tensors[0].device
-    arrays = [to_array(t) for t in tensors]
-    tag = dtype or arrays[0][1]
-    xs = [a for a, _ in arrays] if isinstance(inputs, (list, tuple)) else arrays[0][0]
+    if dev.type == "cuda":
+        xs, tag, conv = inputs, dtype, _same
+    else:
+        arrays = [to_array(t) for t in tensors]
+        tag = dtype or arrays[0][1]
+        xs = [a for a, _ in arrays] if isinstance(inputs, (list, tuple)) else arrays[0][0]
+        conv = _arr
     splits = m_splits
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type == "cuda" and splits_on_device is not False:
-            splits = to_array(m_splits)[0]                  # read by the kernel: no host sync
+            splits = m_splits                               # read by the kernel: no host sync
         else:
             splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
     # Checks and sizes first: bad input raises before anything is allocated or launched.
@@ -61,10 +66,10 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             scale_inv=torch.empty(E, **f32), fp8_format=fp8_format, k=k, align=align,
             column_sums=torch.empty((E, k), **f32) if column_sums else None)
     fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
-    views = dataclasses.replace(out, **{f: _arr(getattr(out, f)) for f in fields})
+    views = dataclasses.replace(out, **{f: conv(_bytes(getattr(out, f))) for f in fields})
     with launch_context(dev):
-        res = _pct.multi_pad_cast_transpose(
-            xs, splits, fp8_format=fp8_format, scale=_arr(scale), margin=margin, align=align,
+        res = _pct.cast_arrays(
+            xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
             splits_on_device=splits_on_device, backend=backend)
     return dataclasses.replace(
@@ -74,3 +79,14 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         m_splits=res.m_splits if res.m_pad_splits is not None else m_splits,
         amax=out.amax, scale=scale if scale is not None else out.scale, scale_inv=out.scale_inv,
         column_sums=out.column_sums if column_sums else None)
+
+
+def _bytes(t):
+    """1-byte tensors (FP8 data) as their uint8 bytes; anything else as it is."""
+    if isinstance(t, torch.Tensor) and t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)
+    return t
+
+
+def _same(t):
+    return t

@@ -1,0 +1,144 @@
+"""The cast op's CUDA launch path, run on the CPU up to and including the kernel.
+
+The arrays are host arrays that the op is made to see as device arrays on device 0, the kernel
+"launch" takes the exact argument tuple the CUDA path builds (argument block by value, uint64
+pointers, the per-stream workspaces) and runs the same CUDA source on the emulator with it. So
+the argument order and C widths, the pointer derivation for every array kind (NumPy stands in
+for CuPy, torch CPU tensors for CUDA ones), the workspaces, the chunk slicing and the device scope
+are all exercised and bit-compared with the reference; only CuPy's launcher and the GPU are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cugrouped import _jit, reference
+from cugrouped.grouped_fp8 import GroupedFP8
+from cugrouped.ops import _launch
+from cugrouped.ops import pad_cast_transpose as pct
+
+from test_pad_cast_transpose import assert_same_bits, make_inputs, scales_for
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Host arrays seen as device-0 arrays; launches recorded and run on the emulator; the
+    workspaces are host buffers kept per name (as they are per stream on a GPU)."""
+    workspaces: dict = {}
+
+    def workspace(name, ints):
+        if name not in workspaces or workspaces[name].size < ints:
+            workspaces[name] = np.zeros(ints, np.int32)
+        return workspaces[name]
+
+    monkeypatch.setattr(_launch, "device_workspace", workspace)
+    scratch: dict = {}
+
+    def device_scratch(name, nbytes):       # kept alive like the real one; garbage-filled
+        if name not in scratch or scratch[name].size < nbytes:
+            scratch[name] = np.full(nbytes, 0xFF, np.uint8)
+        return scratch[name]
+
+    monkeypatch.setattr(_launch, "device_scratch", device_scratch)
+    scopes = []
+    monkeypatch.setattr(pct, "_device_scope",
+                        lambda backend, device: scopes.append((backend, device)) or contextlib.nullcontext())
+    calls = []
+
+    def get_function(spec, name):
+        def launch(grid, block, args):
+            calls.append((name, grid, block, args))
+            _jit.get_emulated_function(spec, name)(grid, block, args, order="shuffle")
+        return launch
+
+    monkeypatch.setattr(pct._jit, "get_function", get_function)
+    return calls, workspaces, scopes
+
+
+def on_device(fn, *args, **kw):
+    """Call ``fn`` with every array the op views seen as living on device 0."""
+    real_view = pct.as_view
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pct, "as_view", lambda x, **k: dataclasses.replace(real_view(x, **k), device=0))
+        return fn(*args, **kw)
+
+
+def _out_buffers(m_splits, k, align, column_sums, scale, device_splits=False):
+    E, rows = len(m_splits), sum(m_splits)
+    col = k * (rows + E * (align - 1)) if device_splits else k * sum(pct.padded_splits(m_splits, align))
+    return GroupedFP8(data=np.full((rows, k), 0xAB, np.uint8), data_t=np.full(col, 0xCD, np.uint8),
+                      m_splits=(), m_pad_splits=(), amax=np.full(E, np.nan, np.float32),
+                      scale=scale if scale is not None else np.full(E, np.nan, np.float32),
+                      scale_inv=np.full(E, np.nan, np.float32), fp8_format="e4m3", k=k,
+                      align=align,
+                      column_sums=np.full((E, k), np.nan, np.float32) if column_sums else None)
+
+
+def _fp8_view(res, fmt):
+    import ml_dtypes
+
+    return dataclasses.replace(res, data=res.data.view(
+        ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2))
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
+@pytest.mark.parametrize("given", [True, False])
+@pytest.mark.parametrize("experts", [5, 70])          # one chunk; two chunks (sliced per chunk)
+def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, form, given, experts):
+    calls, workspaces, scopes = fake_device
+    rng = np.random.default_rng(experts)
+    m_splits = [int(v) for v in rng.integers(0, 40, experts)]
+    m_splits[experts // 2] = 0
+    k, align, fmt = 48, 16, "e5m2" if given else "e4m3"
+    xs = make_inputs(m_splits, k, "bfloat16", seed=experts)
+    scale = scales_for(m_splits, fmt, 3) if given else None
+    x = np.concatenate(xs)
+    args = {"list": (xs, None), "tensor": (x, m_splits),
+            "device": (x, np.array(m_splits, np.int64))}[form]
+    out = _out_buffers(m_splits, k, align, True, scale, device_splits=form == "device")
+    got = on_device(pct.cast_arrays, *args, fp8_format=fmt, scale=scale, align=align,
+                    column_sums=True, out=out, splits_on_device=form == "device" or None)
+    want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, scale=scale, align=align,
+                                              column_sums=True)
+    assert_same_bits(_fp8_view(got, fmt), want, form)
+    chunks = -(-experts // pct.MAX_EXPERTS_PER_LAUNCH)
+    assert len(calls) == chunks * (1 if given else 2)
+    assert scopes == [("cuda", 0)]
+    for name, grid, block, a in calls:
+        assert block == (pct.THREADS,)
+        # (PctGroup g, i64 k, i32 align, i32 margin, 7 pointers)
+        assert a[0].dtype == pct.group_dtype() and a[0].shape == ()
+        assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32] + [np.uint64] * 7
+        assert (int(a[1]), int(a[2]), int(a[3])) == (k, align, 0)
+        assert int(a[7]) == workspaces["pad_cast_transpose"].ctypes.data
+        if "CAST>" in name:      # the second pass of current scaling takes no column sums
+            assert int(a[8]) == int(a[9]) == int(a[10]) == 0
+        else:
+            assert int(a[8]) != 0 and int(a[10]) == workspaces["pad_cast_transpose.colsum"].ctypes.data
+    for name, ws in workspaces.items():
+        assert not ws.any(), f"{name} left non-zero"
+
+
+def test_cuda_path_reads_torch_tensors_through_their_pointers(fake_device):
+    """What the torch front hands the op for CUDA tensors (tensors in, uint8 tensors as ``out``),
+    with torch CPU tensors standing in: pointers via ``data_ptr``, no conversion."""
+    torch = pytest.importorskip("torch")
+    calls, _, _ = fake_device
+    m_splits, k = [7, 0, 20], 32
+    xs = make_inputs(m_splits, k, "bfloat16", seed=1)
+    ts = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) for x in xs]
+    scale = scales_for(m_splits, "e4m3", 1)
+    out_np = _out_buffers(m_splits, k, 16, False, scale)
+    out = dataclasses.replace(out_np, **{f: torch.from_numpy(getattr(out_np, f))
+                                         for f in ("data", "data_t", "amax", "scale", "scale_inv")})
+    res = on_device(pct.cast_arrays, ts, scale=out.scale, out=out)
+    assert res.data is out.data and res.data_t is out.data_t
+    want = reference.multi_pad_cast_transpose(xs, scale=scale)
+    assert_same_bits(_fp8_view(dataclasses.replace(out_np, m_splits=res.m_splits,
+                                                   m_pad_splits=res.m_pad_splits), "e4m3"), want)
+    [(_, _, _, a)] = calls
+    assert int(a[4]) == out.scale.data_ptr() and int(a[0]["in"][0]) == ts[0].data_ptr()
