@@ -42,9 +42,14 @@ stage() {
     echo "== gpu_check $(date -u +%FT%TZ) at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
     "$PY" -m cugrouped info
+    # compile every kernel once (NVRTC -> CuPy's disk cache), so that the test workers load them
+    # instead of each compiling them inside a test's time limit
+    stage "kernel warm-up" 120 "$PY" -c "import cugrouped, time; t = time.time(); \
+print('compiled', cugrouped._jit.warmup(), f'in {time.time() - t:.1f} s')"
     extra=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=90); fi
-    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); fi   # references run on the CPU
+    # references run on the CPU: 8 workers of 2 BLAS threads each on a 16-core host
+    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); export OMP_NUM_THREADS=2; fi
     stage "GPU tests" "$TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs "${extra[@]}" \
         --junitxml="$OUT/gpu_tests.xml" tests
     tests_rc=$?
@@ -52,7 +57,8 @@ stage() {
     bench_rc=$?
     nb_rc=0
     if "$PY" -c "import nbmake, ipykernel" 2>/dev/null; then
-        stage "notebooks (GPU cells run here)" "$NOTEBOOKS_S" "$PY" -m pytest -q -p no:cacheprovider \
+        CUGROUPED_BENCH_CSV="$OUT/bench.csv" stage "notebooks (GPU cells run here)" "$NOTEBOOKS_S" \
+            "$PY" -m pytest -q -p no:cacheprovider \
             --nbmake --nbmake-kernel=python3 notebooks
         nb_rc=$?
     else

@@ -120,7 +120,7 @@ def plot_op(rows, op, note):
 def experts_of(row):
     if "experts" in row:
         return int(row["experts"])
-    return int(str(row["config"]).split("-")[0].lstrip("E"))   # host rows: "E64-list", "E64"
+    return int(str(row["config"]).split("-")[0].lstrip("E"))   # host rows: "E64-torch-list", "E64"
 
 
 def plot_host(rows):
@@ -131,13 +131,16 @@ def plot_host(rows):
     series = defaultdict(list)
     for r in rows:
         if r["op"] == "cast-host":
-            series[f"cast op, {str(r['config']).split('-')[1]} input"].append((experts_of(r), r["host_us_per_expert"]))
+            # "E8-torch-list" (array kind, input form); older CSVs: "E8-list"
+            parts = str(r["config"]).split("-")[1:]
+            label = f"cast op, {' '.join(parts[:-1]) + ' ' if len(parts) > 1 else ''}{parts[-1]} input"
+            series[label].append((experts_of(r), r["host_us_per_expert"]))
         elif r["op"] == "gemm-host":
             series["grouped_fprop launch loop (device calls faked)"].append((experts_of(r), r["host_us_per_expert"]))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for (label, pts), marker in zip(sorted(series.items()), "osD^v"):
+    for (label, pts), marker in zip(sorted(series.items()), "osD^vP*"):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
     ax.set_xscale("log", base=2)
