@@ -39,6 +39,21 @@ def test_launch_context_is_a_no_op_on_cpu():
         pass
 
 
+def test_cupy_stream_objects_are_made_once_per_stream_without_warnings():
+    """launch_context's CuPy view of torch's stream: one object per (handle, device), kept, with
+    CuPy 14's ExternalStream deprecation warning silenced (it would fire on every op call)."""
+    import warnings
+
+    from cugrouped.pytorch._adapters import cupy_stream
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = cupy_stream(0x5000, 0)
+        assert cupy_stream(0x5000, 0) is a and a.ptr == 0x5000
+        b = cupy_stream(0x5000, 1)
+        assert b is not a and b.ptr == 0x5000
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fake_impls_match_real_shapes(fmt):
     xs = [torch.randn(m, 32) for m in (3, 0, 17)]

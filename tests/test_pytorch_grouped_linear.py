@@ -230,6 +230,26 @@ def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
         make_layer(2).load_state_dict(layer.state_dict())
 
 
+def test_dtype_casts_of_the_module_keep_the_fp8_state_float32():
+    """``layer.bfloat16()`` / ``.double()`` cast the parameters, not the delayed-scaling state
+    (which the casts and the update read as float32): its values survive bit for bit, and the
+    next FP8 step runs."""
+    rec = DelayedScaling(amax_history_len=4)
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    run(layer, x, [10, 5, 15], rec, False, steps=2)
+    before = {n: getattr(layer, n).clone() for n in
+              ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv")}
+    for cast in (torch.nn.Module.double, torch.nn.Module.bfloat16):
+        cast(layer)
+        for name, t in before.items():
+            assert getattr(layer, name).dtype == torch.float32, name
+            assert_bits_equal(getattr(layer, name), t, name)
+    assert layer.weight0.dtype == torch.bfloat16
+    y = run(layer, x.bfloat16(), [10, 5, 15], rec, False)[0]
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+
+
 @pytest.mark.parametrize("recipe", ["none", "current"])
 def test_fuse_wgrad_accumulation_accumulates_over_two_backwards(recipe):
     sp = [6, 0, 11]

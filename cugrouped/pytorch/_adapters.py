@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import ml_dtypes
@@ -89,9 +90,29 @@ def launch_context(device: torch.device):
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(idx):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(idx).cuda_stream, idx)
-        with stream:
+        with cupy_stream(torch.cuda.current_stream(idx).cuda_stream, idx):
             yield
+
+
+_STREAMS: dict = {}
+
+
+def cupy_stream(handle: int, device: int):
+    """CuPy's view of the CUDA stream ``handle`` on ``device``, made once per stream and kept (a
+    stream object per op call costs a few us, and CuPy 14 warns on every ``ExternalStream``:
+    deprecated for ``Stream.from_external``, which cannot yet be told the device; the warning is
+    silenced here). A handle reused by a new stream maps to the same, still correct, object."""
+    key = (handle, device)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        import cupy
+
+        if len(_STREAMS) >= 256:
+            _STREAMS.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _STREAMS[key] = cupy.cuda.ExternalStream(handle, device)
+    return stream
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:

@@ -280,6 +280,25 @@ class GroupedLinear(torch.nn.Module):
         self._set_state(st)
         return st
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.cuda()``, ``.bfloat16()``...: the FP8 state follows the device
+        but stays float32 (the scale update and the casts read float32); a cached FP8 copy of
+        the weights is dropped."""
+        names = ("amax_history", "amax", "scale", "scale_inv")
+        state = {n: self._buffers.pop(f"fp8_{n}") for n in names}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in state.items():
+                if t is not None:
+                    moved = fn(t)
+                    if moved.dtype != torch.float32:          # a dtype cast: move, don't cast
+                        moved = t.to(device=moved.device)
+                    t = moved
+                self._buffers[f"fp8_{n}"] = t
+        self._fp8_weight_cache = None
+        return self
+
     def _set_state(self, st: DelayedScalingState | None) -> None:
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             setattr(self, f"fp8_{name}", None if st is None else st.tensors[name])
