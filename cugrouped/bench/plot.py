@@ -106,7 +106,7 @@ def plot_op(rows, op, note):
         barh_groups(axes[1, col], part, roof_key, roof_label, colors)
         if pass_name:
             axes[0, col].set_title(pass_name)
-    handles, labels = {}, []
+    handles = {}
     for ax in axes.flat:
         for hnd, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, hnd)
