@@ -1391,3 +1391,267 @@ def test_loop_joins_the_side_streams_even_when_an_expert_fails():
     waits = [i for i, e in enumerate(log) if e == ("wait", 0x42)]
     assert len(waits) == gg.NUM_STREAMS                        # joined back, every side stream
     gg.clear_memo()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA torch tensors, on the CPU. The ops read torch tensors through their pointers, shapes,
+# strides and dtypes (as_view), so torch CPU tensors over host memory, made to report device 0,
+# take exactly the CUDA path a CUDA tensor takes: the op's backend choice and device scope, the
+# memo, the checks, the plan and the cuBLASLt calls, run by the NumPy model of cublasLtMatmul
+# above.
+
+def _torch_cpu(a):
+    """A torch CPU tensor over the memory of NumPy array ``a``: FP8 as its uint8 bytes (as the
+    torch layer passes it), bfloat16 as ``torch.bfloat16``, other dtypes as they are."""
+    import torch
+
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype.itemsize == 1:
+        return torch.from_numpy(a.view(np.uint8))
+    return torch.from_numpy(a)
+
+
+def _torch_operand(op):
+    if isinstance(op, cugrouped.GroupedFP8):
+        conv = lambda a: None if a is None else _torch_cpu(a)  # noqa: E731
+        return dataclasses.replace(op, data=conv(op.data), data_t=conv(op.data_t), amax=conv(op.amax),
+                                   scale=conv(op.scale), scale_inv=conv(op.scale_inv))
+    if isinstance(op, (list, tuple)):
+        return [_torch_cpu(a) for a in op]
+    return _torch_cpu(op)
+
+
+@pytest.fixture
+def torch_on_device(monkeypatch):
+    """Torch tensors seen by the GEMM ops as CUDA tensors on device 0 (NumPy arrays stay host
+    arrays); ``_run``'s device scope and per-device state replaced by a recorder and the cuBLASLt
+    model. Yields ``(states, scopes, kinds)``: the states by path, the device scopes entered, and
+    the array kinds the checks were given."""
+    pytest.importorskip("torch")
+    import contextlib
+
+    from cugrouped.ops import _gemm_checks
+
+    real = _gemm_checks.as_view
+    kinds = set()
+
+    def as_view(x, **kw):
+        v = real(x, **kw)
+        kinds.add(v.kind)
+        return dataclasses.replace(v, device=0) if v.kind == "torch" else v
+
+    monkeypatch.setattr(_gemm_checks, "as_view", as_view)
+    states = {"loop": _model_state(), "grouped": _model_state(grouped=True)}
+    use = {"path": "loop"}
+    monkeypatch.setattr(gg, "_state", lambda device: states[use["path"]][0])
+    scopes = []
+    monkeypatch.setattr(gg, "_device_scope",
+                        lambda device: scopes.append(device) or contextlib.nullcontext())
+    gg.clear_memo()
+    yield states, scopes, kinds, use
+    gg.clear_memo()
+    from cugrouped.cublaslt import descriptors as D
+
+    D.clear_caches()
+
+
+def _nan_like_out(problem_shape, out_dtype):
+    return np.full(problem_shape, np.nan, NP_DTYPE[out_dtype])
+
+
+_TORCH_CASES = [(p, o) for p in ("fprop", "dgrad", "wgrad")
+                for o in ("e4m3xe4m3", "e5m2xe4m3", "bfloat16", "float32")]
+
+
+@pytest.mark.parametrize("pass_name,operands", _TORCH_CASES)
+@pytest.mark.parametrize("split", ["skewed", "empty_first"])
+def test_torch_tensors_take_the_cuda_path_to_the_reference(torch_on_device, split, pass_name,
+                                                           operands):
+    """fprop/dgrad/wgrad on torch tensors through the op (backend chosen from the tensors' device,
+    device scope, memo, checks, plan, loop of cuBLASLt calls run by the model): bias, stacked
+    and per-expert outputs, accumulation into a list of main_grad tensors."""
+    states, scopes, kinds, _ = torch_on_device
+    st, calls = states["loop"]
+    m_splits, k, n = SPLITS[split]
+    fp8 = "x" in operands
+    if fp8:
+        a_fmt, b_fmt = operands.split("x")
+        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
+                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
+                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
+        X, W, DY = make_fp8(m_splits, k, n, seed=31, **fmts)
+        out_dtype = "bfloat16" if pass_name != "wgrad" else "float32"
+    else:
+        k, n = k + 8, n + 8
+        rng = np.random.default_rng(6)
+        dt = NP_DTYPE[operands]
+        X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
+        W = np.stack([rand(rng, (n, k), 0.1).astype(dt) for _ in m_splits])
+        DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
+        out_dtype = "float32"
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    dev = tuple(_torch_operand(a) for a in host)
+    ref = np.asarray(fn(*host, out_dtype=out_dtype, backend="reference"))
+    out = _nan_like_out(ref.shape, out_dtype)
+    calls.clear()
+    kinds.clear()
+    assert fn(*dev, out=_torch_cpu(out), out_dtype=out_dtype) is not None
+    assert len(calls) == sum(1 for m in m_splits if m)
+    _model_close(out, ref, out_dtype)
+    assert scopes and set(scopes) == {0} and kinds == {"torch"}
+    if pass_name == "fprop":            # bias: (E, n) tensor and a list of (n,) tensors
+        bdt = gg.bias_dtype_for(out_dtype, fp8)
+        bias = np.random.default_rng(3).standard_normal((len(m_splits), n)).astype(NP_DTYPE[bdt])
+        ref_b = np.asarray(fn(*host, bias, out_dtype=out_dtype, backend="reference"))
+        for b in (_torch_cpu(bias), [_torch_cpu(v) for v in bias]):
+            out[...] = np.nan
+            fn(*dev, b, out=_torch_cpu(out), out_dtype=out_dtype)
+            _model_close(out, ref_b, out_dtype)
+    if pass_name == "wgrad":            # per-expert outputs; accumulate into main_grad tensors
+        outs = [np.full((n, k), np.nan, NP_DTYPE[out_dtype]) for _ in m_splits]
+        fn(*dev, out=[_torch_cpu(o) for o in outs], out_dtype=out_dtype)
+        _model_close(np.stack(outs), ref, out_dtype)
+        rng = np.random.default_rng(8)
+        got = [rand(rng, (n, k)) for _ in m_splits]
+        want = [g.copy() for g in got]
+        fn(*dev, out=[_torch_cpu(g) for g in got], accumulate=True)
+        fn(*host, out=want, accumulate=True, backend="reference")
+        for g_, w_ in zip(got, want):
+            _model_close(g_, w_, "float32")
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_torch_tensors_take_the_grouped_path(torch_on_device, pass_name):
+    """The grouped GEMM (emulated setup kernel, model of the grouped call) on torch tensors."""
+    states, _, _, use = torch_on_device
+    use["path"] = "grouped"
+    _, calls = states["grouped"]
+    m_splits, k, n = [32, 16, 48, 64], 32, 48
+    X, W, DY = make_fp8(m_splits, k, n, seed=2)
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
+    out = _nan_like_out(ref.shape, odt)
+    with cugrouped.record_launches() as log:
+        fn(*(_torch_operand(a) for a in host), out=_torch_cpu(out), out_dtype=odt, path="grouped")
+    assert "cublasLtMatmul[grouped]" in [e.kernel for e in log]
+    assert calls and all(c["grouped"] for c in calls)
+    _model_close(out, ref, odt)
+
+
+def test_torch_tensor_refusals(torch_on_device):
+    """Torch operands need out= (the ops allocate CuPy or NumPy only), one kind per call, and
+    torch CPU tensors are not run by the reference backend (it computes on NumPy)."""
+    import torch
+
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
+    Xt, Wt, DYt = (_torch_operand(a) for a in (X, W, DY))
+    with pytest.raises(ValueError, match="out: torch operands need an out= buffer"):
+        grouped_fprop(Xt, Wt)
+    with pytest.raises(ValueError, match="accumulate=True adds into existing gradients"):
+        grouped_wgrad(Xt, DYt, accumulate=True)
+    with pytest.raises(ValueError, match="out: must be a torch array on the operands' device"):
+        grouped_fprop(Xt, Wt, out=np.empty((24, 48), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="must be arrays of the same kind on the same device"):
+        grouped_fprop(X, Wt, out=torch.empty((24, 48), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x: mixes a torch array on device 0 with a numpy array"):
+        grouped_fprop(dataclasses.replace(Xt, scale_inv=X.scale_inv), Wt,
+                      out=torch.empty((24, 48), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias: must live with the operands"):
+        grouped_fprop(Xt, Wt, np.zeros((3, 48), ml_dtypes.bfloat16),
+                      out=torch.empty((24, 48), dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"out: dtype float32 differs from out_dtype='bfloat16'"):
+        grouped_fprop(Xt, Wt, out=torch.empty((24, 48)))
+
+
+def test_torch_cpu_tensors_are_refused_by_the_reference_backend():
+    torch = pytest.importorskip("torch")
+    X, W, _ = make_fp8([5, 0, 19], 32, 48, seed=0)
+    with pytest.raises(TypeError, match="torch CPU tensors: the reference backend computes on NumPy"):
+        grouped_fprop(_torch_operand(X), _torch_operand(W),
+                      out=torch.empty((24, 48), dtype=torch.bfloat16))
+    gg.clear_memo()
+
+
+def test_memo_keys_torch_tensors(torch_on_device):
+    """A torch key holds everything as_view reads: new tensor objects over the same memory hit
+    (the torch layer builds its GroupedFP8 and views anew on every call); another pointer, shape,
+    stride or dtype misses, and what a miss computes is what a fresh check gives."""
+    import torch
+
+    from cugrouped.ops import _gemm_memo
+
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=4)
+    kw = dict(out_dtype="bfloat16", fast_accum=True)
+    Xt, Wt = _torch_operand(X), _torch_operand(W)
+    c1 = gg.checked("fprop", (Xt, Wt, None), kw)
+    assert gg._call_key("fprop", (Xt, Wt, None), kw) is not None
+    again = gg.checked("fprop", (_torch_operand(X), _torch_operand(W), None), kw)
+    assert again.problem is c1.problem and again.outs is c1.outs
+    t = Xt.data
+    assert _gemm_memo._array_key(t) == (torch.Tensor, t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                          t.device)
+    # another pointer: a copy of the data, or of the scales
+    for X2 in (dataclasses.replace(Xt, data=Xt.data.clone()),
+               dataclasses.replace(Xt, scale_inv=Xt.scale_inv.clone())):
+        c = gg.checked("fprop", (X2, Wt, None), kw)
+        assert c.problem is not c1.problem and _same_problem(c.problem, gg.check_fprop(X2, Wt))
+    # same pointer, another shape: the check runs again (and refuses)
+    with pytest.raises(ValueError, match=r"x.data: expected a contiguous \(24, 32\)"):
+        gg.checked("fprop", (dataclasses.replace(Xt, data=Xt.data.view(12, 64)), Wt, None), kw)
+    # plain operands: same pointer and shape, another row stride or dtype
+    rng = np.random.default_rng(0)
+    buf = torch.from_numpy(rand(rng, (2, 24, 64)).astype(np.float16))
+    xs = [buf[0, :, :32], buf[1, :, :32]]                       # rows 64 apart
+    ws = torch.from_numpy(rand(rng, (2, 16, 32)).astype(np.float16))
+    kw16 = dict(out_dtype="float32", fast_accum=False)
+    c16 = gg.checked("fprop", (xs, ws, None), kw16)
+    dense = [torch.as_strided(x, (24, 32), (32, 1)) for x in xs]   # rows 32 apart
+    assert all(d.data_ptr() == x.data_ptr() for d, x in zip(dense, xs))
+    c = gg.checked("fprop", (dense, ws, None), kw16)
+    assert c.problem is not c16.problem
+    assert gg.as_blocks(c16.problem.left).ld.tolist() == [64, 64]
+    assert gg.as_blocks(c.problem.left).ld.tolist() == [32, 32]
+    as_bf16 = [x.view(torch.bfloat16) for x in xs]
+    with pytest.raises(TypeError, match=r"x: dtype bfloat16 differs from w's float16"):
+        gg.checked("fprop", (as_bf16, ws, None), kw16)
+    # outputs: keyed per tensor, a new view of the same memory hits, another buffer misses
+    out = torch.empty((24, 48), dtype=torch.bfloat16)
+    _, _, vp = gg.prepared_out(c1, out, None)
+    assert gg.prepared_out(c1, out[:], None)[2] is vp
+    _, b2, vp2 = gg.prepared_out(c1, torch.empty((24, 48), dtype=torch.bfloat16), None)
+    assert vp2 is not vp
+    with pytest.raises(ValueError, match=r"out: expected shape \(24, 48\)"):
+        gg.prepared_out(c1, out.view(48, 24), None)
+    # torch tensor subclasses are not keyed (they may compute what they report)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = dataclasses.replace(Xt, data=Xt.data.as_subclass(Sub))
+    assert gg._call_key("fprop", (sub, Wt, None), kw) is None
+    param = torch.nn.Parameter(Wt.data, requires_grad=False)        # torch's own subclass: keyed
+    assert gg._call_key("fprop", (Xt, dataclasses.replace(Wt, data=param), None), kw) is not None
+
+
+def test_memo_keeps_no_arrays_alive(torch_on_device):
+    """The memo stores numbers only: the tensors of a memoised call are freed when the caller
+    drops them (a memo holding activations would hold their GPU memory)."""
+    import gc
+    import weakref
+
+    from cugrouped.ops import _gemm_memo
+
+    X, W, _ = make_fp8([5, 0, 19], 32, 48, seed=4)
+    Xt, Wt = _torch_operand(X), _torch_operand(W)
+    out = _torch_cpu(np.empty((24, 48), ml_dtypes.bfloat16))
+    refs = [weakref.ref(t) for t in (Xt.data, Xt.scale_inv, Wt.data, out)]
+    grouped_fprop(Xt, Wt, out=out)
+    assert len(_gemm_memo._memo) == 1
+    del Xt, Wt, out
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4

@@ -49,14 +49,15 @@ def _stacked(v: ArrayView) -> list[ArrayView]:
 
 
 def _where(views: Sequence[ArrayView], arg: str) -> tuple[bool, int, str]:
+    """``(on_device, device, kind)`` shared by ``views``. Any array kind :func:`as_view` reads is
+    accepted (CUDA torch tensors included: only pointers, shapes, strides and dtypes are read, and
+    torch is never imported); where the kind matters (which backend can run, what a new output is
+    made of) the op decides (``grouped_gemm._run``, :func:`new_output`)."""
     first = views[0]
     for v in views[1:]:
         if (v.kind, v.device) != (first.kind, first.device):
             raise ValueError(f"{arg}: mixes a {first.kind} array on device {first.device} with a "
                              f"{v.kind} array on device {v.device}")
-    if first.kind == "torch":
-        raise TypeError(f"{arg}: torch tensors go through cugrouped.pytorch (not implemented yet); "
-                        "pass NumPy or CuPy arrays")
     return first.on_device, first.device, first.kind
 
 
@@ -432,8 +433,16 @@ def _out_shape(problem: Problem) -> tuple[int, ...]:
     return (int(as_blocks(problem.left).rows.sum()), cols)
 
 
+_TORCH_NEEDS_OUT = ("out: torch operands need an out= buffer (a torch tensor on their device): the "
+                    "ops read torch tensors through their pointers and never allocate one (the "
+                    "custom ops of cugrouped.pytorch allocate every output with torch)")
+
+
 def new_output(problem: Problem, xp):
-    """A new output array for ``problem`` (wgrad with ``accumulate=True`` needs the caller's)."""
+    """A new output array for ``problem`` (wgrad with ``accumulate=True`` needs the caller's; so
+    do torch operands: a torch output can only come from torch, which the ops do not import)."""
     if problem.pass_name == "wgrad" and problem.accumulate:
         raise ValueError(_ACCUMULATE_NEEDS_OUT)
+    if problem.place[2] == "torch":
+        raise ValueError(_TORCH_NEEDS_OUT)
     return _empty(xp, _out_shape(problem), problem.out_dtype)

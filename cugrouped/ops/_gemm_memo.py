@@ -16,10 +16,11 @@ from ._gemm_plan import Blocks, Problem, VecPlan, plan_arrays
 # Per-call memo: a training step calls the same pass on the same buffers (same pointers, shapes,
 # splits) over and over, and the argument checks, output checks and plan are pure functions of
 # exactly those numbers. The memo keys on everything the checks read, so a hit is what a fresh
-# check would have produced; anything it cannot key (torch tensors, device-side splits, unknown
-# array types, unhashable fields) takes the full path, and a failed check is never stored, so bad
-# input raises exactly as before. The keys hold numbers only (no arrays are kept alive): a freed
-# buffer whose address comes back with the same layout maps to the same, still correct, plan.
+# check would have produced; anything it cannot key (device-side splits, unknown array types,
+# torch tensor subclasses, unhashable fields) takes the full path, and a failed check is never
+# stored, so bad input raises exactly as before. Keys and stored entries hold numbers only (no
+# arrays are kept alive: a memo holding a training step's activations would hold GPU memory): a
+# freed buffer whose address comes back with the same layout maps to the same, still correct, plan.
 
 MEMO_SIZE = 256          # checked operand sets kept (FIFO)
 MEMO_OUTPUTS = 8         # output buffers kept per operand set (pointers of fresh outputs vary)
@@ -38,11 +39,28 @@ def _cupy_key(a) -> tuple:
     return (type(a), d.ptr, d.device_id, a.shape, a.strides, a.dtype)
 
 
+def _torch_key(a) -> tuple:
+    # as_view reads data_ptr(), shape, stride(), dtype and device (its index): all of them here.
+    # torch.Size is a tuple, torch.dtype and torch.device are hashable values (no storage kept).
+    return (type(a), a.data_ptr(), a.shape, a.stride(), a.dtype, a.device)
+
+
 def _no_key(a):
     raise _NoKey
 
 
 _ARRAY_KEYS: dict = {np.ndarray: _np_key}
+# torch's own tensor types (found by module and name: torch is never imported here); subclasses
+# such as wrapper tensors may compute what they report, so they take the full path.
+_TORCH_TYPES = (("torch", "Tensor"), ("torch.nn.parameter", "Parameter"))
+
+
+def _key_function(t):
+    if t.__module__ == "cupy" and t.__name__ == "ndarray":
+        return _cupy_key
+    if (t.__module__, t.__name__) in _TORCH_TYPES:
+        return _torch_key
+    return _no_key
 
 
 def _array_key(a) -> tuple:
@@ -50,8 +68,7 @@ def _array_key(a) -> tuple:
     t = type(a)
     f = _ARRAY_KEYS.get(t)
     if f is None:
-        f = _ARRAY_KEYS[t] = (_cupy_key if t.__module__ == "cupy" and t.__name__ == "ndarray"
-                              else _no_key)
+        f = _ARRAY_KEYS[t] = _key_function(t)
     return f(a)
 
 
@@ -82,7 +99,8 @@ _CHECKS = {"fprop": check_fprop, "dgrad": check_dgrad, "wgrad": check_wgrad}
 @dataclasses.dataclass(eq=False)
 class Checked:
     """A checked call: its :class:`Problem`, the arguments as given (the reference backend
-    re-reads them), and the output plans made so far, per output buffer."""
+    re-reads them; the memo's own entry holds none), and the output plans made so far, per
+    output buffer."""
 
     problem: Problem
     args: tuple
@@ -115,7 +133,7 @@ def checked(pass_name: str, args: tuple, kwargs: dict) -> Checked:
     if key is not None:
         if len(_memo) >= MEMO_SIZE:
             del _memo[next(iter(_memo))]
-        _memo[key] = c
+        _memo[key] = Checked(c.problem, (), {}, c.outs)   # without the arrays (a hit gets its own)
     return c
 
 

@@ -12,6 +12,12 @@ Operands are either :class:`~cugrouped.GroupedFP8` results of ``multi_pad_cast_t
 table, and each expert's ``scale_inv`` is passed as cuBLASLt's A/B scale pointer, on the device),
 or lists of plain bfloat16 / float16 / float32 arrays (the same layer without FP8).
 
+Arrays may be NumPy (reference backend), CuPy or CUDA torch tensors (cuBLASLt): every operand,
+bias and output is read through its pointer, shape, strides and dtype (:func:`cugrouped._array.as_view`,
+which never imports torch), so the torch layer hands its tensors over as they are. One call's
+arrays must all be of one kind on one device. The ops allocate NumPy or CuPy outputs only: with
+torch operands ``out`` is required (the custom ops in :mod:`cugrouped.pytorch` always pass it).
+
 The implementation lives in package-private modules, one concern each, imported in one direction:
 :mod:`._gemm_plan` (blocks, problems and call plans: pure functions of numbers, tested on the CPU)
 <- :mod:`._gemm_checks` (operands and outputs -> blocks) <- :mod:`._gemm_memo` (per-call memo)
@@ -83,8 +89,8 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
         FP8 pairs: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3. Plain operands share one dtype.
     bias : None, ``(E, n)`` array or list of E ``(n,)`` vectors, contiguous, of the output dtype
         (bfloat16 for an FP8 GEMM with float32 output); added by cuBLASLt's ``BIAS`` epilogue.
-    out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate. CuPy bfloat16 is a
-        ``uint16`` array tagged by ``out_dtype``.
+    out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate (not with torch
+        operands). CuPy bfloat16 is a ``uint16`` array tagged by ``out_dtype``.
     out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``.
     fast_accum : FP8 fast accumulation (cuBLASLt ``FAST_ACCUM``); ignored without FP8.
     backend : ``"cuda"`` (cuBLASLt, device arrays), ``"reference"`` (NumPy twin, host arrays) or
@@ -130,14 +136,28 @@ def _run(call: "Checked", out, backend, path=None):
     problem = call.problem
     if path not in (None, "loop", "grouped"):
         raise ValueError(f"path: got {path!r}, expected None, 'loop' or 'grouped'")
-    backend = _backend(backend, problem.place[0])
+    on_device, device, kind = problem.place
+    backend = _backend(backend, on_device)
     if backend == "reference":
+        if kind == "torch":
+            raise TypeError("torch CPU tensors: the reference backend computes on NumPy arrays; "
+                            "pass NumPy arrays (zero-copy: Tensor.numpy()) or use the torch layer "
+                            "(cugrouped.pytorch), which converts them")
         from ..reference import grouped_gemm as ref
 
         return getattr(ref, f"grouped_{problem.pass_name}")(*call.args, out=out,
                                                             backend="reference", **call.kwargs)
+    # CUDA: CuPy arrays and CUDA torch tensors alike are read through their pointers (a torch
+    # caller passes out=: the ops allocate CuPy outputs only, see new_output).
     import cupy
 
-    with cupy.cuda.Device(problem.place[1]):
-        return launch_checked(call, out, cupy, _state(problem.place[1]), path)
+    with _device_scope(device):
+        return launch_checked(call, out, cupy, _state(device), path)
+
+
+def _device_scope(device: int):
+    """The operands' device made current for the launch (cuBLASLt runs on the current device)."""
+    import cupy
+
+    return cupy.cuda.Device(device)
 
