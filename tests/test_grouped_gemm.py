@@ -1398,7 +1398,7 @@ def test_loop_joins_the_side_streams_even_when_an_expert_fails():
 # strides and dtypes (as_view), so torch CPU tensors over host memory, made to report device 0,
 # take exactly the CUDA path a CUDA tensor takes: the op's backend choice and device scope, the
 # memo, the checks, the plan and the cuBLASLt calls, run by the NumPy model of cublasLtMatmul
-# above.
+# above; the torch layer's custom ops are run the same way with their CUDA branch.
 
 def _torch_cpu(a):
     """A torch CPU tensor over the memory of NumPy array ``a``: FP8 as its uint8 bytes (as the
@@ -1655,3 +1655,49 @@ def test_memo_keeps_no_arrays_alive(torch_on_device):
     del Xt, Wt, out
     gc.collect()
     assert [r() for r in refs] == [None] * 4
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad", "wgrad_accumulate"])
+def test_custom_ops_cuda_branch_passes_tensors_as_they_are(torch_on_device, pass_name):
+    """The torch layer's GEMM custom ops with their CUDA branch (backend "cuda": tensors handed to
+    the op as they are, no DLPack) on CPU tensors, against the same ops' CPU branch (NumPy views,
+    reference backend)."""
+    import torch
+
+    from cugrouped.pytorch import _custom_ops as cops
+
+    _, _, kinds, _ = torch_on_device
+    m_splits, k, n = [5, 0, 19, 40], 32, 48
+    X, W, DY = make_fp8(m_splits, k, n, seed=12)
+    t = _torch_cpu
+    xd, xs, xt = t(X.data), t(X.scale_inv), t(X.data_t)
+    dyd, dys, dyt = t(DY.data), t(DY.scale_inv), t(DY.data_t)
+    wd, ws, wt = t(W.data), t(W.scale_inv), t(W.data_t)
+    E_ = len(m_splits)
+    if pass_name == "fprop":
+        bias = list(t(np.random.default_rng(1).standard_normal((E_, n)).astype(ml_dtypes.bfloat16)))
+        want = cops.fp8_fprop(xd, xs, "e4m3", wd, ws, "e4m3", bias, m_splits, torch.bfloat16)
+        got = torch.full_like(want, float("nan"))
+        kinds.clear()
+        cops._fprop_into(got, xd, xs, "e4m3", wd, ws, "e4m3", bias, m_splits, "cuda")
+    elif pass_name == "dgrad":
+        want = cops.fp8_dgrad(dyd, dys, "e5m2", wt, ws, "e4m3", k, m_splits, torch.bfloat16)
+        got = torch.full_like(want, float("nan"))
+        kinds.clear()
+        cops._dgrad_into(got, dyd, dys, "e5m2", wt, ws, "e4m3", k, m_splits, "cuda")
+    elif pass_name == "wgrad":
+        want = cops.fp8_wgrad(xt, xs, "e4m3", dyt, dys, "e5m2", k, n, m_splits, torch.float32)
+        got = torch.full_like(want, float("nan"))
+        kinds.clear()
+        cops._wgrad(xt, xs, "e4m3", dyt, dys, "e5m2", k, n, m_splits, got, False, "float32", "cuda")
+    else:
+        before = torch.randn(E_, n, k, generator=torch.Generator().manual_seed(0))
+        want, got = before.clone(), before.clone()
+        cops.fp8_wgrad_accumulate(xt, xs, "e4m3", dyt, dys, "e5m2", k, n, m_splits, list(want))
+        kinds.clear()
+        cops._wgrad(xt, xs, "e4m3", dyt, dys, "e5m2", k, n, m_splits, list(got), True, "float32",
+                    "cuda")
+        assert torch.equal(got[1], before[1])          # the empty expert is left untouched
+    assert kinds == {"torch"}
+    odt = "float32" if got.dtype == torch.float32 else "bfloat16"
+    _model_close(got.float().numpy(), want.float().numpy(), odt)

@@ -9,6 +9,8 @@ Backends: CUDA tensors run ``"cuda"`` (kernels via NVRTC, GEMMs via cuBLASLt) on
 ``torch.cuda.current_stream()``. CPU tensors run the casts and the scale update with
 ``cast_backend`` (``"emulate"``: the CUDA kernels on the CPU emulator, bit-exact; or
 ``"reference"``: their NumPy twins, same bits, faster) and the GEMMs with ``"reference"``.
+CUDA tensors reach the cast and GEMM ops as they are (read through their pointers); CPU tensors
+as zero-copy NumPy views.
 
 Token counts ``m_splits`` are host ints: the per-expert GEMM loop needs them on the host.
 """
@@ -48,12 +50,27 @@ def _arr(t):
     return to_array(t)[0]
 
 
-def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align) -> GroupedFP8:
+def _same(t):
+    return t
+
+
+def _gemm_backend(t: torch.Tensor) -> str:
+    return "cuda" if t.is_cuda else "reference"
+
+
+def _gemm_view(backend: str):
+    """How a tensor reaches the GEMM ops: CUDA tensors as they are (the ops read their pointers,
+    shapes, strides and dtypes: no DLPack round trip per tensor, and the ops' per-call memo keys
+    them), CPU tensors as zero-copy NumPy views (the reference backend computes on NumPy)."""
+    return _same if backend == "cuda" else _arr
+
+
+def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv) -> GroupedFP8:
     """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read)."""
-    return GroupedFP8(data=None if data is None else _arr(data),
-                      data_t=None if data_t is None else _arr(data_t),
+    return GroupedFP8(data=None if data is None else conv(data),
+                      data_t=None if data_t is None else conv(data_t),
                       m_splits=tuple(m_splits), m_pad_splits=tuple(padded(m, align) for m in m_splits),
-                      amax=None, scale=None, scale_inv=_arr(scale_inv), fp8_format=fmt, k=k,
+                      amax=None, scale=None, scale_inv=conv(scale_inv), fp8_format=fmt, k=k,
                       align=align)
 
 
@@ -122,16 +139,23 @@ def fp8_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
               bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
     """``y_i = x_i · W_iᵀ (+ b_i)``: x row-wise ``(Σm, k)``, W row-wise ``(E·n, k)``; bias (one per
     expert, of :func:`fused_bias_dtype`) or an empty list. Returns ``(Σm, n)``."""
+    n = w_data.shape[0] // len(m_splits)
+    y = torch.empty((x_data.shape[0], n), dtype=out_dtype, device=x_data.device)
+    _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
+                _gemm_backend(x_data))
+    return y
+
+
+def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
+                backend):
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
-    y = torch.empty((x_data.shape[0], n), dtype=out_dtype, device=x_data.device)
-    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16)
-    wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1)
-    backend = "cuda" if x_data.is_cuda else "reference"
+    conv = _gemm_view(backend)
+    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16, conv)
+    wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1, conv)
     with launch_context(x_data.device):
-        _ops.grouped_fprop(xg, wg, [_arr(b) for b in bias] if bias else None, out=_arr(y),
-                           out_dtype=dtype_name(out_dtype), fast_accum=True, backend=backend)
-    return y
+        _ops.grouped_fprop(xg, wg, [conv(b) for b in bias] if bias else None, out=conv(y),
+                           out_dtype=dtype_name(y.dtype), fast_accum=True, backend=backend)
 
 
 @fp8_fprop.register_fake
@@ -145,14 +169,20 @@ def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
               m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
     """``dx_i = dy_i · W_i``: dy row-wise ``(Σm, n)``, W transposed (``(k, n)`` per expert, packed).
     Returns ``(Σm, k)``."""
-    E, n = len(m_splits), dy_data.shape[1]
     dx = torch.empty((dy_data.shape[0], k), dtype=out_dtype, device=dy_data.device)
-    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16)
-    wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1)
-    backend = "cuda" if dy_data.is_cuda else "reference"
-    with launch_context(dy_data.device):
-        _ops.grouped_dgrad(dyg, wg, out=_arr(dx), out_dtype=dtype_name(out_dtype), backend=backend)
+    _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
+                _gemm_backend(dy_data))
     return dx
+
+
+def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
+                backend):
+    E, n = len(m_splits), dy_data.shape[1]
+    conv = _gemm_view(backend)
+    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16, conv)
+    wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1, conv)
+    with launch_context(dy_data.device):
+        _ops.grouped_dgrad(dyg, wg, out=conv(dx), out_dtype=dtype_name(dx.dtype), backend=backend)
 
 
 @fp8_dgrad.register_fake
@@ -161,10 +191,12 @@ def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
 
 
 def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
-           accumulate, out_dtype):
-    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16)
-    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16)
-    backend = "cuda" if x_t.is_cuda else "reference"
+           accumulate, out_dtype, backend):
+    """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
+    conv = _gemm_view(backend)
+    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16, conv)
+    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16, conv)
+    out = [conv(g) for g in out] if isinstance(out, (list, tuple)) else conv(out)
     with launch_context(x_t.device):
         _ops.grouped_wgrad(xg, dyg, out=out, accumulate=accumulate, out_dtype=out_dtype,
                            backend=backend)
@@ -177,8 +209,8 @@ def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t:
     """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``);
     returns ``(E, n, k)`` of ``out_dtype`` (an expert with no tokens gets zeros)."""
     dw = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=x_t.device)
-    _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, _arr(dw),
-           False, dtype_name(out_dtype))
+    _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, dw,
+           False, dtype_name(out_dtype), _gemm_backend(x_t))
     return dw
 
 
@@ -196,7 +228,7 @@ def fp8_wgrad_accumulate(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format:
     """``main_grads[i] += dy_iᵀ · x_i`` (fp32, ``beta = 1`` in the GEMM; experts with no tokens
     leave theirs untouched)."""
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
-           [_arr(g) for g in main_grads], True, "float32")
+           list(main_grads), True, "float32", _gemm_backend(x_t))
 
 
 @fp8_wgrad_accumulate.register_fake
