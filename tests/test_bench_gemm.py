@@ -54,7 +54,18 @@ def test_flops():
 
 
 def test_host_loop_bench_runs_on_the_cpu():
+    pytest.importorskip("torch")
     rows = []
     bg.bench_host_loop(rows, experts=(4,), reps=3)
-    (row,) = rows
+    row, trow = rows
     assert row["op"] == "gemm-host" and row["config"] == "E4" and row["host_us_per_expert"] > 0
+    # torch tensors over the same buffers, read as CUDA tensors are; and as the torch layer calls
+    assert trow["op"] == "gemm-host-torch" and trow["config"] == "E4"
+    assert trow["host_us_per_expert"] > 0 and trow["layer_us"] > 0 and trow["cold_us"] > 0
+
+
+def test_host_loop_bench_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; import cugrouped.bench.gemm as g; rows = []; "
+            "g.bench_host_loop(rows, experts=(4,), reps=2); print([r['op'] for r in rows])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip().endswith("['gemm-host']"), res.stderr

@@ -333,17 +333,37 @@ def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> 
     with only the device calls faked (see :func:`host_loop_state`). FP8 operands (host buffers
     standing in for device ones), k=n=256, jagged token counts. ``hot``: the same buffers every
     call, as in training once warm (the memo hits); ``cold``: the memo cleared before every call,
-    so every check and plan runs (descriptor and heuristic caches stay warm)."""
+    so every check and plan runs (descriptor and heuristic caches stay warm).
+
+    With torch installed, rows ``op="gemm-host-torch"`` time the same calls on torch CPU tensors
+    over the same buffers, read the way CUDA tensors are (pointers through ``as_view``, memo keyed
+    on the tensors): ``hot``/``cold`` as above, and ``layer``: what the torch layer's custom op
+    does per call on CUDA tensors, a new ``GroupedFP8`` over the tensors each call (same
+    pointers: the memo hits) handed to the op as they are."""
     import time
 
     import ml_dtypes
 
+    from ..grouped_fp8 import GroupedFP8
     from ..ops import grouped_gemm as gg
     from ..ops.pad_cast_transpose import multi_pad_cast_transpose
 
+    try:
+        import torch
+    except ImportError:
+        torch = None
     st = host_loop_state()
     k = n = 256
     kw = dict(out_dtype="bfloat16", fast_accum=True)
+
+    def timed(step, n_reps):
+        for _ in range(5):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(n_reps):
+            step()
+        return (time.perf_counter() - t0) / n_reps * 1e6
+
     for num in experts:
         rng = np.random.default_rng(num)
         m_splits = [int(v) for v in rng.integers(64, 192, num)]
@@ -351,26 +371,41 @@ def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> 
         X = multi_pad_cast_transpose([np.ones((m, k), np.float32) for m in m_splits])
         W = multi_pad_cast_transpose([np.ones((n, k), np.float32) for _ in m_splits], align=1)
         out = np.empty((sum(m_splits), n), ml_dtypes.bfloat16)
+        forms = [("numpy", X, W, out)]
+        if torch is not None:
+            t8 = lambda a: torch.from_numpy(np.asarray(a).view(np.uint8))  # noqa: E731
+            Xt, Wt = (dataclasses.replace(g, data=t8(g.data), data_t=t8(g.data_t),
+                                          scale_inv=torch.from_numpy(g.scale_inv)) for g in (X, W))
+            forms.append(("torch", Xt, Wt, torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)))
+        for kind, x_, w_, o_ in forms:
+            def hot(x_=x_, w_=w_, o_=o_):
+                gg.launch_checked(gg.checked("fprop", (x_, w_, None), kw), o_, np, st)
 
-        def hot():
-            gg.launch_checked(gg.checked("fprop", (X, W, None), kw), out, np, st)
+            def cold():
+                gg.clear_memo()
+                hot()
 
-        def cold():
+            row = dict(op="gemm-host" if kind == "numpy" else "gemm-host-torch", config=f"E{num}",
+                       impl="cugrouped", hot_us=timed(hot, reps), cold_us=timed(cold, max(1, reps // 4)))
+            if kind == "torch":
+                splits, pads = tuple(m_splits), tuple(-(-m // 16) * 16 for m in m_splits)
+
+                def layer(x_=x_, w_=w_, o_=o_):   # as cugrouped.pytorch._custom_ops._fprop_into
+                    xg = GroupedFP8(data=x_.data, data_t=None, m_splits=splits, m_pad_splits=pads,
+                                    amax=None, scale=None, scale_inv=x_.scale_inv, fp8_format="e4m3",
+                                    k=k, align=16)
+                    wg = GroupedFP8(data=w_.data, data_t=None, m_splits=(n,) * num,
+                                    m_pad_splits=(n,) * num, amax=None, scale=None,
+                                    scale_inv=w_.scale_inv, fp8_format="e4m3", k=k, align=1)
+                    hot(xg, wg, o_)
+
+                row["layer_us"] = timed(layer, reps)
             gg.clear_memo()
-            hot()
-
-        row = dict(op="gemm-host", config=f"E{num}", impl="cugrouped")
-        for name, step, n_reps in (("hot", hot, reps), ("cold", cold, max(1, reps // 4))):
-            for _ in range(5):
-                step()
-            t0 = time.perf_counter()
-            for _ in range(n_reps):
-                step()
-            row[f"{name}_us"] = (time.perf_counter() - t0) / n_reps * 1e6
-        gg.clear_memo()
-        row["host_us"] = row["hot_us"]
-        row["host_us_per_expert"] = row["hot_us"] / num
-        rows.append(row)
-        print(f"grouped_fprop host path, {num:>3} experts: {row['hot_us']:8.1f} us per call "
-              f"({row['hot_us'] / num:.2f} us per expert; same buffers), {row['cold_us']:8.1f} us "
-              f"with every check and plan redone; device calls faked")
+            row["host_us"] = row["hot_us"]
+            row["host_us_per_expert"] = row["hot_us"] / num
+            rows.append(row)
+            extra = (f", {row['layer_us']:8.1f} us as the torch layer calls it"
+                     if "layer_us" in row else "")
+            print(f"grouped_fprop host path, {num:>3} experts, {kind:<5}: {row['hot_us']:8.1f} us "
+                  f"per call ({row['hot_us'] / num:.2f} us per expert; same buffers), "
+                  f"{row['cold_us']:8.1f} us with every check and plan redone{extra}; device calls faked")
