@@ -33,10 +33,10 @@ def array_kind(x: Any) -> str:
     """``"numpy"``, ``"cupy"``, ``"torch"`` or ``"other"`` (by module name; imports nothing)."""
     t = type(x)
     kind = _KINDS.get(t)
-    if kind is None:
-        mod = t.__module__.split(".")[0]
-        kind = _KINDS[t] = ("numpy" if issubclass(t, np.ndarray)
-                            else mod if mod in ("cupy", "torch") else "other")
+    if kind is None:   # by the class or a base class (a user's torch.Tensor subclass is torch)
+        mods = [c.__module__.split(".")[0] for c in t.__mro__]
+        kind = _KINDS[t] = ("numpy" if issubclass(t, np.ndarray) else
+                            next((m for m in mods if m in ("cupy", "torch")), "other"))
     return kind
 
 

@@ -113,3 +113,18 @@ def test_cuda_round_trip_same_pointer_and_stream(monkeypatch):
     with torch.cuda.stream(s):
         a, _ = to_array(t)
     assert a.data.ptr == t.data_ptr() and events == []
+
+
+def test_array_views_read_torch_tensors_and_their_subclasses():
+    """The ops read torch tensors (parameters and user subclasses too) through their pointers."""
+    from cugrouped._array import array_kind, as_view
+
+    class Tagged(torch.Tensor):        # a user subclass, defined outside torch
+        pass
+
+    base = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    for t in (base, torch.nn.Parameter(base.clone()), base.as_subclass(Tagged)):
+        assert array_kind(t) == "torch", type(t)
+        v = as_view(t[:, 1:])
+        assert (v.ptr, v.shape, v.strides, v.dtype, v.device) == (
+            t.data_ptr() + 2, (3, 3), (4, 1), "bfloat16", -1)

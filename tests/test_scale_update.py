@@ -152,6 +152,29 @@ def test_cuda_launch_arguments_match_the_kernel_signature(monkeypatch):
                                       6, 5, 4, 3]
 
 
+def test_cuda_torch_tensors_are_launched_through_their_pointers(monkeypatch):
+    """CUDA torch tensors (the scale_update custom op passes them as they are): torch CPU tensors
+    stand in, seen as device-0 tensors; the launch gets their data pointers. CPU torch tensors
+    given directly are refused (they go through cugrouped.pytorch)."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    import dataclasses
+
+    h, a = torch.from_numpy(_state(4, 3, 0)), torch.from_numpy(_amax(4, 1))
+    s, si = torch.zeros(4), torch.zeros(4)
+    with pytest.raises(TypeError, match="CPU torch tensors"):
+        su.update_scales(h, a, s, si)
+    calls = []
+    monkeypatch.setattr(su._jit, "get_function",
+                        lambda spec, name: lambda grid, block, args: calls.append(args))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    real_view = su.as_view
+    monkeypatch.setattr(su, "as_view", lambda x, **kw: dataclasses.replace(real_view(x, **kw), device=0))
+    su.update_scales(h, a, s, si)
+    [args] = calls
+    assert [int(v) for v in args[:4]] == [t.data_ptr() for t in (h, a, s, si)]
+
+
 def test_cuda_launch_refuses_arrays_on_another_device(monkeypatch):
     cupy = pytest.importorskip("cupy")
     monkeypatch.setattr(su._jit, "get_function", lambda spec, name: pytest.fail("launched"))

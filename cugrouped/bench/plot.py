@@ -135,8 +135,10 @@ def plot_host(rows):
             parts = str(r["config"]).split("-")[1:]
             label = f"cast op, {' '.join(parts[:-1]) + ' ' if len(parts) > 1 else ''}{parts[-1]} input"
             series[label].append((experts_of(r), r["host_us_per_expert"]))
-        elif r["op"] == "gemm-host":
-            series["grouped_fprop launch loop (device calls faked)"].append((experts_of(r), r["host_us_per_expert"]))
+        elif r["op"] in ("gemm-host", "gemm-host-torch"):
+            kind = "torch" if r["op"] == "gemm-host-torch" else "numpy"
+            series[f"grouped_fprop launch loop, {kind} input (device calls faked)"].append(
+                (experts_of(r), r["host_us_per_expert"]))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.2))

@@ -1,5 +1,7 @@
-"""Framework-neutral ops (NumPy / CuPy arrays in, same kind out). Importing this package registers
-every kernel spec with the JIT (compile-check and warmup rely on it)."""
+"""Framework-neutral ops: NumPy / CuPy arrays in, same kind out; CUDA torch tensors are read
+through their pointers when the caller provides the outputs (what :mod:`cugrouped.pytorch` does;
+this package never imports torch). Importing it registers every kernel spec with the JIT
+(compile-check and warmup rely on it)."""
 
 from ._launch import emulation_order, record_launches
 from .grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad

@@ -90,9 +90,9 @@ def _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin
     if not isinstance(margin, (int, np.integer)) or isinstance(margin, bool) or not 0 <= margin <= 64:
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
     hv = as_view(amax_history, arg="amax_history")
-    if hv.kind == "torch":
-        raise TypeError("amax_history: torch tensors go through cugrouped.pytorch; pass NumPy or "
-                        "CuPy arrays")
+    if hv.kind == "torch" and not hv.on_device:    # CUDA tensors: read through their pointers
+        raise TypeError("amax_history: CPU torch tensors go through cugrouped.pytorch; pass NumPy "
+                        "arrays")
     if hv.dtype != "float32" or len(hv.shape) != 2:
         raise ValueError(f"amax_history: expected a float32 array of shape (num_tensors, "
                          f"history_len), got {hv.dtype} {hv.shape}")

@@ -247,9 +247,10 @@ def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Te
     """``update_scales`` on the first ``count`` tensors of the state (E4M3 for the first
     ``num_e4m3`` of them, E5M2 for the rest)."""
     fmts = ["e4m3"] * min(num_e4m3, count) + ["e5m2"] * max(0, count - num_e4m3)
+    conv = _same if amax_history.is_cuda else _arr     # CUDA tensors: read through pointers
     with launch_context(amax_history.device):
-        update_scales(_arr(amax_history[:count]), _arr(amax[:count]), _arr(scale[:count]),
-                      _arr(scale_inv[:count]), fp8_format=fmts,
+        update_scales(conv(amax_history[:count]), conv(amax[:count]), conv(scale[:count]),
+                      conv(scale_inv[:count]), fp8_format=fmts,
                       amax_compute_algo=amax_compute_algo, margin=margin,
                       backend=_backend(amax_history, cast_backend))
 

@@ -62,6 +62,9 @@ def _check_host(problem, backend):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     if problem.place[0]:
         raise ValueError("the reference needs host (NumPy) arrays; got device arrays")
+    if problem.place[2] == "torch":
+        raise TypeError("the reference needs NumPy arrays; CPU torch tensors go through "
+                        "cugrouped.pytorch (or pass tensor.numpy())")
 
 
 def grouped_fprop(x, w, bias=None, *, out=None, out_dtype="bfloat16", fast_accum=True, backend=None):
