@@ -128,3 +128,21 @@ def test_array_views_read_torch_tensors_and_their_subclasses():
         v = as_view(t[:, 1:])
         assert (v.ptr, v.shape, v.strides, v.dtype, v.device) == (
             t.data_ptr() + 2, (3, 3), (4, 1), "bfloat16", -1)
+
+
+def test_eager_calls_skip_the_dispatcher_only_outside_tracing():
+    """The layer calls the ops' Python bodies in eager mode (no dispatcher round trip) and the
+    registered custom ops under a dispatch mode or torch.compile; both give the same bits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cugrouped.pytorch import _custom_ops as cops
+
+    assert not cops._tracing()
+    with FakeTensorMode():
+        assert cops._tracing()
+    xs = [torch.randn(5, 16), torch.randn(0, 16), torch.randn(9, 16)]
+    args = (xs, "e4m3", 0, 16, True, True, True, None, None, 0, "reference")
+    for a, b in zip(cops.eager.fp8_quantize(*args), cops.fp8_quantize(*args)):
+        assert torch.equal(a, b)
+    assert set(vars(cops.eager)) == {"fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad",
+                                     "fp8_wgrad_accumulate", "scale_update"}

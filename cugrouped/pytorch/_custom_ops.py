@@ -28,9 +28,42 @@ from ..ops.scale_update import update_scales
 from . import functional as _functional
 from ._adapters import dtype_name, launch_context, to_array
 
-__all__ = ["fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_accumulate",
+__all__ = ["eager", "fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_accumulate",
            "scale_update",
            "padded", "fused_bias_dtype"]
+
+
+_OPS: dict[str, tuple] = {}     # name -> (custom op, its Python body)
+
+
+def _custom_op(name: str, mutates_args):
+    """``torch.library.custom_op("cugrouped::<name>")``, remembering the undecorated body for
+    :data:`eager`."""
+    def deco(fn):
+        op = torch.library.custom_op(f"cugrouped::{name}", mutates_args=mutates_args)(fn)
+        _OPS[name] = (op, fn)
+        return op
+    return deco
+
+
+def _tracing() -> bool:
+    """True while torch.compile traces, or under any dispatch mode (fake tensors, make_fx,
+    FlopCounterMode...): then the ops must be the opaque custom ops."""
+    return torch.compiler.is_compiling() or _dispatch_stack_len() > 0
+
+
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+
+
+def _choose(name: str):
+    op, fn = _OPS[name]
+
+    def call(*args, **kwargs):
+        return (op if _tracing() else fn)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    return call
 
 
 def padded(m: int, align: int) -> int:
@@ -85,7 +118,7 @@ def _quantize_shapes(xs, align, rowwise, columnwise, column_sums):
             (len(xs) if column_sums else 0, k))
 
 
-@torch.library.custom_op("cugrouped::fp8_quantize", mutates_args=("amax_out",))
+@_custom_op("fp8_quantize", mutates_args=("amax_out",))
 def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: int, rowwise: bool,
                  columnwise: bool, column_sums: bool, scale: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor], offset: int, cast_backend: str
@@ -133,7 +166,7 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
 # ---------------------------------------------------------------------------------------------
 # GEMMs.
 
-@torch.library.custom_op("cugrouped::fp8_fprop", mutates_args=())
+@_custom_op("fp8_fprop", mutates_args=())
 def fp8_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
               w_data: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str,
               bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +196,7 @@ def _(x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_spli
     return x_data.new_empty((x_data.shape[0], w_data.shape[0] // len(m_splits)), dtype=out_dtype)
 
 
-@torch.library.custom_op("cugrouped::fp8_dgrad", mutates_args=())
+@_custom_op("fp8_dgrad", mutates_args=())
 def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
               w_t: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str, k: int,
               m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
@@ -202,7 +235,7 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
                            backend=backend)
 
 
-@torch.library.custom_op("cugrouped::fp8_wgrad", mutates_args=())
+@_custom_op("fp8_wgrad", mutates_args=())
 def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
               dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
               out_dtype: torch.dtype) -> torch.Tensor:
@@ -221,7 +254,7 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 
 # A separate op (not an optional mutated list on fp8_wgrad): inductor mishandles a custom op that
 # both returns a tensor and mutates an empty Tensor[] argument.
-@torch.library.custom_op("cugrouped::fp8_wgrad_accumulate", mutates_args=("main_grads",))
+@_custom_op("fp8_wgrad_accumulate", mutates_args=("main_grads",))
 def fp8_wgrad_accumulate(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
                          dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
                          n: int, m_splits: List[int], main_grads: List[torch.Tensor]) -> None:
@@ -239,8 +272,7 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 # ---------------------------------------------------------------------------------------------
 # Delayed scaling: one launch for every tensor of every expert.
 
-@torch.library.custom_op("cugrouped::scale_update",
-                         mutates_args=("amax_history", "scale", "scale_inv"))
+@_custom_op("scale_update", mutates_args=("amax_history", "scale", "scale_inv"))
 def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor,
                  scale_inv: torch.Tensor, num_e4m3: int, amax_compute_algo: str, margin: int,
                  count: int, cast_backend: str) -> None:
@@ -259,3 +291,17 @@ def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Te
 def _(amax_history, amax, scale, scale_inv, num_e4m3, amax_compute_algo, margin, count,
       cast_backend):
     return None
+
+
+class _Eager:
+    """The ops as the layer calls them: in eager mode the Python bodies directly (a call through
+    torch's dispatcher costs ~15-40 us of host time, several times per step), the registered
+    custom ops whenever torch.compile traces or a dispatch mode is active (same results: the
+    custom op runs the same body)."""
+
+    def __init__(self):
+        for name in _OPS:
+            setattr(self, name, _choose(name))
+
+
+eager = _Eager()

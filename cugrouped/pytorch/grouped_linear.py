@@ -120,19 +120,19 @@ class _GroupedLinearFn(torch.autograd.Function):
             ctx.saved_x = need_wgrad
             return y
         history, amax, scale, scale_inv = state if state else (None,) * 4
-        x_data, x_t, x_si, _ = cops.fp8_quantize(
+        x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
             x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad, False, scale, amax,
             INPUT * E, cfg.cast_backend)
         w_data, w_t, w_si = wq
-        y = cops.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
-                           list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
+        y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
+                                 list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
         if bs and not cfg.fuse_bias:
             for part, b in zip(_split(y, m_splits), bs):
                 part.add_(b)
         if cfg.delayed and not (need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
             # no backward will run: fold this step's input and weight amaxes in now
-            cops.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
-                              cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
+            cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                                    cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
         ctx.state = state
         ctx.save_for_backward(x_t, x_si, w_t, w_si)
         return y
@@ -166,22 +166,25 @@ class _GroupedLinearFn(torch.autograd.Function):
         else:
             x_t, x_si, w_t, w_si = ctx.saved_tensors
             history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
-            dy_data, dy_t, dy_si, colsum = cops.fp8_quantize(
+            dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
                 dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not need_wgrad,
                 need_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
             if cfg.delayed:   # one launch: every tensor of every expert
-                cops.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
-                                  cfg.amax_compute_algo, cfg.margin, 3 * E, cfg.cast_backend)
+                cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                                        cfg.amax_compute_algo, cfg.margin, 3 * E,
+                                        cfg.cast_backend)
             if need_dgrad:
-                dx = cops.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd, k,
-                                    list(m_splits), ctx.x_dtype)
+                dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
+                                          k, list(m_splits), ctx.x_dtype)
             if need_wgrad:
                 if cfg.fuse_wgrad:
-                    cops.fp8_wgrad_accumulate(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k,
-                                              n, list(m_splits), list(ctx.main_grads))
+                    cops.eager.fp8_wgrad_accumulate(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
+                                                    cfg.fmt_bwd, k, n, list(m_splits),
+                                                    list(ctx.main_grads))
                 else:
-                    dws = list(cops.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si, cfg.fmt_bwd, k,
-                                              n, list(m_splits), ctx.w_dtype).unbind(0))
+                    dws = list(cops.eager.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
+                                                    cfg.fmt_bwd, k, n, list(m_splits),
+                                                    ctx.w_dtype).unbind(0))
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))
         if cfg.fuse_wgrad and need_wgrad:
@@ -392,7 +395,7 @@ class GroupedLinear(torch.nn.Module):
         if is_first_microbatch is False and cache is not None and cache[0] == key:
             return cache[1]
         ws = [w.detach() for w in self.weights()]
-        w_data, w_t, w_si, _ = cops.fp8_quantize(
+        w_data, w_t, w_si, _ = cops.eager.fp8_quantize(
             ws, recipe.fp8_format.forward, recipe.margin, 1, True,
             need_t or is_first_microbatch is not None, False, scale, amax,
             WEIGHT * self.num_gemms, cast_backend)
