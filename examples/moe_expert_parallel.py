@@ -13,7 +13,10 @@ Every rank holds ``num_experts / world_size`` experts and a replica of the route
 made once from a seed as a single block with all experts, and each rank loads its shard
 (``load_global_state_dict``), as one would from a checkpoint of the unsharded model. ``--check``
 also runs that unsharded block on every rank's tokens and verifies that this rank's outputs are
-bit-identical to it. The training loop sums the replicated router's gradient over the ranks (DDP
+bit-identical to it. That holds on CPUs, and on one GPU; with several GPU ranks it is not promised:
+the unsharded block's router multiplies W times more rows than a rank's, and cuBLAS may pick
+another kernel for that shape (other last bits in the logits, so a near-tie can route a token to
+another expert); the check then reports the largest difference. The training loop sums the replicated router's gradient over the ranks (DDP
 would do it) and leaves each expert's gradient on its owner.
 """
 
