@@ -3,6 +3,8 @@ with the reference's bits (CPU here; CUDA in the GPU check)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,36 @@ def test_dequantize_torch_result_matches_numpy_result():
     cw = cugrouped.multi_pad_cast_transpose(x, SPLITS, rowwise=False)
     for a, b in zip(cw.dequantize(), want.dequantize()):
         assert np.array_equal(a.numpy(), b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_kind", ["list", "device-tensor"])
+def test_torch_cuda_graph_capture_and_replay(splits_kind):
+    """The op inside a captured CUDA graph (``out=`` buffers, workspaces made by a warm-up call on
+    the capture stream): each replay on new data gives the reference's bits. With the counts in a
+    device tensor the graph follows new splits too, with no host sync and no recapture."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.empty(sum(SPLITS), K, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([2.0, 1.0, 0.5, 8.0], device="cuda")
+    splits = SPLITS if splits_kind == "list" else torch.tensor(SPLITS, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):      # warm-up: per-stream workspaces exist before capture
+        out = cugrouped.multi_pad_cast_transpose(x, splits, scale=scale, column_sums=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        cugrouped.multi_pad_cast_transpose(x, splits, scale=scale, column_sums=True, out=out)
+    plans = [SPLITS, [33, 16, 0, 7], [0, 0, 56, 0]] if splits_kind != "list" else [SPLITS] * 3
+    for m in plans:
+        x.copy_((torch.randn(sum(SPLITS), K, generator=g) * 4).to(torch.bfloat16))
+        if splits_kind != "list":
+            splits.copy_(torch.tensor(m))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.multi_pad_cast_transpose(_np(x.cpu()), m, scale=scale.cpu().numpy(),
+                                                  column_sums=True)
+        got = dataclasses.replace(out, data_t=out.data_t[: want.data_t.size], scale=scale)
+        _same(got, want)
+        assert np.array_equal(out.column_sums.cpu().numpy().view(np.uint32),
+                              want.column_sums.view(np.uint32))
