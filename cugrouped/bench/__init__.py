@@ -121,6 +121,10 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
         for png in write_png([{**env, **r} for r in rows], out / "bench.png"):
             print(f"wrote {png}")
+    if gpu_available():
+        from .targets import check_targets, format_targets
+
+        print(format_targets(check_targets(rows)))
     if failed:
         print(f"bench: these sections failed: {', '.join(failed)}")
     return 1 if failed else 0
