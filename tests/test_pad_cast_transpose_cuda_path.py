@@ -142,3 +142,30 @@ def test_cuda_path_reads_torch_tensors_through_their_pointers(fake_device):
                                                    m_pad_splits=res.m_pad_splits), "e4m3"), want)
     [(_, _, _, a)] = calls
     assert int(a[4]) == out.scale.data_ptr() and int(a[0]["in"][0]) == ts[0].data_ptr()
+
+
+def test_cuda_path_allocates_new_outputs_on_the_inputs_device(fake_device, monkeypatch):
+    """CuPy allocates on the current device: the outputs the op makes must come from inside the
+    inputs' device scope (inputs on device 1 while device 0 is current would otherwise get
+    device-0 outputs, written by kernels on device 1)."""
+    calls, _, _ = fake_device
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def scope(backend, device):
+        inside.append(device)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(pct, "_device_scope", scope)
+    real_outputs = pct._outputs
+    monkeypatch.setattr(pct, "_outputs", lambda g, xp, *a: seen.append(list(inside)) or
+                        real_outputs(g, np, *a))   # NumPy stands in for CuPy's allocator
+    m_splits, k = [5, 0, 19], 32
+    xs = make_inputs(m_splits, k, "bfloat16", seed=3)
+    got = on_device(pct.cast_arrays, xs, column_sums=True)
+    assert seen == [[0]] and len(calls) == 2
+    want = reference.multi_pad_cast_transpose(xs, column_sums=True)
+    assert_same_bits(_fp8_view(got, "e4m3"), want)

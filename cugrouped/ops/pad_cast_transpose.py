@@ -370,14 +370,17 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
                    out=out, dtype=dtype)
     xp = np if backend == "emulate" else __import__("cupy")
-    res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
     if g.m_dev is not None:
-        res.m_splits, res.m_pad_splits = g.m_dev.owner, None
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
     else:
         plans = plan_launches(g.m_splits, g.k, align)
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
+    # New outputs are allocated inside the scope too: CuPy allocates on the current device, and
+    # the kernels (on the inputs' device) must not be handed another device's memory.
     with _device_scope(backend, g.device):
+        res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
+        if g.m_dev is not None:
+            res.m_splits, res.m_pad_splits = g.m_dev.owner, None
         _launch_all(backend, g, res, plans, align, mode, fp8_format, margin, column_sums)
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
