@@ -46,12 +46,13 @@ stage() {
     # instead of each compiling them inside a test's time limit
     stage "kernel warm-up" 120 "$PY" -c "import cugrouped, time; t = time.time(); \
 print('compiled', cugrouped._jit.warmup(), f'in {time.time() - t:.1f} s')"
-    extra=()
+    extra=() tests_env=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=90); fi
-    # references run on the CPU: 8 workers of 2 BLAS threads each on a 16-core host
-    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); export OMP_NUM_THREADS=2; fi
-    stage "GPU tests" "$TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs "${extra[@]}" \
-        --junitxml="$OUT/gpu_tests.xml" tests
+    # references run on the CPU: 8 workers of 2 BLAS threads each on a 16-core host (for this
+    # stage only: the benchmarks and notebooks keep the host's threads)
+    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); tests_env=(env OMP_NUM_THREADS=2); fi
+    stage "GPU tests" "$TESTS_S" "${tests_env[@]}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+        -rfEs "${extra[@]}" --junitxml="$OUT/gpu_tests.xml" tests
     tests_rc=$?
     stage "benchmarks" "$BENCH_S" "$PY" -m cugrouped bench all --quick --out "$OUT"
     bench_rc=$?
