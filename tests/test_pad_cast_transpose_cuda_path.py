@@ -169,3 +169,39 @@ def test_cuda_path_allocates_new_outputs_on_the_inputs_device(fake_device, monke
     assert seen == [[0]] and len(calls) == 2
     want = reference.multi_pad_cast_transpose(xs, column_sums=True)
     assert_same_bits(_fp8_view(got, "e4m3"), want)
+
+
+def test_outgrown_workspaces_are_retired_not_freed(monkeypatch):
+    """A per-stream workspace or scratch outgrown by a larger call is replaced (zeroed / larger)
+    but the old buffer stays alive: a CUDA graph captured before still uses its pointer, and
+    CuPy's pool would hand freed memory to the next allocation on that stream."""
+    import gc
+    import weakref
+
+    cupy = pytest.importorskip("cupy")
+
+    class Device:
+        id = 0
+
+    class Stream:
+        ptr = 0x5A00
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: Device())
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Stream())
+    monkeypatch.setattr(cupy, "zeros", np.zeros)
+    monkeypatch.setattr(cupy, "empty", np.empty)
+    for table in ("_workspaces", "_scratch", "_retired"):
+        monkeypatch.setattr(_launch, table, {} if table != "_retired" else [], raising=False)
+    ws = _launch.device_workspace("count", 10)
+    assert _launch.device_workspace("count", 7) is ws      # large enough: the same buffer
+    old_ws = weakref.ref(ws)
+    sc = _launch.device_scratch("partial", 100)
+    old_sc = weakref.ref(sc)
+    ws.fill(1)                  # as a graph's launches might have left it mid-replay
+    del ws, sc
+    new_ws = _launch.device_workspace("count", 11)
+    new_sc = _launch.device_scratch("partial", (1 << 16) + 1)
+    gc.collect()
+    assert old_ws() is not None and old_sc() is not None, "outgrown buffer freed"
+    assert new_ws.size >= 20 and not new_ws.any() and new_sc.size >= 1 << 17
+    assert _launch.device_workspace("count", 11) is new_ws

@@ -83,7 +83,8 @@ def device_workspace(name: str, ints: int):
     Kernels that use one must leave it zero when they finish (the "last block" reduction pattern):
     it is zeroed once, at allocation, never per call. One per stream, so launches on different
     streams never share counters: launches on one stream run one after the other, and that is the
-    only ordering the pattern needs.
+    only ordering the pattern needs. A buffer outgrown by a larger call is retired, not freed
+    (a graph captured earlier may still use it).
 
     What the key cannot see (each would let two launches share counters concurrently):
 
@@ -101,12 +102,26 @@ def device_workspace(name: str, ints: int):
     key = (dev, stream, name)
     buf = _workspaces.get(key)
     if buf is None or buf.size < ints:
-        buf = cupy.zeros(ints, dtype=np.int32)
-        _workspaces[key] = buf
+        buf = _replace(_workspaces, key, buf, cupy.zeros(_grown(buf, ints), dtype=np.int32))
     return buf
 
 
 _scratch: dict[tuple[int, int, str], object] = {}
+# Buffers outgrown by a larger call: never handed back to CuPy's pool, since a CUDA graph captured
+# before the growth still reads and writes them on replay (the pool would give that memory to the
+# next allocation). Growth at least doubles, so they hold less than the live buffers.
+_retired: list = []
+
+
+def _grown(buf, need: int) -> int:
+    return need if buf is None else max(need, 2 * buf.size)
+
+
+def _replace(table: dict, key, old, new):
+    if old is not None:
+        _retired.append(old)
+    table[key] = new
+    return new
 
 
 def device_scratch(name: str, nbytes: int):
@@ -114,13 +129,13 @@ def device_scratch(name: str, nbytes: int):
     that a kernel writes before it reads it (per-tile partial sums). Kept rather than allocated
     per call, so no pool allocation or free sits in the launch path (a buffer freed right after
     its launch would go back to CuPy's pool while a captured CUDA graph still uses it). Launches
-    on one stream are ordered, so they can share it; see :func:`device_workspace` for what the
-    key cannot see."""
+    on one stream are ordered, so they can share it; an outgrown one is retired, not freed, for
+    the same reason. See :func:`device_workspace` for what the key cannot see."""
     import cupy
 
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name)
     buf = _scratch.get(key)
     if buf is None or buf.size < nbytes:
-        buf = cupy.empty(max(nbytes, 1 << 16), dtype=np.uint8)
-        _scratch[key] = buf
+        buf = _replace(_scratch, key, buf,
+                       cupy.empty(max(_grown(buf, nbytes), 1 << 16), dtype=np.uint8))
     return buf
