@@ -190,6 +190,7 @@ def test_outgrown_workspaces_are_retired_not_freed(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Stream())
     monkeypatch.setattr(cupy, "zeros", np.zeros)
     monkeypatch.setattr(cupy, "empty", np.empty)
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda ptr: False, raising=False)
     for table in ("_workspaces", "_scratch", "_retired"):
         monkeypatch.setattr(_launch, table, {} if table != "_retired" else [], raising=False)
     ws = _launch.device_workspace("count", 10)
@@ -205,3 +206,36 @@ def test_outgrown_workspaces_are_retired_not_freed(monkeypatch):
     assert old_ws() is not None and old_sc() is not None, "outgrown buffer freed"
     assert new_ws.size >= 20 and not new_ws.any() and new_sc.size >= 1 << 17
     assert _launch.device_workspace("count", 11) is new_ws
+
+
+def test_workspace_allocation_inside_a_graph_capture_is_refused_clearly(monkeypatch):
+    """A stream's first workspace (or a larger one) needs a cudaMalloc, which invalidates a CUDA
+    graph capture with a bare CUDA error: refused before any allocation, saying what to do; a
+    buffer already made on that stream is used during capture as usual."""
+    cupy = pytest.importorskip("cupy")
+
+    class Device:
+        id = 0
+
+    class Stream:
+        ptr = 0x5B00
+
+    capturing = []
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: Device())
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Stream())
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing",
+                        lambda ptr: bool(capturing) and ptr == Stream.ptr, raising=False)
+    monkeypatch.setattr(cupy, "zeros", np.zeros)
+    monkeypatch.setattr(cupy, "empty", np.empty)
+    for table in ("_workspaces", "_scratch", "_retired"):
+        monkeypatch.setattr(_launch, table, {} if table != "_retired" else [], raising=False)
+    ws, sc = _launch.device_workspace("count", 64), _launch.device_scratch("partial", 100)
+    capturing.append(True)
+    assert _launch.device_workspace("count", 64) is ws and _launch.device_scratch("partial", 100) is sc
+    monkeypatch.setattr(cupy, "zeros", lambda *a, **k: pytest.fail("allocated during capture"))
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: pytest.fail("allocated during capture"))
+    with pytest.raises(RuntimeError, match="torch.cuda.graph"):
+        _launch.device_workspace("count", 65)
+    with pytest.raises(RuntimeError, match="capture"):
+        _launch.device_scratch("partial", 1 << 20)
+    assert _launch.device_workspace("count", 64) is ws

@@ -91,7 +91,7 @@ def device_workspace(name: str, ints: int):
     * a CUDA graph captured on stream S holds S's buffer; replaying it on another stream while
       eager launches run on S, or two replays of it at once, race on that buffer (and the first
       allocation, ``cupy.zeros``, must not happen during capture: run the op once on S before
-      capturing);
+      capturing; an allocation during capture raises a RuntimeError saying so);
     * a destroyed stream whose handle is reused by a new stream while the old one's kernels still
       run.
     """
@@ -102,6 +102,7 @@ def device_workspace(name: str, ints: int):
     key = (dev, stream, name)
     buf = _workspaces.get(key)
     if buf is None or buf.size < ints:
+        _refuse_capture(stream, name)
         buf = _replace(_workspaces, key, buf, cupy.zeros(_grown(buf, ints), dtype=np.int32))
     return buf
 
@@ -115,6 +116,19 @@ _retired: list = []
 
 def _grown(buf, need: int) -> int:
     return need if buf is None else max(need, 2 * buf.size)
+
+
+def _refuse_capture(stream: int, name: str) -> None:
+    """A new buffer needs CuPy's pool, whose cudaMalloc is not allowed while the stream is being
+    captured into a CUDA graph (it invalidates the capture with a bare CUDA error): say so first."""
+    import cupy
+
+    if stream and cupy.cuda.runtime.streamIsCapturing(stream):
+        raise RuntimeError(
+            f"{name}: this stream's workspace would be allocated inside a CUDA graph capture; run "
+            "the op once on the capturing stream before capturing (with torch: warm up under "
+            "torch.cuda.stream(s), then capture with torch.cuda.graph(g, stream=s)), with sizes "
+            "at least as large as the captured call's")
 
 
 def _replace(table: dict, key, old, new):
@@ -136,6 +150,7 @@ def device_scratch(name: str, nbytes: int):
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name)
     buf = _scratch.get(key)
     if buf is None or buf.size < nbytes:
+        _refuse_capture(key[1], name)
         buf = _replace(_scratch, key, buf,
                        cupy.empty(max(_grown(buf, nbytes), 1 << 16), dtype=np.uint8))
     return buf
