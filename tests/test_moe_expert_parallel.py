@@ -404,6 +404,41 @@ def test_all_to_all_chunks_forward_and_backward(pool):
             assert res[r][f"grad{l}"][:, 0].tolist() == g
 
 
+def _amax_reduction_case(group, reduce):
+    """One delayed-scaling step of a GroupedLinear replicated on every rank (same weights), each
+    rank with its own input scaled by (rank + 1); ``fp8_group`` = the world when ``reduce``."""
+    import torch.distributed as dist
+
+    from cugrouped.pytorch import GroupedLinear
+
+    rank = dist.get_rank(group)
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    x = (torch.randn(40, 32, generator=torch.Generator().manual_seed(7 + rank)) * (rank + 1)
+         ).requires_grad_()
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4),
+                      fp8_group=(group or dist.group.WORLD) if reduce else None):
+        y = layer(x, [10, 0, 30])
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(11 + rank)))
+    return {"history": layer.fp8_amax_history.clone(), "scale": layer.fp8_scale.clone()}
+
+
+def test_fp8_group_reduces_amaxes_to_identical_scales(pool):
+    """With fp8_group, every rank's amax history holds the max over the ranks of each tensor's
+    amax and the scales agree bit for bit; without it they are each rank's own."""
+    W = 2
+    own = pool().run("_amax_reduction_case", tuple(range(W)), False)
+    red = pool().run("_amax_reduction_case", tuple(range(W)), True)
+    assert not torch.equal(own[0]["history"][:, 0], own[1]["history"][:, 0])
+    want = torch.maximum(own[0]["history"][:, 0], own[1]["history"][:, 0])
+    for r in range(W):
+        assert torch.equal(red[r]["history"][:, 0], want)
+        assert torch.equal(red[r]["scale"], red[0]["scale"])
+    # tensors 3..5 are the weights: the same on every rank, so already equal without reduction
+    assert torch.equal(own[0]["history"][3:6, 0], own[1]["history"][3:6, 0])
+    assert torch.count_nonzero(want[3:6]) == 3
+
+
 # a rank that receives no token at all: all of rank 1's experts are empty
 IDLE_RANK = Case(2, (8, 7), empty_experts=(4, 5, 6, 7))
 

@@ -32,7 +32,7 @@ import torch
 
 from . import _custom_ops as cops
 from .fp8_state import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScalingState
-from .recipe import DelayedScaling, Float8CurrentScaling, get_fp8_recipe
+from .recipe import DelayedScaling, Float8CurrentScaling, get_fp8_group, get_fp8_recipe
 
 __all__ = ["GroupedLinear", "set_cpu_cast_backend", "cpu_cast_backend"]
 
@@ -79,6 +79,7 @@ class _Config:
     fuse_bias: bool = False
     fuse_wgrad: bool = False
     cast_backend: str = "emulate"
+    amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
 
     def unpack(self, flat):
         E = self.num_experts
@@ -90,6 +91,14 @@ class _Config:
         state, flat = (flat[:4], flat[4:]) if self.delayed else ((), flat)
         main_grads = flat[:E] if self.fuse_wgrad else ()
         return xs, ws, bs, wq, state, main_grads
+
+
+def _reduce_amax(amax: torch.Tensor, count: int, group) -> None:
+    """This step's amaxes of the first ``count`` tensors, all-reduced (max) over ``group``."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amax[:count], op=dist.ReduceOp.MAX, group=group)
 
 
 def _split(t: torch.Tensor, m_splits) -> list[torch.Tensor]:
@@ -131,6 +140,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 part.add_(b)
         if cfg.delayed and not (need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
             # no backward will run: fold this step's input and weight amaxes in now
+            _reduce_amax(amax, 2 * E, cfg.amax_group)
             cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
                                     cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
         ctx.state = state
@@ -170,6 +180,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not need_wgrad,
                 need_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
             if cfg.delayed:   # one launch: every tensor of every expert
+                _reduce_amax(amax, 3 * E, cfg.amax_group)
                 cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
                                         cfg.amax_compute_algo, cfg.margin, 3 * E,
                                         cfg.cast_backend)
@@ -469,5 +480,5 @@ class GroupedLinear(torch.nn.Module):
         cfg = _Config(list_mode, E, k, n, self.use_bias, True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
-                      bool(main_grads), cast_backend)
+                      bool(main_grads), cast_backend, get_fp8_group() if delayed else None)
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
