@@ -1701,3 +1701,20 @@ def test_custom_ops_cuda_branch_passes_tensors_as_they_are(torch_on_device, pass
     assert kinds == {"torch"}
     odt = "float32" if got.dtype == torch.float32 else "bfloat16"
     _model_close(got.float().numpy(), want.float().numpy(), odt)
+
+
+def test_gemm_workspaces_are_not_allocated_inside_a_graph_capture(monkeypatch):
+    """A first GEMM call on a stream being captured into a CUDA graph would allocate its
+    workspace from CuPy's pool (cudaMalloc invalidates the capture with a bare CUDA error): it
+    raises a RuntimeError that says to warm up on the capturing stream instead."""
+    import cupy
+
+    from cugrouped.bench.gemm import host_loop_state
+
+    st = host_loop_state()
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda ptr: ptr == 0x5000)
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: pytest.fail("allocated during capture"))
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        st.caller_workspace(0x5000)
+    st.caller_ws[0x6000] = 0x7000                     # made before the capture: used as it is
+    assert st.caller_workspace(0x6000) == 0x7000

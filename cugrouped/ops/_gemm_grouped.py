@@ -249,6 +249,7 @@ class _GroupedState:
             if self.alloc is None:
                 import cupy
 
+                _launch.refuse_capture(stream_ptr, "grouped GEMM pointer arrays")
                 ws = cupy.empty(nbytes, dtype=np.uint8)
             else:
                 ws = self.alloc(nbytes)

@@ -71,6 +71,7 @@ class _DeviceState:
 
         from ..cublaslt import Handle, lib
 
+        _launch.refuse_capture(cupy.cuda.get_current_stream().ptr, "grouped GEMM device state")
         cc = int(cupy.cuda.Device(device).compute_capability)
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(NUM_STREAMS)]
         nbytes = workspace_bytes_for(cc)
@@ -92,6 +93,7 @@ class _DeviceState:
         if ws is None:
             import cupy
 
+            _launch.refuse_capture(stream_ptr, "grouped GEMM workspace")
             buf = cupy.empty(self.workspace_bytes, dtype=np.uint8)
             self._keep = self._keep + (buf,)
             ws = self.caller_ws[stream_ptr] = buf.data.ptr

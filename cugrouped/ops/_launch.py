@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
-           "current_emulation_order", "device_workspace", "device_scratch"]
+           "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture"]
 
 BACKENDS = ("cuda", "emulate", "reference")
 
@@ -102,7 +102,7 @@ def device_workspace(name: str, ints: int):
     key = (dev, stream, name)
     buf = _workspaces.get(key)
     if buf is None or buf.size < ints:
-        _refuse_capture(stream, name)
+        refuse_capture(stream, name)
         buf = _replace(_workspaces, key, buf, cupy.zeros(_grown(buf, ints), dtype=np.int32))
     return buf
 
@@ -118,7 +118,7 @@ def _grown(buf, need: int) -> int:
     return need if buf is None else max(need, 2 * buf.size)
 
 
-def _refuse_capture(stream: int, name: str) -> None:
+def refuse_capture(stream: int, name: str) -> None:
     """A new buffer needs CuPy's pool, whose cudaMalloc is not allowed while the stream is being
     captured into a CUDA graph (it invalidates the capture with a bare CUDA error): say so first."""
     import cupy
@@ -150,7 +150,7 @@ def device_scratch(name: str, nbytes: int):
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name)
     buf = _scratch.get(key)
     if buf is None or buf.size < nbytes:
-        _refuse_capture(key[1], name)
+        refuse_capture(key[1], name)
         buf = _replace(_scratch, key, buf,
                        cupy.empty(max(_grown(buf, nbytes), 1 << 16), dtype=np.uint8))
     return buf
