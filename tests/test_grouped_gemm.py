@@ -1429,7 +1429,7 @@ def torch_on_device(monkeypatch):
     arrays); ``_run``'s device scope and per-device state replaced by a recorder and the cuBLASLt
     model. Yields ``(states, scopes, kinds)``: the states by path, the device scopes entered, and
     the array kinds the checks were given."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     import contextlib
 
     from cugrouped.ops import _gemm_checks
@@ -1449,6 +1449,11 @@ def torch_on_device(monkeypatch):
     scopes = []
     monkeypatch.setattr(gg, "_device_scope",
                         lambda device: scopes.append(device) or contextlib.nullcontext())
+    # the torch front: torch's stream made current (a no-op here), new outputs on the CPU
+    from cugrouped.pytorch import functional
+
+    monkeypatch.setattr(functional, "launch_context", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(functional, "_gemm_device", lambda problem: torch.device("cpu"))
     gg.clear_memo()
     yield states, scopes, kinds, use
     gg.clear_memo()
@@ -1544,14 +1549,11 @@ def test_torch_tensors_take_the_grouped_path(torch_on_device, pass_name):
 
 
 def test_torch_tensor_refusals(torch_on_device):
-    """Torch operands need out= (the ops allocate CuPy or NumPy only), one kind per call, and
-    torch CPU tensors are not run by the reference backend (it computes on NumPy)."""
+    """One kind per call; accumulation needs the gradients to add into."""
     import torch
 
     X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
     Xt, Wt, DYt = (_torch_operand(a) for a in (X, W, DY))
-    with pytest.raises(ValueError, match="out: torch operands need an out= buffer"):
-        grouped_fprop(Xt, Wt)
     with pytest.raises(ValueError, match="accumulate=True adds into existing gradients"):
         grouped_wgrad(Xt, DYt, accumulate=True)
     with pytest.raises(ValueError, match="out: must be a torch array on the operands' device"):
@@ -1568,13 +1570,47 @@ def test_torch_tensor_refusals(torch_on_device):
         grouped_fprop(Xt, Wt, out=torch.empty((24, 48)))
 
 
-def test_torch_cpu_tensors_are_refused_by_the_reference_backend():
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_torch_tensors_in_torch_tensors_out(torch_on_device, pass_name):
+    """Torch operands without out=: the output comes from torch (CUDA: torch's allocator, here
+    the fixture's CPU stand-in) with the reference's values; with torch CPU tensors and the
+    reference backend, the NumPy twin runs on zero-copy views and returns a torch tensor."""
+    import torch
+
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
+    tens = tuple(_torch_operand(a) for a in host)
+    got = fn(*tens, out_dtype=odt)                       # "CUDA" path, new torch output
+    assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, odt)
+    _model_close(_torch_np(got), ref, odt)
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_torch_cpu_tensors_run_the_reference_and_return_torch(pass_name):
     torch = pytest.importorskip("torch")
-    X, W, _ = make_fp8([5, 0, 19], 32, 48, seed=0)
-    with pytest.raises(TypeError, match="torch CPU tensors: the reference backend computes on NumPy"):
-        grouped_fprop(_torch_operand(X), _torch_operand(W),
-                      out=torch.empty((24, 48), dtype=torch.bfloat16))
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
+    tens = tuple(_torch_operand(a) for a in host)
+    got = fn(*tens, out_dtype=odt)                       # the twin on views of the tensors
+    assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, odt)
+    assert np.array_equal(_torch_np(got).view(np.uint8), ref.view(np.uint8))
+    out = torch.full(tuple(ref.shape), float("nan"), dtype=getattr(torch, odt))
+    assert fn(*tens, out=out, out_dtype=odt) is out      # written in place through a view
+    assert np.array_equal(_torch_np(out).view(np.uint8), ref.view(np.uint8))
     gg.clear_memo()
+
+
+def _torch_np(t):
+    import torch
+
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 \
+        else t.numpy()
 
 
 def test_memo_keys_torch_tensors(torch_on_device):
@@ -1718,3 +1754,29 @@ def test_gemm_workspaces_are_not_allocated_inside_a_graph_capture(monkeypatch):
         st.caller_workspace(0x5000)
     st.caller_ws[0x6000] = 0x7000                     # made before the capture: used as it is
     assert st.caller_workspace(0x6000) == 0x7000
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_in_torch_tensors_out_on_torchs_stream():
+    """grouped_fprop on CUDA torch tensors, called on a torch side stream with no out=: a torch
+    output from torch's allocator, computed on that stream, within the FP8 tolerance."""
+    torch = pytest.importorskip("torch")
+    m_splits, k, n = [40, 0, 24], 64, 32
+    X, W, _ = make_fp8(m_splits, k, n, seed=3)
+    ref = np.asarray(grouped_fprop(X, W, out_dtype="float32", backend="reference"))
+
+    def cuda(op):
+        t = _torch_operand(op)
+        return dataclasses.replace(t, **{f: getattr(t, f).cuda() for f in
+                                         ("data", "amax", "scale", "scale_inv")
+                                         if getattr(t, f) is not None})
+
+    Xc, Wc = cuda(X), cuda(W)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = grouped_fprop(Xc, Wc, out_dtype="float32")
+    s.synchronize()
+    assert isinstance(y, torch.Tensor) and y.is_cuda and y.dtype == torch.float32
+    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
+    _assert_close(y.cpu().numpy(), ref, _abs_sum(xs, ws, "fprop"), "float32", 2**-11)

@@ -1,6 +1,7 @@
-"""Framework-neutral ops: NumPy / CuPy arrays in, same kind out; CUDA torch tensors are read
-through their pointers when the caller provides the outputs (what :mod:`cugrouped.pytorch` does;
-this package never imports torch). Importing it registers every kernel spec with the JIT
+"""Framework-neutral ops: NumPy / CuPy / torch in, same kind out. Device arrays of any kind are
+read through their pointers; torch outputs come from torch's allocator and torch's current stream
+is used (:mod:`cugrouped.pytorch.functional`, imported only when torch tensors are given: this
+package never imports torch itself). Importing it registers every kernel spec with the JIT
 (compile-check and warmup rely on it)."""
 
 from ._launch import emulation_order, record_launches

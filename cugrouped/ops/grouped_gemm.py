@@ -94,7 +94,9 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
     out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``.
     fast_accum : FP8 fast accumulation (cuBLASLt ``FAST_ACCUM``); ignored without FP8.
     backend : ``"cuda"`` (cuBLASLt, device arrays), ``"reference"`` (NumPy twin, host arrays) or
-        None to pick by where the data lives.
+        None to pick by where the data lives. NumPy, CuPy and torch operands (one kind per call)
+        give a result of the same kind; CUDA torch tensors run on ``torch.cuda.current_stream()``
+        with the output from torch's allocator, CPU torch tensors run the twin on zero-copy views.
 
     path : None (the grouped GEMM where cuBLASLt and the operands allow it, else the per-expert
         loop; see :func:`choose_path`), ``"loop"``, or ``"grouped"`` (raise if it cannot run).
@@ -133,9 +135,17 @@ def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str =
 
 
 def _run(call: "Checked", out, backend, path=None):
-    problem = call.problem
     if path not in (None, "loop", "grouped"):
         raise ValueError(f"path: got {path!r}, expected None, 'loop' or 'grouped'")
+    if call.problem.place[2] == "torch":   # torch in, torch out: outputs and stream from torch
+        from ..pytorch.functional import grouped_gemm as torch_front
+
+        return torch_front(call, out, backend, path, _run_arrays)
+    return _run_arrays(call, out, backend, path)
+
+
+def _run_arrays(call: "Checked", out, backend, path=None):
+    problem = call.problem
     on_device, device, kind = problem.place
     backend = _backend(backend, on_device)
     if backend == "reference":

@@ -15,9 +15,9 @@ import torch
 
 from ..grouped_fp8 import GroupedFP8
 from ..ops import pad_cast_transpose as _pct
-from ._adapters import FP8_TORCH_DTYPES, launch_context, to_array
+from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
 
-__all__ = ["multi_pad_cast_transpose"]
+__all__ = ["multi_pad_cast_transpose", "grouped_gemm"]
 
 
 def _arr(t):
@@ -90,3 +90,63 @@ def _bytes(t):
 
 def _same(t):
     return t
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped GEMMs on torch tensors.
+
+def grouped_gemm(call, out, backend, path, run):
+    """``cugrouped.grouped_fprop/dgrad/wgrad`` with torch operands (called by the ops once the
+    arguments are checked): torch tensors back. CUDA: the output, when not given, comes from
+    torch's allocator and the GEMMs run on ``torch.cuda.current_stream()``; the operands are
+    read through their pointers (``run`` is the ops' array path). CPU: the NumPy twin on
+    zero-copy views of the tensors."""
+    problem = call.problem
+    on_device, device, _ = problem.place
+    if not on_device:
+        from .. import ops
+
+        op = getattr(ops, f"grouped_{problem.pass_name}")
+        args = [_host_view(a) for a in call.args]
+        kwargs = {k: _host_view(v) for k, v in call.kwargs.items()}
+        res = op(*args, out=_host_view(out), backend=backend, path=path, **kwargs)
+        return out if out is not None else _from_host(res)
+    if out is None:
+        out = _new_gemm_output(problem, _gemm_device(problem))
+    with launch_context(_gemm_device(problem)):
+        run(call, out, backend, path)
+    return out
+
+
+def _gemm_device(problem) -> torch.device:
+    return torch.device("cuda", problem.place[1])
+
+
+def _new_gemm_output(problem, device) -> torch.Tensor:
+    from ..ops._gemm_checks import _ACCUMULATE_NEEDS_OUT, _out_shape
+
+    if problem.pass_name == "wgrad" and problem.accumulate:
+        raise ValueError(_ACCUMULATE_NEEDS_OUT)
+    return torch.empty(_out_shape(problem), dtype=TORCH_DTYPES[problem.out_dtype], device=device)
+
+
+def _host_view(a):
+    """Torch CPU tensors (alone, in lists, in a GroupedFP8) as zero-copy NumPy views."""
+    if isinstance(a, torch.Tensor):
+        return _arr(a) if a.element_size() != 1 else to_array(a.view(torch.uint8))[0]
+    if isinstance(a, GroupedFP8):
+        fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
+        return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in fields})
+    if isinstance(a, (list, tuple)):
+        return type(a)(_host_view(v) for v in a)
+    return a
+
+
+def _from_host(a) -> torch.Tensor:
+    """A NumPy result as a torch tensor over the same memory (bfloat16 restored)."""
+    import ml_dtypes
+    import numpy as np
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
