@@ -10,7 +10,7 @@ def _cmd_compile_check(args) -> int:
     from ._compile_check import ARCHS, compile_check
 
     archs = tuple(a.strip().removeprefix("sm_") for a in args.arch.split(",")) if args.arch else ARCHS
-    return compile_check(archs, names=tuple(args.kernel) or None)
+    return compile_check(archs, names=tuple(args.kernel) or None, sass=args.sass)
 
 
 def _cmd_demo(args) -> int:
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compile-check", help="NVRTC-compile every kernel for sm_80/89/90/100 (no GPU needed)")
     c.add_argument("--arch", default="", help="comma-separated list, e.g. 90,100 (default: 80,89,90,100)")
     c.add_argument("--kernel", action="append", default=[], help="only this registered kernel (repeatable)")
+    c.add_argument("--sass", action="store_true",
+                   help="also disassemble (nvdisasm): 16-byte loads/stores, FP8 conversions, local memory")
     c.set_defaults(func=_cmd_compile_check)
 
     b = sub.add_parser("bench", help="benchmarks against the peers (GPU); host planning cost (CPU)")

@@ -97,11 +97,12 @@ def parse_ptxas_log(log: str, arch: str, mapping: dict[str, str]) -> list[Kernel
 
 
 def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | None = None,
-                  echo=print) -> int:
+                  echo=print, sass: bool = False) -> int:
     """Compile every registered kernel for ``archs``; print a table; return a process exit code.
 
     Non-zero when a compile fails, when ptxas reports no entry for an instantiation, or when any
-    kernel spills.
+    kernel spills. ``sass``: also disassemble each cubin (``nvdisasm``) and print, per kernel,
+    its 16-byte global loads/stores, FP8 conversion instructions and local-memory accesses.
     """
     from . import ops  # noqa: F401  (importing the ops registers their kernel specs)
 
@@ -123,12 +124,16 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
     for spec_name, spec in specs.items():
         for arch in archs:
             try:
-                _, mapping, log = compile_offline(spec, arch)
+                image, mapping, log = compile_offline(spec, arch)
             except Exception as exc:  # CompileException carries the NVRTC log
                 failures += 1
                 echo(f"sm_{arch:<3}  COMPILE ERROR in {spec.source}:\n{exc}")
                 continue
             found = parse_ptxas_log(log, arch, mapping)
+            if sass:
+                from ._sass import disassemble_image, summary
+
+                code = disassemble_image(image, mapping)
             missing = set(spec.name_expressions) - {r.name for r in found}
             for name in sorted(missing):
                 failures += 1
@@ -139,6 +144,8 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
                 failures += bool(r.spills)
                 echo(f"sm_{arch:<3}  {r.registers:>4}  {r.spill_stores:>5}/{r.spill_loads:<5}  "
                      f"{r.stack_bytes:>5}  {r.shared_bytes:>6}  {r.name}{flag}")
+                if sass:
+                    echo(f"{'':>42}SASS: {summary(code[r.name])}")
     echo(f"compile-check: {count} kernel compiles over {len(archs)} architectures, "
          f"{failures} problem(s)")
     return 1 if failures else 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import _compile_check, _jit
 
-__all__ = ["find_nvdisasm", "disassemble", "memory_ops"]
+__all__ = ["find_nvdisasm", "disassemble", "disassemble_image", "memory_ops", "summary"]
 
 _FUNC_RE = re.compile(r"^\s*\.text\.(\S+):\s*$", re.M)
 _MEM_RE = re.compile(r"\b(?:LDG|STG|LDS|STS|LDL|STL|ATOMG|RED|F2FP)(?:\.[A-Z0-9_]+)*")
@@ -33,10 +33,17 @@ def find_nvdisasm() -> str | None:
 
 def disassemble(spec: _jit.KernelSpec, arch: str) -> dict[str, str]:
     """``{name expression: SASS text}`` for every instantiation of ``spec`` on ``sm_<arch>``."""
+    if find_nvdisasm() is None:      # before the compile: say what is missing at once
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the test extra)")
+    image, mapping, _ = _compile_check.compile_offline(spec, arch)
+    return disassemble_image(image, mapping)
+
+
+def disassemble_image(image: bytes, mapping: dict[str, str]) -> dict[str, str]:
+    """``{name expression: SASS text}`` of a cubin from :func:`_compile_check.compile_offline`."""
     tool = find_nvdisasm()
     if tool is None:
         raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the test extra)")
-    image, mapping, _ = _compile_check.compile_offline(spec, arch)
     # CuPy's getCUBIN drops the last byte (it strips a trailing NUL as for PTX text); the ELF
     # program headers end exactly there, so put the zero back for nvdisasm.
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,3 +60,12 @@ def memory_ops(sass: str) -> collections.Counter:
     """Counts of the memory and FP8-conversion instructions in one kernel's SASS, by full
     opcode (``LDG.E.128``, ``STG.E.U8``, ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C``, ...)."""
     return collections.Counter(_MEM_RE.findall(sass))
+
+
+def summary(sass: str) -> str:
+    """One line: 16-byte global loads / stores, hardware FP8 conversions, local-memory accesses."""
+    ops = memory_ops(sass)
+    local = sum(v for op, v in ops.items() if op.startswith(("LDL", "STL")))
+    f2fp = sum(v for op, v in ops.items() if op.startswith("F2FP"))
+    return (f"LDG.128 x{ops['LDG.E.128']}, STG.128 x{ops['STG.E.128']}, F2FP x{f2fp}, "
+            f"local memory x{local}")

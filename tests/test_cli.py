@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cugrouped.__main__ import main
 
 
@@ -44,3 +46,18 @@ def test_compile_check_one_kernel_one_arch(capsys):
     assert main(["compile-check", "--kernel", "pad_cast_transpose", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out
     assert "18 kernel compiles over 1 architectures, 0 problem(s)" in out
+
+
+def test_compile_check_sass_summary(capsys):
+    """``--sass``: one disassembly line per kernel under its resource line."""
+    from cugrouped import _sass
+
+    if _sass.find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    assert main(["compile-check", "--kernel", "scale_update", "--arch", "89", "--sass"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("sm_89")]
+    assert len(rows) == 2
+    for i in rows:
+        assert lines[i + 1].split() == ["SASS:", "LDG.128", "x0,", "STG.128", "x0,", "F2FP", "x0,",
+                                        "local", "memory", "x0"]
