@@ -1257,6 +1257,30 @@ def _model_cases():
             yield pass_name, operands
 
 
+def _model_operands(pass_name, operands, m_splits, k, n, seed):
+    """(X, W, DY, k, n) for a model test: FP8 pairs ``"AxB"`` (the cuBLAS call's A and B formats)
+    from the cast op, or plain arrays of one dtype (k and n grown by 8: not multiples of 16)."""
+    if "x" in operands:
+        a_fmt, b_fmt = operands.split("x")
+        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
+                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
+                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
+        return (*make_fp8(m_splits, k, n, seed=seed, **fmts), k, n)
+    k, n = k + 8, n + 8
+    rng = np.random.default_rng(seed)
+    dt = NP_DTYPE[operands]
+    X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
+    W = np.stack([rand(rng, (n, k), 0.1).astype(dt) for _ in m_splits])
+    DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
+    return X, W, DY, k, n
+
+
+def _pass_call(pass_name, X, W, DY):
+    """The op of ``pass_name`` and its operands among X, W, DY."""
+    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
+    return fn, {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+
+
 @pytest.mark.parametrize("pass_name,operands", list(_model_cases()))
 @pytest.mark.parametrize("split", ["skewed", "empty_first", "empty_last", "single"])
 def test_loop_calls_computed_by_a_cublaslt_model_equal_the_reference(split, pass_name, operands):
@@ -1265,20 +1289,10 @@ def test_loop_calls_computed_by_a_cublaslt_model_equal_the_reference(split, pass
     gg.clear_memo()
     m_splits, k, n = SPLITS[split]
     fp8 = "x" in operands
+    X, W, DY, k, n = _model_operands(pass_name, operands, m_splits, k, n, seed=21)
     if fp8:
-        a_fmt, b_fmt = operands.split("x")     # (A, B) of the cuBLAS call
-        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
-                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
-                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
-        X, W, DY = make_fp8(m_splits, k, n, seed=21, **fmts)
         outs = OUT_DTYPES if pass_name != "wgrad" else ("float32", "bfloat16")
     else:
-        k, n = k + 8, n + 8
-        rng = np.random.default_rng(5)
-        dt = NP_DTYPE[operands]
-        X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
-        W = np.stack([rand(rng, (n, k), 0.1).astype(dt) for _ in m_splits])
-        DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
         outs = {"bfloat16": ("bfloat16", "float32"), "float16": ("float16", "float32"),
                 "float32": ("float32",)}[operands]
     fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
@@ -1481,23 +1495,9 @@ def test_torch_tensors_take_the_cuda_path_to_the_reference(torch_on_device, spli
     st, calls = states["loop"]
     m_splits, k, n = SPLITS[split]
     fp8 = "x" in operands
-    if fp8:
-        a_fmt, b_fmt = operands.split("x")
-        fmts = {"fprop": dict(w_fmt=a_fmt, x_fmt=b_fmt, g_fmt="e4m3"),
-                "dgrad": dict(w_fmt=a_fmt, g_fmt=b_fmt, x_fmt="e4m3"),
-                "wgrad": dict(x_fmt=a_fmt, g_fmt=b_fmt, w_fmt="e4m3")}[pass_name]
-        X, W, DY = make_fp8(m_splits, k, n, seed=31, **fmts)
-        out_dtype = "bfloat16" if pass_name != "wgrad" else "float32"
-    else:
-        k, n = k + 8, n + 8
-        rng = np.random.default_rng(6)
-        dt = NP_DTYPE[operands]
-        X = [rand(rng, (m, k)).astype(dt) for m in m_splits]
-        W = np.stack([rand(rng, (n, k), 0.1).astype(dt) for _ in m_splits])
-        DY = [rand(rng, (m, n)).astype(dt) for m in m_splits]
-        out_dtype = "float32"
-    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
-    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
+    X, W, DY, k, n = _model_operands(pass_name, operands, m_splits, k, n, seed=31)
+    out_dtype = ("bfloat16" if pass_name != "wgrad" else "float32") if fp8 else "float32"
+    fn, host = _pass_call(pass_name, X, W, DY)
     dev = tuple(_torch_operand(a) for a in host)
     ref = np.asarray(fn(*host, out_dtype=out_dtype, backend="reference"))
     out = _nan_like_out(ref.shape, out_dtype)
@@ -1577,12 +1577,7 @@ def test_torch_tensors_in_torch_tensors_out(torch_on_device, pass_name):
     reference backend, the NumPy twin runs on zero-copy views and returns a torch tensor."""
     import torch
 
-    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
-    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
-    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
-    odt = "float32" if pass_name == "wgrad" else "bfloat16"
-    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
-    tens = tuple(_torch_operand(a) for a in host)
+    fn, tens, odt, ref = _torch_case(pass_name)
     got = fn(*tens, out_dtype=odt)                       # "CUDA" path, new torch output
     assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, odt)
     _model_close(_torch_np(got), ref, odt)
@@ -1591,12 +1586,7 @@ def test_torch_tensors_in_torch_tensors_out(torch_on_device, pass_name):
 @pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
 def test_torch_cpu_tensors_run_the_reference_and_return_torch(pass_name):
     torch = pytest.importorskip("torch")
-    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
-    fn = {"fprop": grouped_fprop, "dgrad": grouped_dgrad, "wgrad": grouped_wgrad}[pass_name]
-    host = {"fprop": (X, W), "dgrad": (DY, W), "wgrad": (X, DY)}[pass_name]
-    odt = "float32" if pass_name == "wgrad" else "bfloat16"
-    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
-    tens = tuple(_torch_operand(a) for a in host)
+    fn, tens, odt, ref = _torch_case(pass_name)
     got = fn(*tens, out_dtype=odt)                       # the twin on views of the tensors
     assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, odt)
     assert np.array_equal(_torch_np(got).view(np.uint8), ref.view(np.uint8))
@@ -1604,6 +1594,15 @@ def test_torch_cpu_tensors_run_the_reference_and_return_torch(pass_name):
     assert fn(*tens, out=out, out_dtype=odt) is out      # written in place through a view
     assert np.array_equal(_torch_np(out).view(np.uint8), ref.view(np.uint8))
     gg.clear_memo()
+
+
+def _torch_case(pass_name):
+    """(op, its operands as torch CPU tensors, out dtype, the reference's result)."""
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
+    fn, host = _pass_call(pass_name, X, W, DY)
+    odt = "float32" if pass_name == "wgrad" else "bfloat16"
+    ref = np.asarray(fn(*host, out_dtype=odt, backend="reference"))
+    return fn, tuple(_torch_operand(a) for a in host), odt, ref
 
 
 def _torch_np(t):
