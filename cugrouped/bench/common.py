@@ -35,17 +35,17 @@ def spin(ns: int) -> None:
 
 def host_us(fn, runs: int = 20) -> float:
     """Median host (CPU) time of one call of ``fn`` in microseconds: what the call costs the
-    Python thread that enqueues it, the GPU work itself not waited for (synchronised between
-    calls so that the queue never fills up)."""
+    Python thread that enqueues it, the GPU work itself not waited for (each call starts on an
+    idle device, so the launch queue never fills up and blocks it)."""
     import cupy
 
     times = []
     for i in range(runs):
-        cupy.cuda.get_current_stream().synchronize()
+        cupy.cuda.Device().synchronize()
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
-    cupy.cuda.get_current_stream().synchronize()
+    cupy.cuda.Device().synchronize()
     return float(np.median(times)) * 1e6
 
 

@@ -13,11 +13,10 @@ neither torch nor a GPU; :func:`bench_host_loop` runs on the CPU.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
-from .common import median_ms, moe_splits
+from .common import host_us, median_ms, moe_splits
 
 __all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "bench_gemm",
            "bench_host_loop", "host_loop_state"]
@@ -61,13 +60,6 @@ GEMM_CONFIGS = (
     GemmBench("fine-E64-2048to1408", 64, 2048, 1408, 8192, True),
 )
 QUICK_GEMM = (GEMM_CONFIGS[1], GEMM_CONFIGS[8])
-
-
-def _host_us_per_expert(fn, experts: int, reps: int = 20) -> float:
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn(0)
-    return (time.perf_counter() - t0) / reps / experts * 1e6
 
 
 def dense_peaks_tflops(size: int = 8192) -> dict[str, float]:
@@ -273,7 +265,7 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
                 if peaks:
                     row["pct_peak"] = 100 * tflops / peaks[peak_kind]
                 if is_ours:
-                    row["host_us_per_expert"] = _host_us_per_expert(fn, cfg.experts)
+                    row["host_us_per_expert"] = host_us(fn) / cfg.experts
                 if impl == "cugrouped-fp8":
                     ours = ms
                 elif ours is not None:

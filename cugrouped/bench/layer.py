@@ -28,11 +28,10 @@ with its three GEMMs).
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 
-from .common import median_ms
+from .common import host_us, median_ms
 from .gemm import GEMM_CONFIGS, QUICK_GEMM, GemmBench
 
 __all__ = ["LAYER_CONFIGS", "QUICK_LAYER", "PRECISIONS", "layer_flops", "layer_bytes",
@@ -170,21 +169,6 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     return layer, impls
 
 
-def _host_us(fn, reps: int) -> float:
-    """Median host time of one call that starts on an idle GPU (the launch queue never fills, so
-    this is the CPU cost of issuing the step, not the GPU time)."""
-    import torch
-
-    times = []
-    for i in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return float(np.median(times)) * 1e6
-
-
 def _rel_err(y, ref) -> float:
     import torch
 
@@ -235,7 +219,7 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                 print(f"{cfg.name:<24} {impl:<30} skipped: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
             ms = median_ms(step, runs)
-            host = _host_us(step, host_reps)
+            host = host_us(step, host_reps)
             tflops = flops / ms / 1e9
             peak = peaks["fp8" if precision.startswith("fp8") else "bf16"]
             roof_ms = max(flops / peak / 1e9, layer_bytes(cfg, precision) / bw / 1e6)

@@ -25,7 +25,7 @@ __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "chec
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE",
-           "cast_arrays", "cuda_arguments"]
+           "cast_arrays", "cuda_arguments", "check_options"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -283,13 +283,16 @@ def _check_views(views: list[ArrayView], is_list: bool) -> None:
         raise ValueError(f"inputs: expected k >= 1 columns, got {k}")
 
 
-def _check_options(fp8_format: str, margin: int, align: int) -> None:
+def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True,
+                  columnwise: bool = True) -> None:
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
     if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
         raise ValueError(f"align: expected a positive int, got {align!r}")
     if not isinstance(margin, (int, np.integer)) or isinstance(margin, bool) or not 0 <= margin <= 64:
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one must be True")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,9 +334,6 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
 
     The FP8 GEMMs need ``k % 16 == 0``; this op is right for any ``k >= 1``.
     """
-    _check_options(fp8_format, margin, align)
-    if not (rowwise or columnwise):
-        raise ValueError("rowwise, columnwise: at least one must be True")
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
     if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
         from ..pytorch.functional import multi_pad_cast_transpose as torch_op
@@ -355,9 +355,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
     buffers (uint8 ``data`` / ``data_t``)."""
-    _check_options(fp8_format, margin, align)
-    if not (rowwise or columnwise):
-        raise ValueError("rowwise, columnwise: at least one must be True")
+    check_options(fp8_format, margin, align, rowwise, columnwise)
     g = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)

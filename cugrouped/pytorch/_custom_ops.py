@@ -17,6 +17,7 @@ Token counts ``m_splits`` are host ints: the per-expert GEMM loop needs them on 
 
 from __future__ import annotations
 
+import types
 from typing import List, Optional  # noqa: UP035  (torch.library's schema inference reads them)
 
 import torch
@@ -293,15 +294,8 @@ def _(amax_history, amax, scale, scale_inv, num_e4m3, amax_compute_algo, margin,
     return None
 
 
-class _Eager:
-    """The ops as the layer calls them: in eager mode the Python bodies directly (a call through
-    torch's dispatcher costs ~15-40 us of host time, several times per step), the registered
-    custom ops whenever torch.compile traces or a dispatch mode is active (same results: the
-    custom op runs the same body)."""
-
-    def __init__(self):
-        for name in _OPS:
-            setattr(self, name, _choose(name))
-
-
-eager = _Eager()
+# The ops as the layer calls them: in eager mode the Python bodies directly (a call through
+# torch's dispatcher costs ~15-40 us of host time, several times per step), the registered custom
+# ops whenever torch.compile traces or a dispatch mode is active (same results: the custom op
+# runs the same body).
+eager = types.SimpleNamespace(**{name: _choose(name) for name in _OPS})

@@ -35,6 +35,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
 
     CUDA tensors go to the op as they are (it reads their pointers: no DLPack round trip per
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
+    _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("inputs: expected torch tensors (all of them)")
@@ -133,7 +134,7 @@ def _new_gemm_output(problem, device) -> torch.Tensor:
 def _host_view(a):
     """Torch CPU tensors (alone, in lists, in a GroupedFP8) as zero-copy NumPy views."""
     if isinstance(a, torch.Tensor):
-        return _arr(a) if a.element_size() != 1 else to_array(a.view(torch.uint8))[0]
+        return _arr(a)
     if isinstance(a, GroupedFP8):
         fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
         return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in fields})
