@@ -12,7 +12,7 @@ import pytest
 from cugrouped.bench import common
 
 
-@pytest.mark.parametrize("arch", ["80", "90", "100"])
+@pytest.mark.parametrize("arch", ["80", "89", "90", "100"])
 def test_spin_kernel_compiles_with_nvrtc(arch):
     """The spin kernel (inline PTX reading %globaltimer) compiles for every target, no GPU needed."""
     from cupy.cuda.compiler import _NVRTCProgram
