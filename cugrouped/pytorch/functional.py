@@ -19,6 +19,8 @@ from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
 
 __all__ = ["multi_pad_cast_transpose", "grouped_gemm"]
 
+_FIELDS = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")   # GroupedFP8 buffers
+
 
 def _arr(t):
     """Zero-copy NumPy view of a CPU tensor (1-byte tensors as uint8 bytes), or None."""
@@ -41,7 +43,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         raise TypeError("inputs: expected torch tensors (all of them)")
     dev = tensors[0].device
     if dev.type == "cuda":
-        xs, tag, conv = inputs, dtype, _same
+        xs, tag, conv = inputs, dtype, _bytes       # tensors as they are (FP8 as bytes)
     else:
         arrays = [to_array(t) for t in tensors]
         tag = dtype or arrays[0][1]
@@ -66,8 +68,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             scale=torch.empty(E, **f32) if scale is None else scale,
             scale_inv=torch.empty(E, **f32), fp8_format=fp8_format, k=k, align=align,
             column_sums=torch.empty((E, k), **f32) if column_sums else None)
-    fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
-    views = dataclasses.replace(out, **{f: conv(_bytes(getattr(out, f))) for f in fields})
+    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in _FIELDS})
     with launch_context(dev):
         res = _pct.cast_arrays(
             xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
@@ -86,10 +87,6 @@ def _bytes(t):
     """1-byte tensors (FP8 data) as their uint8 bytes; anything else as it is."""
     if isinstance(t, torch.Tensor) and t.element_size() == 1 and t.dtype != torch.uint8:
         return t.view(torch.uint8)
-    return t
-
-
-def _same(t):
     return t
 
 
@@ -136,8 +133,7 @@ def _host_view(a):
     if isinstance(a, torch.Tensor):
         return _arr(a)
     if isinstance(a, GroupedFP8):
-        fields = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
-        return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in fields})
+        return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in _FIELDS})
     if isinstance(a, (list, tuple)):
         return type(a)(_host_view(v) for v in a)
     return a
