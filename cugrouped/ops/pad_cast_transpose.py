@@ -571,7 +571,7 @@ def _nullable(*arrays):
     return tuple(np.uint64(0) if a is None else a for a in arrays)
 
 
-def cuda_arguments(name: str, chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptrs,
+def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptrs,
                    colsum) -> tuple:
     """The argument tuple of one CUDA launch, in the order and C widths of the kernel's signature
     ``(PctGroup g, i64 k, i32 align, i32 margin, float* scale, float* amax, float* scale_inv,
@@ -592,15 +592,15 @@ def cuda_arguments(name: str, chunk: ChunkLaunch, arg, k: int, align: int, margi
 
 
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum) -> None:
-    scale, amax, scale_inv = ptrs
     grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
-    scalars = (np.int64(k), np.int32(align), np.int32(margin))
-    tiles_k = -(-k // TILE_K)
     if backend == "cuda":
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), cuda_arguments(name, chunk, arg, k, align, margin, ptrs, colsum))
-    else:
+        kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, margin, ptrs, colsum))
+    else:   # host buffers, made per launch and checked after it
+        scale, amax, scale_inv = ptrs
+        scalars = (np.int64(k), np.int32(align), np.int32(margin))
+        tiles_k = -(-k // TILE_K)
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
         partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
