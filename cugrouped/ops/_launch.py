@@ -97,14 +97,7 @@ def device_workspace(name: str, ints: int):
     """
     import cupy
 
-    dev = cupy.cuda.Device().id
-    stream = cupy.cuda.get_current_stream().ptr
-    key = (dev, stream, name)
-    buf = _workspaces.get(key)
-    if buf is None or buf.size < ints:
-        refuse_capture(stream, name)
-        buf = _replace(_workspaces, key, buf, cupy.zeros(_grown(buf, ints), dtype=np.int32))
-    return buf
+    return _kept(_workspaces, name, ints, lambda size: cupy.zeros(size, dtype=np.int32))
 
 
 _scratch: dict[tuple[int, int, str], object] = {}
@@ -131,6 +124,21 @@ def refuse_capture(stream: int, name: str) -> None:
             "at least as large as the captured call's")
 
 
+def _kept(table: dict, name: str, size: int, make):
+    """The buffer of ``table`` for (current device, current stream, ``name``) with at least
+    ``size`` items: kept from an earlier call, else made by ``make(n)`` (growth at least doubles;
+    the outgrown one is retired), never inside a graph capture."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream().ptr
+    key = (cupy.cuda.Device().id, stream, name)
+    buf = table.get(key)
+    if buf is None or buf.size < size:
+        refuse_capture(stream, name)
+        buf = _replace(table, key, buf, make(_grown(buf, size)))
+    return buf
+
+
 def _replace(table: dict, key, old, new):
     if old is not None:
         _retired.append(old)
@@ -147,10 +155,5 @@ def device_scratch(name: str, nbytes: int):
     the same reason. See :func:`device_workspace` for what the key cannot see."""
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name)
-    buf = _scratch.get(key)
-    if buf is None or buf.size < nbytes:
-        refuse_capture(key[1], name)
-        buf = _replace(_scratch, key, buf,
-                       cupy.empty(max(_grown(buf, nbytes), 1 << 16), dtype=np.uint8))
-    return buf
+    return _kept(_scratch, name, nbytes,
+                 lambda size: cupy.empty(max(size, 1 << 16), dtype=np.uint8))
