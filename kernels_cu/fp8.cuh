@@ -188,6 +188,15 @@ CG_HOST_DEVICE float fp8_to_float(u8 v) {
 // Scales (current scaling, design.md §3): scale = fp8_max / amax / 2^margin.
 // ---------------------------------------------------------------------------------------------
 
+// An amax a scale can be derived from: positive, normal and finite (decided on bits, so the
+// GPU's FTZ comparisons cannot disagree with the CPU).
+CG_HOST_DEVICE bool amax_usable(float amax) {
+    const u32 u = f32_bits(amax);
+    const u32 ex = u & 0x7F800000u;
+    return !(u & 0x80000000u) && ex != 0u && ex != 0x7F800000u;
+}
+
+// compute_scale (current scaling; the delayed update keeps the old scale instead of 1):
 // * amax == +-0, a float32 denormal (0 on the GPU under FTZ), inf, NaN or negative -> 1.
 // * otherwise q = fp8_max / amax in float32 (IEEE division, correctly rounded; q is never a
 //   denormal since amax <= FLT_MAX); q = inf (amax below fp8_max / FLT_MAX) -> FLT_MAX.
@@ -198,9 +207,7 @@ CG_HOST_DEVICE float fp8_to_float(u8 v) {
 // the only float operation is the division.
 template <Fp8Format F>
 CG_HOST_DEVICE float compute_scale(float amax, int margin) {
-    const u32 u = f32_bits(amax);
-    const u32 ex = u & 0x7F800000u;
-    if ((u & 0x80000000u) || ex == 0u || ex == 0x7F800000u) return 1.f;
+    if (!amax_usable(amax)) return 1.f;
     const u32 q = f32_bits(Fp8Traits<F>::max / amax);  // positive normal or +inf
     if (q >= 0x7F800000u) return bits_f32(kFltMaxBits);
     margin = margin < -512 ? -512 : (margin > 512 ? 512 : margin);

@@ -12,10 +12,15 @@
 //   1. rolls the history by one and inserts the new amax at the front:
 //        h'[0] = amax[t],  h'[j] = h[j - 1]  (j = 1 .. L-1; the oldest value drops out);
 //      values are moved bit for bit (no arithmetic touches them, so FTZ cannot change them);
-//   2. reduces:  MOST_RECENT -> amax[t];  MAX -> the maximum of h'[0 .. L) where any NaN in the
-//      window gives NaN (a NaN amax must not be forgotten silently);
-//   3. scale = compute_scale<F>(reduced, margin)  (amax 0, denormal, negative, inf or NaN -> 1),
-//      scale_inv = scale_inverse(scale)  (both from fp8.cuh: the bits the reference reproduces).
+//   2. reduces:  MOST_RECENT -> amax[t];  MAX -> the maximum of the non-NaN entries of h'[0 .. L)
+//      (NaN entries are skipped, as fmaxf does in TransformerEngine's update; an all-NaN window
+//      reduces to -inf);
+//   3. scale = compute_scale<F>(reduced, margin) when the reduced amax is usable (a positive,
+//      normal, finite float32: amax_usable in fp8.cuh); otherwise the tensor KEEPS its previous
+//      scale (amax 0 after an expert received no tokens for a whole window, inf, NaN), as
+//      TransformerEngine's delayed scaling does: resetting to 1 would underflow E5M2 gradients the
+//      next time the expert is used. scale_inv = scale_inverse(scale) either way (fp8.cuh: the
+//      bits the reference reproduces).
 // Tensors [0, num_e4m3) use E4M3's maximum, the rest E5M2's (HYBRID: inputs and weights E4M3,
 // grad outputs E5M2), so one launch serves every tensor of the layer.
 //
@@ -24,8 +29,9 @@
 // its own entries, which no later (lower) chunk reads, and it reads the last entry of the chunk
 // below before that chunk is written (the barrier orders them), so no entry is lost.
 //
-// The reduction is order independent: the maximum of floats is exact, the NaN flag is an OR, and a
-// -0 / +0 tie (the only order-dependent bits) feeds compute_scale, which maps both to 1.
+// The result is order independent: the maximum of floats is exact, and the only order-dependent
+// bits (a -0 / +0 tie, or a denormal against 0 under the GPU's FTZ comparisons) are unusable
+// amaxes, which both keep the previous scale. The reduced amax itself is never stored.
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -51,9 +57,7 @@ scale_update_kernel(float* __restrict__ history, const float* __restrict__ amax,
     float* h = history + t * L;
     const float newest = amax[t];
 
-    float best = 0.f;    // max over this thread's entries (only read when have_any)
-    bool have_any = false;
-    bool nan = false;
+    float best = bits_f32(0xFF800000u);       // -inf: "no entry yet"; NaN entries never win
     const i64 chunks = (L + SU_THREADS - 1) / SU_THREADS;
     for (i64 c = chunks - 1; c >= 0; --c) {
         const i64 i = c * SU_THREADS + tid;
@@ -62,38 +66,27 @@ scale_update_kernel(float* __restrict__ history, const float* __restrict__ amax,
         __syncthreads();  // every source of this chunk is read before any entry of it is written
         if (i < L) {
             h[i] = v;
-            if (ALGO == AmaxAlgo::MAX) {
-                if (v != v) {
-                    nan = true;
-                } else if (!have_any || v > best) {
-                    best = v;
-                    have_any = true;
-                }
-            }
+            if (ALGO == AmaxAlgo::MAX && v > best) best = v;
         }
     }
 
     float reduced = newest;
     if (ALGO == AmaxAlgo::MAX) {
         __shared__ float s_best[SU_THREADS];
-        __shared__ int s_flags[SU_THREADS];  // bit 0: has a value, bit 1: saw a NaN
         s_best[tid] = best;
-        s_flags[tid] = (have_any ? 1 : 0) | (nan ? 2 : 0);
         __syncthreads();
         for (int stride = SU_THREADS / 2; stride > 0; stride >>= 1) {
-            if (tid < stride) {
-                const int fa = s_flags[tid], fb = s_flags[tid + stride];
-                const float a = s_best[tid], b = s_best[tid + stride];
-                if ((fb & 1) && (!(fa & 1) || b > a)) s_best[tid] = b;
-                s_flags[tid] = fa | fb;
-            }
+            if (tid < stride && s_best[tid + stride] > s_best[tid]) s_best[tid] = s_best[tid + stride];
             __syncthreads();
         }
-        reduced = (s_flags[0] & 2) ? bits_f32(0x7FFFFFFFu) : s_best[0];
+        reduced = s_best[0];
     }
     if (tid == 0) {
-        const float s = t < num_e4m3 ? compute_scale<Fp8Format::E4M3>(reduced, margin)
-                                     : compute_scale<Fp8Format::E5M2>(reduced, margin);
+        float s = scale[t];  // kept when the reduced amax is unusable
+        if (amax_usable(reduced)) {
+            s = t < num_e4m3 ? compute_scale<Fp8Format::E4M3>(reduced, margin)
+                             : compute_scale<Fp8Format::E5M2>(reduced, margin);
+        }
         scale[t] = s;
         scale_inv[t] = scale_inverse(s);
     }

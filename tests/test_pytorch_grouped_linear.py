@@ -230,6 +230,25 @@ def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
         make_layer(2).load_state_dict(layer.state_dict())
 
 
+def test_expert_without_tokens_keeps_its_delayed_scales():
+    """An expert that receives no tokens for a whole amax window keeps its input and grad-output
+    scales (TransformerEngine's rule) instead of falling back to 1; its weight scale still
+    follows the weight. State rows are ``which·E + e`` (input, weight, grad output)."""
+    rec = DelayedScaling(amax_history_len=1)
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    run(layer, x, [10, 5, 15], rec, False, dy=torch.full((30, 48), 1e-3))
+    before = layer.fp8_scale.clone()
+    assert torch.all(before != 1.0)                           # every scale was derived from an amax
+    with torch.no_grad():
+        layer.weight1.mul_(2.0)
+    run(layer, x, [10, 0, 20], rec, False, dy=torch.full((30, 48), 1e-3))
+    after = layer.fp8_scale
+    assert after[1] == before[1] and after[7] == before[7]     # expert 1: input, grad output kept
+    assert after[4] == before[4] / 2                           # expert 1's weight: amax doubled
+    assert torch.equal(layer.fp8_scale_inv, 1 / after)
+
+
 def test_dtype_casts_of_the_module_keep_the_fp8_state_float32():
     """``layer.bfloat16()`` / ``.double()`` cast the parameters, not the delayed-scaling state
     (which the casts and the update read as float32): its values survive bit for bit, and the

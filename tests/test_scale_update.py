@@ -72,17 +72,43 @@ def test_emulated_matches_reference(L, algo, fmt):
 def test_reference_semantics():
     h = np.array([[1.0, 2.0, 3.0], [5.0, np.nan, 0.0], [0.0, 0.0, 0.0]], np.float32)
     amax = np.array([0.5, 1.0, 0.0], np.float32)
-    scale, scale_inv = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    scale, scale_inv = np.full(3, 2.0, np.float32), np.zeros(3, np.float32)
     ref_update(h, amax, scale, scale_inv, fp8_format=["e4m3", "e4m3", "e5m2"])
     np.testing.assert_array_equal(h[0], [0.5, 1.0, 2.0])          # 3.0 rolled out
     assert np.isnan(h[1, 2]) and h[1, 0] == 1.0
     assert scale[0] == np.float32(448.0 / 2.0)                     # max of the new window
-    assert scale[1] == 1.0                                          # NaN in the window
-    assert scale[2] == 1.0                                          # amax 0
+    assert scale[1] == np.float32(448.0 / 5.0)                     # the NaN entry is skipped
+    assert scale[2] == 2.0 and scale_inv[2] == 0.5                 # amax 0: previous scale kept
     assert scale_inv[0] == np.float32(1 / 224.0)
     ref_update(h, np.array([8.0, 1.0, 4.0], np.float32), scale, scale_inv, fp8_format="e5m2",
                amax_compute_algo="most_recent", margin=2)
     np.testing.assert_array_equal(scale, np.float32([57344 / 8 / 4, 57344 / 4, 57344 / 4 / 4]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_unusable_amax_keeps_the_previous_scale(backend, algo):
+    """TransformerEngine's rule: a reduced amax of 0 (an expert without tokens for a whole
+    window), inf, NaN or negative leaves the scale as it was; resetting it to 1 would underflow
+    E5M2 gradients the next time the expert is used. scale_inv is recomputed from the kept scale."""
+    bad = np.array([0.0, -0.0, 1e-40, np.inf, np.nan, -3.0], np.float32)
+    T = bad.size + 1
+    h = np.zeros((T, 4), np.float32)
+    if algo == "max":
+        h[3, 1], h[4, 2] = np.inf, np.nan        # the window reduces to inf / to NaN-free 0
+    scale = np.float32([2.0 ** -20, 3.0, 0.25, 1e30, 7.0, 5.0, 1.0])
+    scale_inv = np.zeros(T, np.float32)
+    amax = np.append(bad, np.float32(2.0))
+    su.update_scales(h, amax, scale, scale_inv, fp8_format="e5m2", amax_compute_algo=algo,
+                     backend=backend)
+    want = np.float32([2.0 ** -20, 3.0, 0.25, 1e30, 7.0, 5.0, 57344.0 / 2.0])
+    np.testing.assert_array_equal(_bits(scale), _bits(want))
+    np.testing.assert_array_equal(_bits(scale_inv), _bits(reference.scale_inverse(want)))
+
+
+def test_nan_entries_are_skipped_by_the_max():
+    h = np.float32([[np.nan, 4.0, np.nan], [np.nan, np.nan, np.nan]])
+    np.testing.assert_array_equal(reference.reduce_history(h, "max"), np.float32([4.0, -np.inf]))
 
 
 def test_one_launch_for_all_tensors():
@@ -198,7 +224,7 @@ def test_gpu_matches_reference(L, algo):
     amaxes = [_amax(T, s) for s in range(3)]
     want = _run("reference", h, amaxes, fmts, algo, margin=0)
     hd = cupy.asarray(h)
-    sd, sid = cupy.zeros(T, np.float32), cupy.zeros(T, np.float32)
+    sd, sid = cupy.full(T, 7.0, np.float32), cupy.full(T, 7.0, np.float32)  # as _run starts
     for step, a in enumerate(amaxes):
         su.update_scales(hd, cupy.asarray(a), sd, sid, fp8_format=fmts, amax_compute_algo=algo)
         for name, gi, wi in zip(("history", "scale", "scale_inv"), (hd, sd, sid), want[step]):

@@ -124,12 +124,14 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
     amax_history : float32 ``(T, L)``, C-contiguous; row ``t`` is tensor ``t``'s window, newest
         first. Updated in place: ``h[t] = [amax[t], h[t, 0], ..., h[t, L-2]]``.
     amax : float32 ``(T,)``: this step's amax of each tensor (what the cast wrote).
-    scale, scale_inv : float32 ``(T,)``, written: ``scale = compute_scale(reduced, margin)``
-        (``fp8_max / amax / 2^margin``; amax 0, negative, inf or NaN gives 1) and ``1 / scale``.
+    scale, scale_inv : float32 ``(T,)``, updated: ``scale = compute_scale(reduced, margin)``
+        (``fp8_max / amax / 2^margin``) when the reduced amax is positive, normal and finite;
+        otherwise (amax 0 after a whole window without tokens, inf, NaN) the previous ``scale`` is
+        kept, as TransformerEngine does. ``scale_inv = 1 / scale`` either way.
     fp8_format : one format, or one per tensor with the E4M3 tensors first (see
         :func:`split_formats`).
-    amax_compute_algo : ``"max"`` over the window (a NaN anywhere gives NaN, hence scale 1) or
-        ``"most_recent"`` (this step's amax).
+    amax_compute_algo : ``"max"`` over the window's non-NaN entries (NaN entries are skipped,
+        like ``fmaxf``) or ``"most_recent"`` (this step's amax).
     backend : ``"cuda"``, ``"emulate"``, ``"reference"`` or None (by where the arrays live).
 
     One launch for all T tensors, on the caller's stream (CuPy's current stream); no host sync.

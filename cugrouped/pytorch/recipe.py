@@ -53,7 +53,9 @@ class DelayedScaling:
     kept on the device and updated for all experts in one launch per step.
 
     ``scale = fp8_max / reduce(history) / 2^margin`` where ``reduce`` is ``"max"`` over the last
-    ``amax_history_len`` steps or ``"most_recent"``.
+    ``amax_history_len`` steps (NaN entries skipped) or ``"most_recent"``. A reduced amax that is
+    0 (an expert that saw no tokens in the window), inf or NaN keeps the previous scale, as in
+    TransformerEngine; a fresh state starts from scale 1.
     """
 
     margin: int = 0

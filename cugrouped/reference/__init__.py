@@ -1,6 +1,6 @@
 """NumPy references: the exact output bits every cugrouped kernel must reproduce (design.md §2, §6)."""
 
-from .fp8 import (FLT_MAX, FP8_FORMAT_ID, FP8_MAX, FP8_NAN_BYTE, amax_of, cast_to_fp8,
+from .fp8 import (FLT_MAX, FP8_FORMAT_ID, FP8_MAX, FP8_NAN_BYTE, amax_of, amax_usable, cast_to_fp8,
                   compute_scale, dequantize, fp8_dtype, fp8_to_float, ftz, normalize_format,
                   quantize, scale_inverse, to_float32)
 from .grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
@@ -10,6 +10,6 @@ from .scale_update import reduce_history, update_scales
 __all__ = [
     "FP8_MAX", "FP8_FORMAT_ID", "FP8_NAN_BYTE", "FLT_MAX", "fp8_dtype", "normalize_format",
     "ftz", "to_float32", "cast_to_fp8", "fp8_to_float", "quantize", "dequantize",
-    "compute_scale", "scale_inverse", "amax_of", "multi_pad_cast_transpose",
+    "compute_scale", "scale_inverse", "amax_of", "amax_usable", "multi_pad_cast_transpose",
     "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales", "reduce_history",
 ]

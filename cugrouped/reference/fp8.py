@@ -18,6 +18,8 @@ Rules
   negative, inf or NaN -> 1; an infinite quotient -> FLT_MAX; the division by ``2**margin`` is exact
   (exponent arithmetic), overflow -> FLT_MAX, a result below FLT_MIN -> 0. ``margin`` is clamped to
   [-512, 512].
+* ``amax_usable(amax)``: positive, normal and finite (what ``compute_scale`` derives a scale from;
+  delayed scaling keeps the previous scale for any other amax).
 * ``scale_inverse(s)`` = ``ftz(1 / ftz(s))``.
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 __all__ = [
     "FP8_MAX", "FP8_FORMAT_ID", "FP8_NAN_BYTE", "FLT_MAX", "fp8_dtype", "normalize_format",
     "ftz", "to_float32", "cast_to_fp8", "fp8_to_float", "quantize", "dequantize",
-    "compute_scale", "scale_inverse", "amax_of",
+    "compute_scale", "scale_inverse", "amax_of", "amax_usable",
 ]
 
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -151,12 +153,18 @@ def dequantize(q, scale_inv, fmt) -> np.ndarray:
     return ftz(np.multiply(fp8_to_float(q, fmt), s, dtype=np.float32))
 
 
+def amax_usable(amax) -> np.ndarray:
+    """Elementwise: a positive, normal, finite float32 (decided on bits); mirrors
+    ``cg::amax_usable``."""
+    u = np.asarray(amax, dtype=np.float32).view(np.uint32)
+    ex = u & np.uint32(0x7F800000)
+    return ((u & np.uint32(0x80000000)) == 0) & (ex != 0) & (ex != np.uint32(0x7F800000))
+
+
 def compute_scale(amax, fmt, margin=0) -> np.ndarray:
     """Current scaling, elementwise over ``amax`` (one per expert); mirrors ``cg::compute_scale``."""
     a = np.asarray(amax, dtype=np.float32) if not isinstance(amax, np.ndarray) else _f32(amax)
-    u = a.view(np.uint32)
-    ex = u & np.uint32(0x7F800000)
-    bad = ((u & np.uint32(0x80000000)) != 0) | (ex == 0) | (ex == np.uint32(0x7F800000))
+    bad = ~amax_usable(a)
     fmax = np.float32(FP8_MAX[normalize_format(fmt)])
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         q = np.divide(fmax, np.where(bad, np.float32(1), a), dtype=np.float32)

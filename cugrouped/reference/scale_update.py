@@ -20,10 +20,7 @@ def reduce_history(history: np.ndarray, amax_compute_algo: str) -> np.ndarray:
     h = np.asarray(history, dtype=np.float32)
     if amax_compute_algo == "most_recent":
         return h[:, 0].copy()
-    nan = np.isnan(h).any(axis=1)
-    with np.errstate(invalid="ignore"):
-        best = np.where(np.isnan(h), -np.inf, h).max(axis=1).astype(np.float32)
-    return np.where(nan, np.float32(np.nan), best).astype(np.float32)
+    return np.where(np.isnan(h), np.float32(-np.inf), h).max(axis=1).astype(np.float32)
 
 
 def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
@@ -50,6 +47,7 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
     s = np.empty(T, dtype=np.float32)
     s[:n4] = rfp8.compute_scale(reduced[:n4], "e4m3", margin)
     s[n4:] = rfp8.compute_scale(reduced[n4:], "e5m2", margin)
+    s = np.where(rfp8.amax_usable(reduced), s, np.asarray(scale, dtype=np.float32))
     np.asarray(scale)[...] = s
     np.asarray(scale_inv)[...] = rfp8.scale_inverse(s)
     return None
