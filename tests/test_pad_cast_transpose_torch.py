@@ -58,6 +58,20 @@ def test_torch_cpu_tensors_in_torch_tensors_out(backend, form):
     assert torch.equal(got.columnwise(2).view(torch.uint8), torch.from_numpy(want.columnwise(2)))
 
 
+def test_torch_front_checks_the_inputs_once(monkeypatch):
+    """The front sizes its torch outputs from normalize_inputs and hands the result on, so the
+    O(E) per-tensor checks are not repeated inside the op (host time per expert)."""
+    from cugrouped.ops import pad_cast_transpose as pct
+
+    calls = []
+    real = pct.normalize_inputs
+    monkeypatch.setattr(pct, "normalize_inputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = _inputs()
+    got = cugrouped.multi_pad_cast_transpose(list(torch.split(x, SPLITS)), backend="emulate")
+    assert len(calls) == 1
+    _same(got, reference.multi_pad_cast_transpose(list(np.split(_np(x), np.cumsum(SPLITS)[:-1]))))
+
+
 def test_given_scale_and_out_buffers_are_torch_tensors_written_in_place():
     x = _inputs(torch.float32)
     scale = torch.tensor([1.0, 2.0, 0.5, 64.0])

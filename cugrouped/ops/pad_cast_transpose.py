@@ -350,13 +350,18 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
 
 def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
                 rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
-                splits_on_device=None, backend=None) -> GroupedFP8:
+                splits_on_device=None, backend=None,
+                normalized: GroupedInput | None = None) -> GroupedFP8:
     """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
-    buffers (uint8 ``data`` / ``data_t``)."""
-    check_options(fp8_format, margin, align, rowwise, columnwise)
-    g = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+    buffers (uint8 ``data`` / ``data_t``). A caller that has already checked the options and
+    run :func:`normalize_inputs` on exactly these ``inputs`` / ``m_splits`` passes its result as
+    ``normalized`` (the torch front does, to size its outputs): the O(E) checks run once."""
+    if normalized is None:
+        check_options(fp8_format, margin, align, rowwise, columnwise)
+        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+    g = normalized
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":

@@ -73,7 +73,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         res = _pct.cast_arrays(
             xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
-            splits_on_device=splits_on_device, backend=backend)
+            splits_on_device=splits_on_device, backend=backend, normalized=g)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,
