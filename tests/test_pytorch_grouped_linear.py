@@ -282,10 +282,107 @@ def test_fuse_wgrad_accumulation_accumulates_over_two_backwards(recipe):
     run(fused, x1, sp, RECIPES[recipe], False)
     run(fused, x2, sp, RECIPES[recipe], False)
     for i, w in enumerate(fused.weights()):
-        assert w.grad is None and w.grad_added_to_main_grad
+        assert w.grad is None and not hasattr(w, "grad_added_to_main_grad")
         torch.testing.assert_close(w.main_grad, g1[i] + g2[i], rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="weight0.main_grad"):
         run(make_layer(3, fuse_wgrad_accumulation=True), x1, sp, None, False)
+
+
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_fused_wgrad_megatron_contract(recipe):
+    """Megatron-LM's DDP marks its parameters with ``grad_added_to_main_grad = False`` and hooks
+    their grad accumulators (with overlap_grad_reduce it asserts the grad is not None there):
+    such a weight gets the flag set and a dummy gradient, as TransformerEngine does."""
+    sp = [6, 0, 11]
+    fused = make_layer(3, fuse_wgrad_accumulation=True)
+    seen = []
+    for w in fused.weights():
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+        w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    run(fused, torch.randn(17, 32), sp, RECIPES[recipe], False)
+    assert seen == [True] * 3
+    for w in fused.weights():
+        assert w.grad_added_to_main_grad and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("recipe", ["none", "delayed", "current"])
+@pytest.mark.parametrize("how", ["first_microbatch", "overwrite_main_grad"])
+def test_fused_wgrad_overwrites_on_the_first_microbatch(recipe, how):
+    """TransformerEngine: with ``is_first_microbatch=True`` (the first gradient of the step) or a
+    weight marked ``overwrite_main_grad`` (Megatron-FSDP), main_grad is overwritten; later
+    micro-batches add to it. An expert without tokens gets zeros when overwriting."""
+    sp = [6, 0, 11]
+    plain = make_layer(3)
+    fused = make_layer(3, fuse_wgrad_accumulation=True)
+    for w in fused.weights():
+        w.main_grad = torch.full_like(w, 1000.0, dtype=torch.float32)
+        if how == "overwrite_main_grad":
+            w.overwrite_main_grad = True
+    x1, x2 = torch.randn(17, 32), torch.randn(17, 32)
+    first = True if how == "first_microbatch" else None
+    g1 = run(plain, x1, sp, RECIPES[recipe], False, is_first_microbatch=first)[2]
+    run(fused, x1, sp, RECIPES[recipe], False, is_first_microbatch=first)
+    for i, w in enumerate(fused.weights()):
+        torch.testing.assert_close(w.main_grad, g1[i], rtol=1e-6, atol=1e-5)
+    if how == "first_microbatch":
+        g2 = run(plain, x2, sp, RECIPES[recipe], False, is_first_microbatch=False)[2]
+        run(fused, x2, sp, RECIPES[recipe], False, is_first_microbatch=False)
+        for i, w in enumerate(fused.weights()):
+            torch.testing.assert_close(w.main_grad, g1[i] + g2[i], rtol=1e-6, atol=1e-5)
+
+
+def test_fused_wgrad_in_bf16_is_not_rounded_to_bf16():
+    """Without FP8 the wgrad GEMM writes fp32 into main_grad: bf16 operands, fp32 products and
+    sums (the reference twin here, cuBLASLt on CUDA), not a bf16 product added afterwards."""
+    sp = [40, 0, 24]
+    layer = make_layer(3, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    for w in layer.weights():
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    x = torch.randn(64, 32).to(torch.bfloat16)
+    dy = torch.randn(64, 48).to(torch.bfloat16)
+    run(layer, x, sp, None, False, dy=dy)
+    for w, xi, di in zip(layer.weights(), x.split(sp), dy.split(sp)):
+        want = di.double().t() @ xi.double()
+        err = (w.main_grad.double() - want).abs().max()
+        assert err <= 1e-5 * max(1.0, want.abs().max().item()), err    # bf16 rounding: ~4e-3
+
+
+def test_no_grad_forward_leaves_the_delayed_scaling_state_alone():
+    """Evaluation under ``torch.no_grad`` neither rolls the amax histories nor changes the scales
+    (TransformerEngine updates only with grad enabled); with grad enabled and nothing needing a
+    gradient the forward amaxes are folded in."""
+    rec = DelayedScaling(amax_history_len=4)
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    run(layer, x, [10, 5, 15], rec, False)
+    state = {n: getattr(layer, n).clone() for n in ("fp8_amax_history", "fp8_scale", "fp8_amax")}
+    with torch.no_grad(), _autocast(rec):
+        layer(x * 100, [10, 5, 15])
+    for n, t in state.items():
+        assert_bits_equal(getattr(layer, n), t, n)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    with _autocast(rec):
+        layer(x * 100, [10, 5, 15])
+    assert not torch.equal(layer.fp8_scale, state["fp8_scale"])
+
+
+def test_forwards_ahead_of_their_backwards_keep_every_amax():
+    """Pipeline schedules run several forwards before their backwards (F1 F2 B1 B2): the scale
+    update must see the maximum over both forwards' input amaxes, not only the last one."""
+    rec = DelayedScaling(amax_history_len=4)
+    layer = make_layer(3)
+    big, small = torch.randn(30, 32) * 50, torch.randn(30, 32)
+    outs = []
+    with _autocast(rec):
+        for x in (big, small):
+            outs.append(layer(x.requires_grad_(), [10, 5, 15]))
+    for y in outs:
+        y.sum().backward()
+    amax_big = torch.stack([t.abs().max() for t in big.detach().split([10, 5, 15])])
+    torch.testing.assert_close(layer.fp8_amax_history[0:3, 1], amax_big, rtol=0, atol=0)
+    assert torch.all(layer.fp8_amax_history[0:3, 0] == 0)    # B2: no forward since B1's roll
 
 
 @pytest.mark.parametrize("recipe", ["none", "current", "delayed"])

@@ -29,7 +29,8 @@ from ..ops.scale_update import update_scales
 from . import functional as _functional
 from ._adapters import dtype_name, launch_context, to_array
 
-__all__ = ["eager", "fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_accumulate",
+__all__ = ["eager", "fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_main_grad",
+           "wgrad_main_grad",
            "scale_update",
            "padded", "fused_bias_dtype"]
 
@@ -122,14 +123,17 @@ def _quantize_shapes(xs, align, rowwise, columnwise, column_sums):
 @_custom_op("fp8_quantize", mutates_args=("amax_out",))
 def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: int, rowwise: bool,
                  columnwise: bool, column_sums: bool, scale: Optional[torch.Tensor],
-                 amax_out: Optional[torch.Tensor], offset: int, cast_backend: str
+                 amax_out: Optional[torch.Tensor], offset: int, cast_backend: str,
+                 accumulate_amax: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``multi_pad_cast_transpose`` of the experts ``xs`` (2-D, one dtype, one k).
 
     ``scale`` (float32, ``offset + E`` or more entries) given: delayed scaling with
     ``scale[offset:offset+E]``; None: current scaling. ``amax_out`` given: the experts' amaxes are
-    written to ``amax_out[offset:offset+E]``. Returns ``(data (Σm, k) uint8 or (0, k),
-    data_t (bytes,) uint8 or (0,), scale_inv (E,), column_sums (E, k) or (0, k))``.
+    written to ``amax_out[offset:offset+E]``, or with ``accumulate_amax`` max-merged into it (the
+    pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
+    update zeroes it). Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
+    scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
     E = len(xs)
     dev = xs[0].device
@@ -138,7 +142,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
     colsum = torch.empty(s_cs, dtype=torch.float32, device=dev)
-    amax = amax_out[offset:offset + E] if amax_out is not None else \
+    pending = amax_out[offset:offset + E] if amax_out is not None else None
+    amax = pending if pending is not None and not accumulate_amax else \
         torch.empty(s_e, dtype=torch.float32, device=dev)
     sc = scale[offset:offset + E] if scale is not None else None
     scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
@@ -151,12 +156,14 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
         list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
         backend=_backend(xs[0], cast_backend))
+    if pending is not None and accumulate_amax:
+        torch.maximum(pending, amax, out=pending)   # amaxes are never NaN (the kernel skips NaN)
     return data, data_t, scale_inv, colsum
 
 
 @fp8_quantize.register_fake
 def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, amax_out, offset,
-      cast_backend):
+      cast_backend, accumulate_amax=False):
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
@@ -255,30 +262,47 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 
 # A separate op (not an optional mutated list on fp8_wgrad): inductor mishandles a custom op that
 # both returns a tensor and mutates an empty Tensor[] argument.
-@_custom_op("fp8_wgrad_accumulate", mutates_args=("main_grads",))
-def fp8_wgrad_accumulate(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
-                         dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
-                         n: int, m_splits: List[int], main_grads: List[torch.Tensor]) -> None:
-    """``main_grads[i] += dy_iᵀ · x_i`` (fp32, ``beta = 1`` in the GEMM; experts with no tokens
-    leave theirs untouched)."""
+@_custom_op("fp8_wgrad_main_grad", mutates_args=("main_grads",))
+def fp8_wgrad_main_grad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
+                        dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
+                        n: int, m_splits: List[int], main_grads: List[torch.Tensor],
+                        accumulate: bool) -> None:
+    """``main_grads[i] (+)= dy_iᵀ · x_i`` in fp32: ``accumulate`` adds (``beta = 1`` in the GEMM;
+    experts with no tokens leave theirs untouched), otherwise overwrites (no tokens: zeros)."""
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
-           list(main_grads), True, "float32", _gemm_backend(x_t))
+           list(main_grads), accumulate, "float32", _gemm_backend(x_t))
 
 
-@fp8_wgrad_accumulate.register_fake
-def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, main_grads):
+@fp8_wgrad_main_grad.register_fake
+def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, main_grads,
+      accumulate):
+    return None
+
+
+@_custom_op("wgrad_main_grad", mutates_args=("main_grads",))
+def wgrad_main_grad(xs: List[torch.Tensor], dys: List[torch.Tensor],
+                    main_grads: List[torch.Tensor], accumulate: bool) -> None:
+    """Without FP8: ``main_grads[i] (+)= dys[i]ᵀ · xs[i]`` with the fp32 ``main_grad`` as the
+    GEMM's output (cuBLASLt on CUDA, the NumPy twin on CPU), so bf16 / fp16 operands are never
+    rounded to their own dtype before the accumulation."""
+    with launch_context(xs[0].device):
+        _ops.grouped_wgrad(list(xs), list(dys), out=list(main_grads), accumulate=accumulate)
+
+
+@wgrad_main_grad.register_fake
+def _(xs, dys, main_grads, accumulate):
     return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Delayed scaling: one launch for every tensor of every expert.
 
-@_custom_op("scale_update", mutates_args=("amax_history", "scale", "scale_inv"))
+@_custom_op("scale_update", mutates_args=("amax_history", "amax", "scale", "scale_inv"))
 def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor,
                  scale_inv: torch.Tensor, num_e4m3: int, amax_compute_algo: str, margin: int,
                  count: int, cast_backend: str) -> None:
     """``update_scales`` on the first ``count`` tensors of the state (E4M3 for the first
-    ``num_e4m3`` of them, E5M2 for the rest)."""
+    ``num_e4m3`` of them, E5M2 for the rest), then ``amax[:count]`` zeroed (rolled in)."""
     fmts = ["e4m3"] * min(num_e4m3, count) + ["e5m2"] * max(0, count - num_e4m3)
     conv = _same if amax_history.is_cuda else _arr     # CUDA tensors: read through pointers
     with launch_context(amax_history.device):
@@ -286,6 +310,7 @@ def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Te
                       conv(scale_inv[:count]), fp8_format=fmts,
                       amax_compute_algo=amax_compute_algo, margin=margin,
                       backend=_backend(amax_history, cast_backend))
+    amax[:count].zero_()   # consumed: forwards max-merge into it until the next update
 
 
 @scale_update.register_fake

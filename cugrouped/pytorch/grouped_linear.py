@@ -78,8 +78,10 @@ class _Config:
     num_e4m3: int = 0
     fuse_bias: bool = False
     fuse_wgrad: bool = False
+    accumulate_main_grad: bool = True   # False: overwrite main_grad (first micro-batch, FSDP)
     cast_backend: str = "emulate"
     amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
+    grad_enabled: bool = True       # False (no_grad): the delayed-scaling state is left alone
 
     def unpack(self, flat):
         E = self.num_experts
@@ -129,17 +131,21 @@ class _GroupedLinearFn(torch.autograd.Function):
             ctx.saved_x = need_wgrad
             return y
         history, amax, scale, scale_inv = state if state else (None,) * 4
+        # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
+        # the next scale update rolls in (forwards may run ahead of their backwards)
         x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
-            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad, False, scale, amax,
-            INPUT * E, cfg.cast_backend)
+            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad, False, scale,
+            amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
         if bs and not cfg.fuse_bias:
             for part, b in zip(_split(y, m_splits), bs):
                 part.add_(b)
-        if cfg.delayed and not (need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
-            # no backward will run: fold this step's input and weight amaxes in now
+        if cfg.delayed and cfg.grad_enabled and not (
+                need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
+            # no backward will run: fold this step's input and weight amaxes in now (under
+            # no_grad nothing is: evaluation leaves the scales alone, as in TransformerEngine)
             _reduce_amax(amax, 2 * E, cfg.amax_group)
             cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
                                     cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
@@ -167,8 +173,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             if need_wgrad:
                 x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
                 if cfg.fuse_wgrad:
-                    for g, d, x in zip(ctx.main_grads, dy_list, x_list):
-                        g.add_((d.t() @ x).float())
+                    cops.eager.wgrad_main_grad(x_list, dy_list, list(ctx.main_grads),
+                                               cfg.accumulate_main_grad)
                 else:
                     dws = [d.t() @ x for d, x in zip(dy_list, x_list)]
             if need_dbias:
@@ -189,9 +195,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                                           k, list(m_splits), ctx.x_dtype)
             if need_wgrad:
                 if cfg.fuse_wgrad:
-                    cops.eager.fp8_wgrad_accumulate(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
-                                                    cfg.fmt_bwd, k, n, list(m_splits),
-                                                    list(ctx.main_grads))
+                    cops.eager.fp8_wgrad_main_grad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
+                                                   cfg.fmt_bwd, k, n, list(m_splits),
+                                                   list(ctx.main_grads), cfg.accumulate_main_grad)
                 else:
                     dws = list(cops.eager.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
                                                     cfg.fmt_bwd, k, n, list(m_splits),
@@ -199,8 +205,15 @@ class _GroupedLinearFn(torch.autograd.Function):
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))
         if cfg.fuse_wgrad and need_wgrad:
-            for w in ctx.ws:
-                w.grad_added_to_main_grad = True
+            # TransformerEngine's contract with Megatron: a weight that carries the
+            # grad_added_to_main_grad attribute gets it set and an (uninitialised) dummy gradient,
+            # so that its grad-accumulation hook fires; any other weight gets None. A fresh
+            # tensor per weight: AccumulateGrad steals it (a shared one would be copied).
+            dws = [None] * E
+            for i, w in enumerate(ctx.ws):
+                if hasattr(w, "grad_added_to_main_grad"):
+                    w.grad_added_to_main_grad = True
+                    dws[i] = torch.empty_like(w)
         dxs = [None] * nx
         if dx is not None:
             dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
@@ -223,8 +236,11 @@ class GroupedLinear(torch.nn.Module):
         (default ``torch.get_default_dtype()``).
     device : ``"cuda"`` (default, as in TransformerEngine) or ``"cpu"``.
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
-        which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``;
-        sets ``weight{i}.grad_added_to_main_grad = True``.
+        which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``.
+        As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
+        ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
+        that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
+        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``.
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
     sequence_parallel, tp_group, tp_size, parallel_mode : accepted for compatibility with their
@@ -408,8 +424,8 @@ class GroupedLinear(torch.nn.Module):
         ws = [w.detach() for w in self.weights()]
         w_data, w_t, w_si, _ = cops.eager.fp8_quantize(
             ws, recipe.fp8_format.forward, recipe.margin, 1, True,
-            need_t or is_first_microbatch is not None, False, scale, amax,
-            WEIGHT * self.num_gemms, cast_backend)
+            need_t or is_first_microbatch is not None, False, scale,
+            amax if torch.is_grad_enabled() else None, WEIGHT * self.num_gemms, cast_backend, True)
         out = (w_data, w_t, w_si)
         self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
         return out
@@ -431,13 +447,17 @@ class GroupedLinear(torch.nn.Module):
         main_grads = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
+        # TransformerEngine: the first micro-batch's wgrad, and a weight marked
+        # overwrite_main_grad (Megatron-FSDP), overwrite main_grad instead of adding to it
+        accumulate = is_first_microbatch is not True and \
+            not getattr(ws[0], "overwrite_main_grad", False)
         if recipe is None:
             cfg = _Config(list_mode, E, k, n, self.use_bias, False,
-                          fuse_wgrad=bool(main_grads))
+                          fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate)
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
-                                  is_first_microbatch, first)
+                                  is_first_microbatch, first, accumulate)
         return list(torch.split(y, list(splits))) if list_mode else y
 
     def _main_grad(self, i, w):
@@ -450,7 +470,7 @@ class GroupedLinear(torch.nn.Module):
         return g
 
     def _forward_fp8(self, recipe, splits, xs, ws, bs, main_grads, list_mode, is_first_microbatch,
-                     first):
+                     first, accumulate_main_grad):
         E, k, n = self.num_gemms, self.in_features, self.out_features
         if k % 16:
             raise ValueError(f"in_features: FP8 GEMMs need a multiple of 16, got {k}")
@@ -480,5 +500,6 @@ class GroupedLinear(torch.nn.Module):
         cfg = _Config(list_mode, E, k, n, self.use_bias, True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
-                      bool(main_grads), cast_backend, get_fp8_group() if delayed else None)
+                      bool(main_grads), accumulate_main_grad, cast_backend,
+                      get_fp8_group() if delayed else None, torch.is_grad_enabled())
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
