@@ -202,7 +202,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     __shared__ i32 sh_tile_start[CG_PCT_MAX_EXPERTS + 1];
     __shared__ i64 warp_totals[PCT_THREADS / 32];
 
-    const int t = blockIdx.x;
+    // The amax pass of current scaling walks the tiles backwards, so that the tiles the cast
+    // pass reads first are the ones it read last, still in L2. (No output depends on the order.)
+    const int t = MODE == PctMode::AMAX_ONLY ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     PctExpert x;
     int e;
     if (g.m_dev == nullptr) {
@@ -298,14 +300,23 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (columnwise && gcol < k && grow < m_pad) {
             u8* dst = x.out_col + gcol * m_pad + grow;
             const i64 n = m_pad - grow < PCT_COL_RUN ? m_pad - grow : PCT_COL_RUN;
-            if (n == PCT_COL_RUN && aligned16(dst)) {
-                u32 words[PCT_COL_RUN / 4];
+            if ((n == PCT_COL_RUN || n == PCT_COL_RUN / 2) && aligned16(dst)) {
+                // 16-byte stores: two for a full run, one for an expert's last run when
+                // m_pad % 32 == 16 (instead of 16 single-byte stores)
 #pragma unroll
-                for (int w = 0; w < PCT_COL_RUN / 4; ++w)
-                    words[w] = u32(tile[rr + 4 * w][cc]) | (u32(tile[rr + 4 * w + 1][cc]) << 8) |
-                               (u32(tile[rr + 4 * w + 2][cc]) << 16) | (u32(tile[rr + 4 * w + 3][cc]) << 24);
-                reinterpret_cast<uint4*>(dst)[0] = make_uint4(words[0], words[1], words[2], words[3]);
-                reinterpret_cast<uint4*>(dst)[1] = make_uint4(words[4], words[5], words[6], words[7]);
+                for (int h = 0; h < PCT_COL_RUN / 16; ++h) {
+                    if (16 * h < n) {
+                        u32 words[4];
+#pragma unroll
+                        for (int w = 0; w < 4; ++w) {
+                            const int r = rr + 16 * h + 4 * w;
+                            words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
+                                       (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
+                        }
+                        reinterpret_cast<uint4*>(dst)[h] =
+                            make_uint4(words[0], words[1], words[2], words[3]);
+                    }
+                }
             } else {
                 for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
             }

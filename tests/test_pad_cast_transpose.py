@@ -27,6 +27,7 @@ SPLITS = {
     "not_mult16": ([17, 5, 31, 9], 40),
     "count_one": ([1, 1, 2], 64),
     "k_smallest": ([19, 40], 16),
+    "full_tiles": ([0, 200, 64, 130, 77], 384),   # whole 64 x 128 tiles, half last runs
 }
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ORDERS = ("forward", "reverse", "shuffle", 7)

@@ -49,7 +49,8 @@ def test_wide_memory_access_and_hardware_fp8(sass, dtype, fmt, mode):
     if mode == "AMAX_ONLY":
         assert ops["STG.E.128"] == 0 and f2fp == 0, ops   # reads only: no tile written
         return
-    assert ops["STG.E.128"] == 4, ops                   # 2 row-wise + 2 transposed per thread
+    # 2 row-wise + 2 transposed per thread (the second one skipped on an expert's last run of 16)
+    assert ops["STG.E.128"] == 4, ops
     if int(arch) >= 89:
         assert ops[cvt] == 16, ops                      # 64 x 128 / 256 threads / 2 per instruction
     else:
