@@ -3,6 +3,7 @@ GEMMs on the NumPy reference), and the same checks on a GPU (marked ``gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -450,3 +451,159 @@ def test_gpu_torch_compile_and_training_step():
     x = torch.randn(60, 64, device="cuda").bfloat16()
     with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
         assert_bits_equal(compiled(x, [0, 30, 10, 20]), layer(x, [0, 30, 10, 20]))
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerEngine / Megatron-LM parity
+
+class _FakeGroup:
+    def __init__(self, size):
+        self.size = size
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """torch.distributed looking initialized, with groups of any size (``_FakeGroup``)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(parallel_mode="column", tp_size=1), dict(parallel_mode="row", sequence_parallel=True),
+    dict(parallel_mode=None, tp_group=_FakeGroup(1), sequence_parallel=True),
+    dict(get_rng_state_tracker=None, rng_tracker_name=None, ub_overlap_rs=False,
+         ub_overlap_ag=False, ub_name="fc1"),
+])
+def test_megatron_expert_kwargs_are_noops_at_tensor_parallel_size_1(kw, fake_dist):
+    sp = [5, 0, 12]
+    plain, layer = make_layer(3), make_layer(3, **kw)
+    assert layer.tp_size == 1 and layer.sequence_parallel is False
+    for a, b in zip(plain.parameters(), layer.parameters()):
+        assert torch.equal(a, b)
+    x = torch.randn(17, 32)
+    for rec in ("none", "current"):
+        assert_bits_equal(run(layer, x, sp, RECIPES[rec], False), run(plain, x, sp, RECIPES[rec], False))
+    dim = 1 if kw.get("parallel_mode") == "row" else 0
+    assert all(w.tensor_model_parallel and w.partition_dim == dim for w in layer.weights())
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(tp_size=2), ValueError, "tp_size: tensor parallelism is not supported"),
+    (dict(tp_size=0), ValueError, "tp_size: expected a positive int"),
+    (dict(tp_group=_FakeGroup(2)), ValueError, "tp_group: tensor parallelism .* 2 ranks"),
+    (dict(tp_group=_FakeGroup(2), tp_size=1, parallel_mode="column"), ValueError, "tp_group"),
+    (dict(parallel_mode="diagonal"), ValueError, "parallel_mode: expected None, 'column' or 'row'"),
+    (dict(ub_overlap_ag=True), ValueError, "ub_overlap_rs, ub_overlap_ag"),
+    (dict(get_rng_state_tracker=3), TypeError, "get_rng_state_tracker"),
+    (dict(rng_tracker_name=3), TypeError, "rng_tracker_name"),
+])
+def test_tensor_parallelism_above_1_raises_naming_the_argument(kw, exc, match, fake_dist):
+    with pytest.raises(exc, match=match):
+        GroupedLinear(2, 16, 16, device="cpu", **kw)
+
+
+def test_tp_group_needs_torch_distributed():
+    with pytest.raises(ValueError, match="tp_group: given, but torch.distributed is not initialized"):
+        GroupedLinear(2, 16, 16, device="cpu", tp_group=_FakeGroup(1))
+
+
+class _Tracker:
+    """Megatron's CUDA RNG tracker, on the CPU generator: ``fork(name)`` runs the block from the
+    named state and keeps the outer state untouched."""
+
+    def __init__(self):
+        self.states, self.forks = {}, []
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        self.forks.append(name)
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states.setdefault(name, torch.manual_seed(1234).get_state()))
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+@pytest.mark.parametrize("name", [None, "expert-parallel-rng"])
+def test_weights_initialised_inside_the_rng_tracker_fork(name):
+    tracker = _Tracker()
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    layer = GroupedLinear(3, 16, 32, device="cpu", get_rng_state_tracker=lambda: tracker,
+                          rng_tracker_name=name)
+    assert torch.equal(torch.get_rng_state(), outer)           # the default stream is untouched
+    assert tracker.forks == [name or "model-parallel-rng"]
+    torch.manual_seed(1234)
+    want = GroupedLinear(3, 16, 32, device="cpu")
+    for a, b in zip(layer.weights(), want.weights()):
+        assert torch.equal(a, b)
+    assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
+
+
+def test_meta_construction_then_to_empty_and_reset_parameters():
+    layer = GroupedLinear(3, 32, 48, device="meta", init_method=torch.nn.init.ones_)
+    assert all(p.is_meta for p in layer.parameters())
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    want = GroupedLinear(3, 32, 48, device="cpu", init_method=torch.nn.init.ones_)
+    for (na, a), (nb, b) in zip(layer.named_parameters(), want.named_parameters()):
+        assert na == nb and torch.equal(a, b), na
+    assert all(w.tensor_model_parallel for w in layer.weights())
+    torch.manual_seed(0)
+    layer = GroupedLinear(2, 32, 48, device="meta").to_empty(device="cpu")
+    layer.reset_parameters()
+    torch.manual_seed(0)
+    assert torch.equal(layer.weight1, GroupedLinear(2, 32, 48, device="cpu").weight1)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+        y = layer(x, [4, 6])
+    assert y.shape == (10, 48) and torch.isfinite(y).all()
+
+
+def test_reset_parameters_drops_the_cached_fp8_weights():
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        y1 = layer(x, [4, 6], is_first_microbatch=True)
+        layer.reset_parameters()
+        y2 = layer(x, [4, 6], is_first_microbatch=False)
+    assert not torch.equal(y1, y2)        # recast, not the stale cached copy
+    assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
+
+
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("list_mode", [False, True])
+def test_return_bias_returns_the_biases_unadded(recipe, list_mode):
+    """TransformerEngine's ``return_bias``: forward returns ``(out, [bias_i])`` without adding
+    them; adding them afterwards gives the plain layer's output and the same gradients."""
+    sp = [6, 0, 11]
+    plain, layer = make_layer(3), make_layer(3, return_bias=True)
+    x, dy = torch.randn(17, 32), torch.randn(17, 48)
+    want = run(plain, x, sp, RECIPES[recipe], list_mode, dy)
+    inp = [t.clone().requires_grad_() for t in x.split(sp)] if list_mode else x.clone().requires_grad_()
+    with _autocast(RECIPES[recipe]):
+        out, biases = layer(inp, None if list_mode else sp)
+    assert len(biases) == 3 and all(b is p for b, p in zip(biases, layer.biases()))
+    parts = out if list_mode else out.split(sp)
+    y = torch.cat([p + b for p, b in zip(parts, biases)])
+    y.backward(dy)
+    dx = torch.cat([t.grad for t in inp]) if list_mode else inp.grad
+    got = (y.detach(), dx, [w.grad for w in layer.weights()], [b.grad for b in layer.biases()])
+    if recipe == "none":      # addmm vs matmul + add: the same math, not the same rounding
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    else:                     # FP8 adds the fp32 bias after the GEMM: bit for bit
+        assert_bits_equal(got[:3], want[:3], recipe)
+        # dbias: the cast kernel's column sums vs autograd's sum, same values up to the order
+        torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-5)
+
+
+def test_return_bias_without_bias_returns_empty_tensors():
+    layer = make_layer(2, bias=False, return_bias=True)
+    out, biases = layer(torch.randn(5, 32), [2, 3])
+    assert out.shape == (5, 48) and len(biases) == 2
+    assert all(b.numel() == 0 and b.dtype == torch.float32 for b in biases)

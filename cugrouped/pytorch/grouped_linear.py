@@ -221,47 +221,133 @@ class GroupedLinear(torch.nn.Module):
     bias : bool  per-expert biases ``bias{i}``.
     params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)``
         (default ``torch.get_default_dtype()``).
-    device : ``"cuda"`` (default, as in TransformerEngine) or ``"cpu"``.
+    device : ``"cuda"`` (default, as in TransformerEngine), ``"cpu"`` or ``"meta"``. On
+        ``"meta"`` nothing is initialised; materialise with ``to_empty(device=...)`` and then call
+        :meth:`reset_parameters`.
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
         which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``;
         sets ``weight{i}.grad_added_to_main_grad = True``.
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
-    sequence_parallel, tp_group, tp_size, parallel_mode : accepted for compatibility with their
-        single-GPU values only (no tensor parallelism here).
+
+    Keyword-only, for TransformerEngine / Megatron-LM compatibility (expert layers with expert
+    tensor parallelism 1):
+
+    return_bias : bool  if True the bias is not added: forward returns ``(out, biases)``, where
+        ``biases`` is the list of the E biases in the activation dtype (E empty tensors when
+        ``bias=False``), as TransformerEngine does, so the caller can fuse the addition.
+    get_rng_state_tracker : None, or a callable returning a tracker whose ``fork(name)`` context
+        the weight initialisation runs in (Megatron's ``get_cuda_rng_tracker``).
+    rng_tracker_name : str or None  the name passed to ``fork`` (None: the tracker's default).
+    sequence_parallel, tp_group, tp_size, parallel_mode : tensor parallelism. Only a tensor-parallel
+        size of 1 is supported (``tp_group`` None or of size 1, ``tp_size=1``), where they are
+        no-ops: ``parallel_mode`` may be None, ``"column"`` or ``"row"`` (it only sets the
+        TransformerEngine ``tensor_model_parallel`` / ``partition_dim`` attributes of the
+        weights), and ``sequence_parallel`` is ignored (``self.sequence_parallel`` is False, as
+        in TransformerEngine when the size is 1). A size above 1 raises ``ValueError``.
+    ub_overlap_rs, ub_overlap_ag, ub_name : userbuffer overlap; must be off (TransformerEngine's
+        GroupedLinear does not support it either).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device="cuda",
                  fuse_wgrad_accumulation: bool = False, init_method=None,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
-                 parallel_mode: str | None = None):
+                 parallel_mode: str | None = None, *, return_bias: bool = False,
+                 get_rng_state_tracker=None, rng_tracker_name: str | None = None,
+                 ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
+                 ub_name: str | None = None):
         super().__init__()
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
                         ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if sequence_parallel or tp_group is not None or tp_size != 1 or parallel_mode is not None:
-            raise ValueError("sequence_parallel, tp_group, tp_size, parallel_mode: tensor "
-                             "parallelism is not supported; leave them at their defaults")
+        self.tp_size = self._tensor_parallel_size(tp_group, tp_size)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode: expected None, 'column' or 'row', got "
+                             f"{parallel_mode!r}")
+        if ub_overlap_rs or ub_overlap_ag:
+            raise ValueError("ub_overlap_rs, ub_overlap_ag: userbuffer overlap is not supported "
+                             "(nor by TransformerEngine's GroupedLinear); leave them False")
+        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+            raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an "
+                            f"RNG tracker, got {type(get_rng_state_tracker).__name__}")
+        if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+            raise TypeError(f"rng_tracker_name: expected None or a str, got {rng_tracker_name!r}")
+        self.tp_group, self.parallel_mode = tp_group, parallel_mode
+        self.sequence_parallel = False      # TransformerEngine: sequence_parallel and tp_size > 1
+        self.ub_name = ub_name
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bool(bias)
+        self.return_bias = bool(return_bias)
+        self.apply_bias = self.use_bias and not self.return_bias
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        params_dtype = params_dtype or torch.get_default_dtype()
-        init = init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023))
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.init_method = init_method
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype,
-                                               device=device))
-            with torch.no_grad():
-                init(w)
-            self.register_parameter(f"weight{i}", w)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
+                out_features, in_features, dtype=self.params_dtype, device=device)))
             if self.use_bias:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
-                    torch.zeros(out_features, dtype=params_dtype, device=device)))
+                    torch.empty(out_features, dtype=self.params_dtype, device=device)))
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             self.register_buffer(f"fp8_{name}", None, persistent=False)
         self._fp8_recipe: DelayedScaling | None = None
         self._fp8_weight_cache: tuple | None = None
+        self.reset_parameters(defer_init=self.weight0.is_meta)
+
+    @staticmethod
+    def _tensor_parallel_size(tp_group, tp_size) -> int:
+        """The tensor-parallel size (``tp_group``'s size when given, as in TransformerEngine);
+        anything but 1 raises."""
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("tp_group: given, but torch.distributed is not initialized")
+            size = dist.get_world_size(tp_group)
+            if size != 1:
+                raise ValueError(f"tp_group: tensor parallelism is not supported (the group has "
+                                 f"{size} ranks); pass None or a group of size 1")
+            return 1
+        if tp_size != 1:
+            raise ValueError(f"tp_size: tensor parallelism is not supported, got tp_size="
+                             f"{tp_size}; leave it at 1")
+        return 1
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re-)initialise the weights with ``init_method`` (inside the RNG tracker's ``fork`` when
+        ``get_rng_state_tracker`` was given) and zero the biases; drops a cached FP8 copy of the
+        weights. ``defer_init=True`` does nothing (TransformerEngine's flag, used for ``"meta"``
+        construction). The FP8 delayed-scaling state is kept.
+
+        Meta-device flow::
+
+            layer = GroupedLinear(E, k, n, device="meta")
+            layer.to_empty(device="cuda")
+            layer.reset_parameters()
+        """
+        if defer_init:
+            return
+        init = self.init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023))
+        fork = contextlib.nullcontext()
+        if self.get_rng_state_tracker is not None:
+            tracker = self.get_rng_state_tracker()
+            fork = tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()
+        with torch.no_grad():
+            with fork:
+                for w in self.weights():
+                    init(w)
+            for b in self.biases():
+                b.zero_()
+        for w in self.weights():   # TransformerEngine's tensor-parallel attributes (size 1 here)
+            w.tensor_model_parallel = True
+            w.partition_dim = 1 if self.parallel_mode == "row" else 0
+            w.partition_stride = 1
+        self._fp8_weight_cache = None
 
     # -- parameters ---------------------------------------------------------------------------
     def weights(self) -> list[torch.Tensor]:
@@ -421,24 +507,45 @@ class GroupedLinear(torch.nn.Module):
 
         ``is_first_microbatch``: None (no weight caching), True (cast the FP8 weights and cache
         them), False (reuse the cached FP8 weights: the weights have not changed since).
+
+        With ``return_bias=True`` the biases are not added and the result is ``(out, biases)``
+        (the list of E biases; E empty tensors without ``bias``).
         """
         splits, first = self._check_input(inp, m_splits)
         list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
         recipe = get_fp8_recipe()
-        ws, bs = self.weights(), self.biases()
+        ws, all_bs = self.weights(), self.biases()
+        bs = all_bs if self.apply_bias else []
         xs = tuple(inp) if list_mode else (inp,)
         main_grads = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
         if recipe is None:
-            cfg = _Config(list_mode, E, k, n, self.use_bias, False,
+            cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=bool(main_grads))
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
-            y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
-                                  is_first_microbatch, first)
-        return list(torch.split(y, list(splits))) if list_mode else y
+            fp8_forward = self._forward_fp8 if self.apply_bias == self.use_bias \
+                else self._forward_fp8_unbiased
+            y = fp8_forward(recipe, splits, xs, ws, bs, main_grads, list_mode,
+                            is_first_microbatch, first)
+        out = list(torch.split(y, list(splits))) if list_mode else y
+        if not self.return_bias:
+            return out
+        if not all_bs:
+            all_bs = [torch.empty(0, dtype=first.dtype, device=first.device) for _ in range(E)]
+        return out, list(all_bs)
+
+    def _forward_fp8_unbiased(self, *args):
+        """``_forward_fp8`` with the biases not added (``return_bias``): it reads
+        ``self.use_bias`` as "biases are passed", so that reads False for the call.
+        TODO: drop this once ``_forward_fp8`` builds its config with ``has_bias=bool(bs)``."""
+        self.use_bias = False
+        try:
+            return self._forward_fp8(*args)
+        finally:
+            self.use_bias = True
 
     def _main_grad(self, i, w):
         g = getattr(w, "main_grad", None)
