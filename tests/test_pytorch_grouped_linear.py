@@ -607,3 +607,33 @@ def test_return_bias_without_bias_returns_empty_tensors():
     out, biases = layer(torch.randn(5, 32), [2, 3])
     assert out.shape == (5, 48) and len(biases) == 2
     assert all(b.numel() == 0 and b.dtype == torch.float32 for b in biases)
+
+
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("shape", [(4, 5, 32), (2, 2, 5, 32), (20, 1, 32)])
+def test_more_than_2_dims_flattened_like_transformer_engine(recipe, shape):
+    sp = [7, 0, 13]
+    flat_layer, layer = make_layer(3), make_layer(3)
+    x, dy = torch.randn(20, 32), torch.randn(20, 48)
+    want = run(flat_layer, x, sp, RECIPES[recipe], False, dy)
+    xn = x.reshape(shape).clone().requires_grad_()
+    with _autocast(RECIPES[recipe]):
+        y = layer(xn, sp)
+    assert y.shape == (*shape[:-1], 48)
+    y.backward(dy.reshape(y.shape))
+    assert xn.grad.shape == shape
+    got = (y.detach().reshape(20, 48), xn.grad.reshape(20, 32), [w.grad for w in layer.weights()],
+           [b.grad for b in layer.biases()])
+    assert_bits_equal(got, want, recipe)
+
+
+def test_more_than_2_dims_non_contiguous_and_bad_shapes():
+    layer = make_layer(3)
+    x = torch.randn(32, 4, 5).permute(1, 2, 0)            # (4, 5, 32), not contiguous
+    torch.testing.assert_close(layer(x, [7, 0, 13]), layer(x.reshape(20, 32), [7, 0, 13]).view(4, 5, 48))
+    with pytest.raises(ValueError, match="m_splits: counts sum to 19 but inp has 20 rows"):
+        layer(x, [6, 0, 13])
+    with pytest.raises(ValueError, match=r"inp: expected shape .*got \(32,\)"):
+        layer(torch.randn(32), [1, 0, 0])
+    with pytest.raises(ValueError, match=r"inp\[0\]: expected shape"):   # lists stay 2-D
+        layer([torch.randn(1, 2, 32), torch.randn(0, 32), torch.randn(0, 32)])

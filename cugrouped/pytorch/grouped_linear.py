@@ -447,17 +447,19 @@ class GroupedLinear(torch.nn.Module):
             if not isinstance(inp, torch.Tensor):
                 raise TypeError(f"inp: expected a tensor or a list of tensors, got "
                                 f"{type(inp).__name__}")
-            if inp.dim() != 2 or inp.shape[1] != k:
-                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}), got "
+            if inp.dim() < 2 or inp.shape[-1] != k:
+                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}) or "
+                                 f"(..., in_features={k}) with sum(m_splits) rows in all, got "
                                  f"{tuple(inp.shape)}")
+            rows = inp.numel() // k
             if m_splits is None:
                 raise ValueError("m_splits: required when inp is a single tensor")
             splits = tuple(self._host_splits(m_splits))
             if len(splits) != E:
                 raise ValueError(f"m_splits: expected {E} counts (num_gemms), got {len(splits)}")
-            if sum(splits) != inp.shape[0]:
+            if sum(splits) != rows:
                 raise ValueError(f"m_splits: counts sum to {sum(splits)} but inp has "
-                                 f"{inp.shape[0]} rows")
+                                 f"{rows} rows")
             first = inp
         if first.device != w0.device:
             raise ValueError(f"inp: on {first.device} but the weights are on {w0.device}")
@@ -503,7 +505,11 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None):
         """``inp``: list of E ``(m_i, in_features)`` tensors -> list of E ``(m_i, out_features)``
         outputs (views of one buffer); or one ``(Σ m_i, in_features)`` tensor with ``m_splits``
-        (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor.
+        (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor. A single
+        tensor may have more dims, ``(..., in_features)``: it is flattened to
+        ``(-1, in_features)`` (a view when its strides allow; ``m_splits`` counts those rows) and
+        the output is ``(..., out_features)``, as in TransformerEngine. List inputs stay 2-D
+        (TransformerEngine has no list input).
 
         ``is_first_microbatch``: None (no weight caching), True (cast the FP8 weights and cache
         them), False (reuse the cached FP8 weights: the weights have not changed since).
@@ -514,6 +520,10 @@ class GroupedLinear(torch.nn.Module):
         splits, first = self._check_input(inp, m_splits)
         list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
+        out_shape = None
+        if not list_mode and inp.dim() != 2:    # (..., k) -> (rows, k), as TransformerEngine
+            out_shape = (*inp.shape[:-1], n)
+            inp = first = inp.reshape(-1, k)
         recipe = get_fp8_recipe()
         ws, all_bs = self.weights(), self.biases()
         bs = all_bs if self.apply_bias else []
@@ -530,7 +540,10 @@ class GroupedLinear(torch.nn.Module):
                 else self._forward_fp8_unbiased
             y = fp8_forward(recipe, splits, xs, ws, bs, main_grads, list_mode,
                             is_first_microbatch, first)
-        out = list(torch.split(y, list(splits))) if list_mode else y
+        if list_mode:
+            out = list(torch.split(y, list(splits)))
+        else:
+            out = y if out_shape is None else y.view(out_shape)
         if not self.return_bias:
             return out
         if not all_bs:
