@@ -637,3 +637,32 @@ def test_more_than_2_dims_non_contiguous_and_bad_shapes():
         layer(torch.randn(32), [1, 0, 0])
     with pytest.raises(ValueError, match=r"inp\[0\]: expected shape"):   # lists stay 2-D
         layer([torch.randn(1, 2, 32), torch.randn(0, 32), torch.randn(0, 32)])
+
+
+@pytest.mark.parametrize("splits", [
+    [np.int64(7), np.int32(0), np.uint16(13)], (7, np.intp(0), 13), np.array([7, 0, 13]),
+    np.array([7, 0, 13], dtype=np.uint8), torch.tensor([7, 0, 13], dtype=torch.int32),
+])
+def test_m_splits_accepts_numpy_and_any_integral(splits):
+    layer = make_layer(3)
+    x = torch.randn(20, 32)
+    want = layer(x, [7, 0, 13])
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        want8 = layer(x, [7, 0, 13])
+        assert torch.equal(layer(x, splits), want8)
+    assert torch.equal(layer(x, splits), want)
+    assert layer._host_splits(splits) == [7, 0, 13]
+    assert all(type(v) is int for v in layer._host_splits(splits))
+
+
+@pytest.mark.parametrize("splits, exc, match", [
+    ([True, 0, 19], TypeError, "m_splits: expected ints, got True"),
+    ([np.bool_(True), 0, 19], TypeError, "m_splits: expected ints"),
+    ([np.float32(7), 0, 13], TypeError, "m_splits: expected ints"),
+    (np.array([7.0, 0, 13]), TypeError, "m_splits: expected a 1-D integer array"),
+    (np.array([[7, 0, 13]]), TypeError, "m_splits: expected a 1-D integer array"),
+    ([np.int64(27), np.int64(-7), 0], ValueError, "m_splits: counts must be non-negative"),
+])
+def test_m_splits_rejects_non_integers_naming_the_argument(splits, exc, match):
+    with pytest.raises(exc, match=match):
+        make_layer(3)(torch.randn(20, 32), splits)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import _custom_ops as cops
@@ -470,19 +472,29 @@ class GroupedLinear(torch.nn.Module):
 
     @staticmethod
     def _host_splits(m_splits) -> list[int]:
+        """``m_splits`` as a list of Python ints: from a sequence of integers (``int``, NumPy
+        integers, any ``numbers.Integral`` but ``bool``), a 1-D integer NumPy array, or a 1-D
+        integer tensor (on CUDA: a host sync)."""
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() != 1:
                 raise TypeError(f"m_splits: expected a 1-D integer tensor or a list of ints, got "
                                 f"{m_splits.dtype} of shape {tuple(m_splits.shape)}")
             splits = m_splits.tolist()   # on CUDA: a host sync (the GEMM loop needs host counts)
+        elif isinstance(m_splits, np.ndarray):
+            if m_splits.dtype.kind not in "iu" or m_splits.ndim != 1:
+                raise TypeError(f"m_splits: expected a 1-D integer array or a list of ints, got "
+                                f"{m_splits.dtype} of shape {m_splits.shape}")
+            splits = m_splits.tolist()
         elif isinstance(m_splits, Sequence):
             splits = list(m_splits)
         else:
             raise TypeError(f"m_splits: expected a list of ints or an integer tensor, got "
                             f"{type(m_splits).__name__}")
-        for v in splits:
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"m_splits: expected ints, got {v!r}")
+        for i, v in enumerate(splits):
+            if type(v) is not int:
+                if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
+                    raise TypeError(f"m_splits: expected ints, got {v!r}")
+                splits[i] = v = int(v)
             if v < 0:
                 raise ValueError(f"m_splits: counts must be non-negative, got {splits}")
         return splits
