@@ -666,3 +666,99 @@ def test_m_splits_accepts_numpy_and_any_integral(splits):
 def test_m_splits_rejects_non_integers_naming_the_argument(splits, exc, match):
     with pytest.raises(exc, match=match):
         make_layer(3)(torch.randn(20, 32), splits)
+
+
+@pytest.mark.parametrize("list_mode", [False, True])
+def test_torch_autocast_without_fp8_computes_in_the_autocast_dtype(list_mode):
+    """fp32 params under ``torch.autocast("cpu", bfloat16)``: TransformerEngine casts inputs,
+    weights and biases to bf16; the result equals a bf16 copy of the layer bit for bit, and the
+    grads reach the fp32 params (as the bf16 grads, upcast)."""
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    bf16 = copy.deepcopy(layer).bfloat16()
+    x, dy = torch.randn(17, 32), torch.randn(17, 48).bfloat16()
+    want = run(bf16, x.bfloat16(), sp, None, list_mode, dy)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        inp = [t.clone().requires_grad_() for t in x.split(sp)] if list_mode else x.clone().requires_grad_()
+        y = layer(inp, None if list_mode else sp)
+    y = torch.cat(y) if list_mode else y
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    dx = torch.cat([t.grad for t in inp]) if list_mode else inp.grad
+    assert dx.dtype == torch.float32 and layer.weight0.grad.dtype == layer.bias0.grad.dtype == torch.float32
+    assert_bits_equal(y.detach(), want[0])
+    assert_bits_equal(dx, want[1].float())
+    assert_bits_equal([w.grad for w in layer.weights()], [g.float() for g in want[2]])
+    assert_bits_equal([b.grad for b in layer.biases()], [g.float() for g in want[3]])
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_torch_autocast_with_fp8_quantizes_bf16_inputs_and_fp32_weights(recipe):
+    """Under autocast with FP8 the inputs are cast to bf16 before quantization and the weights are
+    quantized from fp32: on bf16-representable inputs and grads that is the same FP8 data as the
+    fp32 run, so dW (fp32) is bit-identical and y, dx are the fp32 run's values rounded to bf16."""
+    sp = [6, 0, 11]
+    rec = RECIPES[recipe]
+    ref, layer = make_layer(3, bias=False), make_layer(3, bias=False)
+    x = torch.randn(17, 32).bfloat16().float()
+    dy = torch.randn(17, 48).bfloat16()
+    want = run(ref, x, sp, rec, False, dy.float())
+    inp = x.clone().requires_grad_()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), fp8_autocast(fp8_recipe=rec):
+        y = layer(inp, sp)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    assert_bits_equal(y.detach(), want[0].bfloat16())
+    assert_bits_equal(inp.grad, want[1].bfloat16().float())
+    assert_bits_equal([w.grad for w in layer.weights()], want[2])
+    if rec.delayed():
+        assert_bits_equal(layer.fp8_scale, ref.fp8_scale)
+
+
+def test_torch_autocast_with_fp8_bias_and_return_bias():
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    x = torch.randn(17, 32, requires_grad=True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), \
+            fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y = layer(x, sp)
+        y2, biases = make_layer(3, return_bias=True)(x, sp)
+    assert y.dtype == y2.dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in biases)
+    y.float().sum().backward()
+    for i, m in enumerate(sp):
+        assert layer.biases()[i].grad.dtype == torch.float32
+        torch.testing.assert_close(layer.biases()[i].grad, torch.full((48,), float(m)))
+    ref = torch.cat([xi.double() @ w.double().T + b.double() for xi, w, b in
+                     zip(x.detach().split(sp), layer.weights(), layer.biases())])
+    assert (y.double() - ref).norm() / ref.norm() < 0.1
+    # fused bias (added before the bf16 rounding) vs added after it: one bf16 rounding apart
+    torch.testing.assert_close(torch.cat([p + b for p, b in zip(y2.split(sp), biases)]), y,
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_dtype_mismatch_outside_autocast_still_raises():
+    layer = make_layer(3)
+    with pytest.raises(TypeError, match="inp: dtype torch.bfloat16 differs"):
+        layer(torch.randn(4, 32).bfloat16(), [4, 0, 0])
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="inp: expected a floating-point dtype"):
+            layer(torch.ones(4, 32, dtype=torch.int32), [4, 0, 0])
+
+
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_torch_compile_fullgraph_with_return_bias_3d_input_and_autocast(recipe):
+    torch._dynamo.reset()
+    eager = make_layer(3, return_bias=True)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    x = torch.randn(2, 10, 32)
+    outs = []
+    for fn, mod in ((eager, eager), (compiled, compiled_layer)):
+        inp = x.clone().requires_grad_()
+        with _autocast(RECIPES[recipe]), torch.autocast("cpu", torch.bfloat16):
+            y, biases = fn(inp, [4, 0, 16])
+        y.float().sum().backward()
+        outs.append((y.detach(), inp.grad, [w.grad for w in mod.weights()], list(biases)))
+    assert outs[0][0].shape == (2, 10, 48) and outs[0][0].dtype == torch.bfloat16
+    assert_bits_equal(outs[1][:3], outs[0][:3], recipe)
+    assert_bits_equal([b.detach() for b in outs[1][3]], [b.detach() for b in outs[0][3]])

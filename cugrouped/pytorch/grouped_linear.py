@@ -465,10 +465,22 @@ class GroupedLinear(torch.nn.Module):
             first = inp
         if first.device != w0.device:
             raise ValueError(f"inp: on {first.device} but the weights are on {w0.device}")
-        if first.dtype != w0.dtype:
-            raise TypeError(f"inp: dtype {first.dtype} differs from the weights' {w0.dtype} "
-                            f"(params_dtype)")
+        if self._autocast_dtype(first.device) is None:
+            if first.dtype != w0.dtype:
+                raise TypeError(f"inp: dtype {first.dtype} differs from the weights' {w0.dtype} "
+                                f"(params_dtype; under torch.autocast the input is cast instead)")
+        elif not first.dtype.is_floating_point:
+            raise TypeError(f"inp: expected a floating-point dtype under torch.autocast, got "
+                            f"{first.dtype}")
         return splits, first
+
+    @staticmethod
+    def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+        """The ``torch.autocast`` dtype for ``device``'s type when it is enabled, else None
+        (TransformerEngine's ``set_activation_dtype``: autocast decides the activation dtype)."""
+        if device.type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device.type):
+            return None
+        return torch.get_autocast_dtype(device.type)
 
     @staticmethod
     def _host_splits(m_splits) -> list[int]:
@@ -527,7 +539,13 @@ class GroupedLinear(torch.nn.Module):
         them), False (reuse the cached FP8 weights: the weights have not changed since).
 
         With ``return_bias=True`` the biases are not added and the result is ``(out, biases)``
-        (the list of E biases; E empty tensors without ``bias``).
+        (the list of E biases in the activation dtype; E empty tensors without ``bias``).
+
+        Under ``torch.autocast`` enabled for the input's device type the activation dtype is the
+        autocast dtype (as in TransformerEngine): inputs (and biases) are cast to it, and so are
+        the weights without FP8; with FP8 the weights are quantized from their own dtype. The
+        output is in the activation dtype, grads come back in each parameter's own dtype.
+        Outside autocast the input dtype must equal ``params_dtype``.
         """
         splits, first = self._check_input(inp, m_splits)
         list_mode = isinstance(inp, (list, tuple))
@@ -538,11 +556,23 @@ class GroupedLinear(torch.nn.Module):
             inp = first = inp.reshape(-1, k)
         recipe = get_fp8_recipe()
         ws, all_bs = self.weights(), self.biases()
-        bs = all_bs if self.apply_bias else []
         xs = tuple(inp) if list_mode else (inp,)
         main_grads = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
+        act_dtype = self._autocast_dtype(first.device)
+        if act_dtype is not None:
+            # torch.autocast: compute in its dtype, as TransformerEngine. Differentiable casts at
+            # this level (the autograd function is left as it is), so grads reach the params in
+            # their own dtype: inputs and biases always; weights only without FP8 (the FP8 cast
+            # reads them in their own dtype). Cost without FP8: one cast copy of every weight
+            # per forward and one of its grad per backward (TE casts the same way).
+            xs = tuple(x.to(act_dtype) for x in xs)
+            first = xs[0]
+            all_bs = [b.to(act_dtype) for b in all_bs]
+            if recipe is None:
+                ws = [w.to(act_dtype) for w in ws]
+        bs = all_bs if self.apply_bias else []
         if recipe is None:
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=bool(main_grads))
