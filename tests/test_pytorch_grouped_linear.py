@@ -762,3 +762,41 @@ def test_torch_compile_fullgraph_with_return_bias_3d_input_and_autocast(recipe):
     assert outs[0][0].shape == (2, 10, 48) and outs[0][0].dtype == torch.bfloat16
     assert_bits_equal(outs[1][:3], outs[0][:3], recipe)
     assert_bits_equal([b.detach() for b in outs[1][3]], [b.detach() for b in outs[0][3]])
+
+
+@pytest.mark.parametrize("new_len", [2, 5, 9])
+def test_changing_amax_history_len_keeps_the_fp8_state(new_len):
+    """TransformerEngine's ``adjust_amax_history_length``: the history is cut to its newest
+    entries (column 0 is the newest) or zero-padded; amax, scale and scale_inv are kept."""
+    x = torch.randn(30, 32)
+    layer = make_layer(3)
+    run(layer, x, [10, 5, 15], DelayedScaling(amax_history_len=5), False, steps=3)
+    before = {n: getattr(layer, n).clone() for n in
+              ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv")}
+    assert torch.all(before["fp8_scale"] != 1)
+    rec = DelayedScaling(amax_history_len=new_len)
+    layer.init_fp8_state(rec)
+    hist = layer.fp8_amax_history
+    assert hist.shape == (9, new_len) and layer._fp8_recipe == rec
+    keep = min(new_len, 5)
+    assert_bits_equal(hist[:, :keep], before["fp8_amax_history"][:, :keep])
+    assert torch.count_nonzero(hist[:, keep:]) == 0
+    for n in ("fp8_amax", "fp8_scale", "fp8_scale_inv"):
+        assert_bits_equal(getattr(layer, n), before[n], n)
+    # a training step under the new recipe does the same, then rolls the kept history by one
+    fwd = make_layer(3)
+    run(fwd, x, [10, 5, 15], DelayedScaling(amax_history_len=5), False, steps=3)
+    resized = torch.nn.functional.pad(before["fp8_amax_history"], (0, max(0, new_len - 5)))
+    run(fwd, x, [10, 5, 15], rec, False)
+    assert fwd.fp8_amax_history.shape == (9, new_len)
+    assert_bits_equal(fwd.fp8_amax_history[:, 1:], resized[:, :new_len - 1])
+    assert torch.isfinite(fwd.fp8_scale).all() and torch.all(fwd.fp8_scale != 1)
+
+
+@pytest.mark.parametrize("change", [dict(fp8_format=Format.E4M3), dict(margin=2)])
+def test_changing_format_or_margin_starts_a_fresh_fp8_state(change):
+    layer = make_layer(3)
+    run(layer, torch.randn(30, 32), [10, 5, 15], DelayedScaling(amax_history_len=4), False)
+    layer.init_fp8_state(DelayedScaling(amax_history_len=4, **change))
+    assert torch.count_nonzero(layer.fp8_amax_history) == 0
+    assert torch.all(layer.fp8_scale == 1)

@@ -373,12 +373,20 @@ class GroupedLinear(torch.nn.Module):
 
     def init_fp8_state(self, recipe: DelayedScaling) -> DelayedScalingState:
         """Create (or keep, if compatible) the delayed-scaling buffers for ``recipe`` (forward does
-        this on first use; call it before ``torch.compile`` to keep the graph free of it)."""
+        this on first use; call it before ``torch.compile`` to keep the graph free of it).
+
+        A state for another ``amax_history_len`` (same format and margin) is kept: its history
+        is cut to the newest entries or zero-padded, and amax, scale and scale_inv stay, as
+        TransformerEngine's ``adjust_amax_history_length``. Another FP8 format or margin (or
+        number of experts) starts a fresh state: the scales were derived for the old one."""
         st = self.fp8_state()
         if st is not None and st.matches(recipe, self.num_gemms):
             self._fp8_recipe = recipe
             return self.fp8_state()
-        st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
+        if st is not None and st.compatible(recipe, self.num_gemms):
+            st = st.with_history_len(recipe)
+        else:
+            st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
         self._set_state(st)
         return st
 
