@@ -474,7 +474,7 @@ def fake_dist(monkeypatch):
     dict(parallel_mode="column", tp_size=1), dict(parallel_mode="row", sequence_parallel=True),
     dict(parallel_mode=None, tp_group=_FakeGroup(1), sequence_parallel=True),
     dict(get_rng_state_tracker=None, rng_tracker_name=None, ub_overlap_rs=False,
-         ub_overlap_ag=False, ub_name="fc1"),
+         ub_overlap_ag=False, ub_name="fc1", delay_wgrad_compute=False, save_original_input=False),
 ])
 def test_megatron_expert_kwargs_are_noops_at_tensor_parallel_size_1(kw, fake_dist):
     sp = [5, 0, 12]
@@ -496,6 +496,8 @@ def test_megatron_expert_kwargs_are_noops_at_tensor_parallel_size_1(kw, fake_dis
     (dict(tp_group=_FakeGroup(2), tp_size=1, parallel_mode="column"), ValueError, "tp_group"),
     (dict(parallel_mode="diagonal"), ValueError, "parallel_mode: expected None, 'column' or 'row'"),
     (dict(ub_overlap_ag=True), ValueError, "ub_overlap_rs, ub_overlap_ag"),
+    (dict(delay_wgrad_compute=True), ValueError, "delay_wgrad_compute: not supported"),
+    (dict(save_original_input=True), ValueError, "save_original_input: not supported"),
     (dict(get_rng_state_tracker=3), TypeError, "get_rng_state_tracker"),
     (dict(rng_tracker_name=3), TypeError, "rng_tracker_name"),
 ])

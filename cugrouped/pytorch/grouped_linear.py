@@ -249,6 +249,8 @@ class GroupedLinear(torch.nn.Module):
         in TransformerEngine when the size is 1). A size above 1 raises ``ValueError``.
     ub_overlap_rs, ub_overlap_ag, ub_name : userbuffer overlap; must be off (TransformerEngine's
         GroupedLinear does not support it either).
+    delay_wgrad_compute, save_original_input : newer TransformerEngine options; accepted only
+        as False (ValueError otherwise).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -258,7 +260,8 @@ class GroupedLinear(torch.nn.Module):
                  parallel_mode: str | None = None, *, return_bias: bool = False,
                  get_rng_state_tracker=None, rng_tracker_name: str | None = None,
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
-                 ub_name: str | None = None):
+                 ub_name: str | None = None, delay_wgrad_compute: bool = False,
+                 save_original_input: bool = False):
         super().__init__()
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
                         ("out_features", out_features)):
@@ -271,6 +274,11 @@ class GroupedLinear(torch.nn.Module):
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError("ub_overlap_rs, ub_overlap_ag: userbuffer overlap is not supported "
                              "(nor by TransformerEngine's GroupedLinear); leave them False")
+        for name, v in (("delay_wgrad_compute", delay_wgrad_compute),
+                        ("save_original_input", save_original_input)):
+            if v:
+                raise ValueError(f"{name}: not supported (the backward computes the weight "
+                                 f"gradient at once and saves the FP8 input); leave it False")
         if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
             raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an "
                             f"RNG tracker, got {type(get_rng_state_tracker).__name__}")
