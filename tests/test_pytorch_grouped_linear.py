@@ -3,6 +3,7 @@ GEMMs on the NumPy reference), and the same checks on a GPU (marked ``gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -547,3 +548,354 @@ def test_gpu_torch_compile_and_training_step():
     x = torch.randn(60, 64, device="cuda").bfloat16()
     with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
         assert_bits_equal(compiled(x, [0, 30, 10, 20]), layer(x, [0, 30, 10, 20]))
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerEngine / Megatron-LM parity
+
+class _FakeGroup:
+    def __init__(self, size):
+        self.size = size
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """torch.distributed looking initialized, with groups of any size (``_FakeGroup``)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(parallel_mode="column", tp_size=1), dict(parallel_mode="row", sequence_parallel=True),
+    dict(parallel_mode=None, tp_group=_FakeGroup(1), sequence_parallel=True),
+    dict(get_rng_state_tracker=None, rng_tracker_name=None, ub_overlap_rs=False,
+         ub_overlap_ag=False, ub_name="fc1", delay_wgrad_compute=False, save_original_input=False),
+])
+def test_megatron_expert_kwargs_are_noops_at_tensor_parallel_size_1(kw, fake_dist):
+    sp = [5, 0, 12]
+    plain, layer = make_layer(3), make_layer(3, **kw)
+    assert layer.tp_size == 1 and layer.sequence_parallel is False
+    for a, b in zip(plain.parameters(), layer.parameters()):
+        assert torch.equal(a, b)
+    x = torch.randn(17, 32)
+    for rec in ("none", "current"):
+        assert_bits_equal(run(layer, x, sp, RECIPES[rec], False), run(plain, x, sp, RECIPES[rec], False))
+    dim = 1 if kw.get("parallel_mode") == "row" else 0
+    assert all(w.tensor_model_parallel and w.partition_dim == dim for w in layer.weights())
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(tp_size=2), ValueError, "tp_size: tensor parallelism is not supported"),
+    (dict(tp_size=0), ValueError, "tp_size: expected a positive int"),
+    (dict(tp_group=_FakeGroup(2)), ValueError, "tp_group: tensor parallelism .* 2 ranks"),
+    (dict(tp_group=_FakeGroup(2), tp_size=1, parallel_mode="column"), ValueError, "tp_group"),
+    (dict(parallel_mode="diagonal"), ValueError, "parallel_mode: expected None, 'column' or 'row'"),
+    (dict(ub_overlap_ag=True), ValueError, "ub_overlap_rs, ub_overlap_ag"),
+    (dict(delay_wgrad_compute=True), ValueError, "delay_wgrad_compute: not supported"),
+    (dict(save_original_input=True), ValueError, "save_original_input: not supported"),
+    (dict(get_rng_state_tracker=3), TypeError, "get_rng_state_tracker"),
+    (dict(rng_tracker_name=3), TypeError, "rng_tracker_name"),
+])
+def test_tensor_parallelism_above_1_raises_naming_the_argument(kw, exc, match, fake_dist):
+    with pytest.raises(exc, match=match):
+        GroupedLinear(2, 16, 16, device="cpu", **kw)
+
+
+def test_tp_group_needs_torch_distributed():
+    with pytest.raises(ValueError, match="tp_group: given, but torch.distributed is not initialized"):
+        GroupedLinear(2, 16, 16, device="cpu", tp_group=_FakeGroup(1))
+
+
+class _Tracker:
+    """Megatron's CUDA RNG tracker, on the CPU generator: ``fork(name)`` runs the block from the
+    named state and keeps the outer state untouched."""
+
+    def __init__(self):
+        self.states, self.forks = {}, []
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        self.forks.append(name)
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states.setdefault(name, torch.manual_seed(1234).get_state()))
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+@pytest.mark.parametrize("name", [None, "expert-parallel-rng"])
+def test_weights_initialised_inside_the_rng_tracker_fork(name):
+    tracker = _Tracker()
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    layer = GroupedLinear(3, 16, 32, device="cpu", get_rng_state_tracker=lambda: tracker,
+                          rng_tracker_name=name)
+    assert torch.equal(torch.get_rng_state(), outer)           # the default stream is untouched
+    assert tracker.forks == [name or "model-parallel-rng"]
+    torch.manual_seed(1234)
+    want = GroupedLinear(3, 16, 32, device="cpu")
+    for a, b in zip(layer.weights(), want.weights()):
+        assert torch.equal(a, b)
+    assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
+
+
+def test_meta_construction_then_to_empty_and_reset_parameters():
+    layer = GroupedLinear(3, 32, 48, device="meta", init_method=torch.nn.init.ones_)
+    assert all(p.is_meta for p in layer.parameters())
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    want = GroupedLinear(3, 32, 48, device="cpu", init_method=torch.nn.init.ones_)
+    for (na, a), (nb, b) in zip(layer.named_parameters(), want.named_parameters()):
+        assert na == nb and torch.equal(a, b), na
+    assert all(w.tensor_model_parallel for w in layer.weights())
+    torch.manual_seed(0)
+    layer = GroupedLinear(2, 32, 48, device="meta").to_empty(device="cpu")
+    layer.reset_parameters()
+    torch.manual_seed(0)
+    assert torch.equal(layer.weight1, GroupedLinear(2, 32, 48, device="cpu").weight1)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+        y = layer(x, [4, 6])
+    assert y.shape == (10, 48) and torch.isfinite(y).all()
+
+
+def test_reset_parameters_drops_the_cached_fp8_weights():
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        y1 = layer(x, [4, 6], is_first_microbatch=True)
+        layer.reset_parameters()
+        y2 = layer(x, [4, 6], is_first_microbatch=False)
+    assert not torch.equal(y1, y2)        # recast, not the stale cached copy
+    assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
+
+
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("list_mode", [False, True])
+def test_return_bias_returns_the_biases_unadded(recipe, list_mode):
+    """TransformerEngine's ``return_bias``: forward returns ``(out, [bias_i])`` without adding
+    them; adding them afterwards gives the plain layer's output and the same gradients."""
+    sp = [6, 0, 11]
+    plain, layer = make_layer(3), make_layer(3, return_bias=True)
+    x, dy = torch.randn(17, 32), torch.randn(17, 48)
+    want = run(plain, x, sp, RECIPES[recipe], list_mode, dy)
+    inp = [t.clone().requires_grad_() for t in x.split(sp)] if list_mode else x.clone().requires_grad_()
+    with _autocast(RECIPES[recipe]):
+        out, biases = layer(inp, None if list_mode else sp)
+    assert len(biases) == 3 and all(b is p for b, p in zip(biases, layer.biases()))
+    parts = out if list_mode else out.split(sp)
+    y = torch.cat([p + b for p, b in zip(parts, biases)])
+    y.backward(dy)
+    dx = torch.cat([t.grad for t in inp]) if list_mode else inp.grad
+    got = (y.detach(), dx, [w.grad for w in layer.weights()], [b.grad for b in layer.biases()])
+    if recipe == "none":      # addmm vs matmul + add: the same math, not the same rounding
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    else:                     # FP8 adds the fp32 bias after the GEMM: bit for bit
+        assert_bits_equal(got[:3], want[:3], recipe)
+        # dbias: the cast kernel's column sums vs autograd's sum, same values up to the order
+        torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-5)
+
+
+def test_return_bias_without_bias_returns_empty_tensors():
+    layer = make_layer(2, bias=False, return_bias=True)
+    out, biases = layer(torch.randn(5, 32), [2, 3])
+    assert out.shape == (5, 48) and len(biases) == 2
+    assert all(b.numel() == 0 and b.dtype == torch.float32 for b in biases)
+
+
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("shape", [(4, 5, 32), (2, 2, 5, 32), (20, 1, 32)])
+def test_more_than_2_dims_flattened_like_transformer_engine(recipe, shape):
+    sp = [7, 0, 13]
+    flat_layer, layer = make_layer(3), make_layer(3)
+    x, dy = torch.randn(20, 32), torch.randn(20, 48)
+    want = run(flat_layer, x, sp, RECIPES[recipe], False, dy)
+    xn = x.reshape(shape).clone().requires_grad_()
+    with _autocast(RECIPES[recipe]):
+        y = layer(xn, sp)
+    assert y.shape == (*shape[:-1], 48)
+    y.backward(dy.reshape(y.shape))
+    assert xn.grad.shape == shape
+    got = (y.detach().reshape(20, 48), xn.grad.reshape(20, 32), [w.grad for w in layer.weights()],
+           [b.grad for b in layer.biases()])
+    assert_bits_equal(got, want, recipe)
+
+
+def test_more_than_2_dims_non_contiguous_and_bad_shapes():
+    layer = make_layer(3)
+    x = torch.randn(32, 4, 5).permute(1, 2, 0)            # (4, 5, 32), not contiguous
+    torch.testing.assert_close(layer(x, [7, 0, 13]), layer(x.reshape(20, 32), [7, 0, 13]).view(4, 5, 48))
+    with pytest.raises(ValueError, match="m_splits: counts sum to 19 but inp has 20 rows"):
+        layer(x, [6, 0, 13])
+    with pytest.raises(ValueError, match=r"inp: expected shape .*got \(32,\)"):
+        layer(torch.randn(32), [1, 0, 0])
+    with pytest.raises(ValueError, match=r"inp\[0\]: expected shape"):   # lists stay 2-D
+        layer([torch.randn(1, 2, 32), torch.randn(0, 32), torch.randn(0, 32)])
+
+
+@pytest.mark.parametrize("splits", [
+    [np.int64(7), np.int32(0), np.uint16(13)], (7, np.intp(0), 13), np.array([7, 0, 13]),
+    np.array([7, 0, 13], dtype=np.uint8), torch.tensor([7, 0, 13], dtype=torch.int32),
+])
+def test_m_splits_accepts_numpy_and_any_integral(splits):
+    layer = make_layer(3)
+    x = torch.randn(20, 32)
+    want = layer(x, [7, 0, 13])
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        want8 = layer(x, [7, 0, 13])
+        assert torch.equal(layer(x, splits), want8)
+    assert torch.equal(layer(x, splits), want)
+    assert layer._host_splits(splits) == [7, 0, 13]
+    assert all(type(v) is int for v in layer._host_splits(splits))
+
+
+@pytest.mark.parametrize("splits, exc, match", [
+    ([True, 0, 19], TypeError, "m_splits: expected ints, got True"),
+    ([np.bool_(True), 0, 19], TypeError, "m_splits: expected ints"),
+    ([np.float32(7), 0, 13], TypeError, "m_splits: expected ints"),
+    (np.array([7.0, 0, 13]), TypeError, "m_splits: expected a 1-D integer array"),
+    (np.array([[7, 0, 13]]), TypeError, "m_splits: expected a 1-D integer array"),
+    ([np.int64(27), np.int64(-7), 0], ValueError, "m_splits: counts must be non-negative"),
+])
+def test_m_splits_rejects_non_integers_naming_the_argument(splits, exc, match):
+    with pytest.raises(exc, match=match):
+        make_layer(3)(torch.randn(20, 32), splits)
+
+
+@pytest.mark.parametrize("list_mode", [False, True])
+def test_torch_autocast_without_fp8_computes_in_the_autocast_dtype(list_mode):
+    """fp32 params under ``torch.autocast("cpu", bfloat16)``: TransformerEngine casts inputs,
+    weights and biases to bf16; the result equals a bf16 copy of the layer bit for bit, and the
+    grads reach the fp32 params (as the bf16 grads, upcast)."""
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    bf16 = copy.deepcopy(layer).bfloat16()
+    x, dy = torch.randn(17, 32), torch.randn(17, 48).bfloat16()
+    want = run(bf16, x.bfloat16(), sp, None, list_mode, dy)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        inp = [t.clone().requires_grad_() for t in x.split(sp)] if list_mode else x.clone().requires_grad_()
+        y = layer(inp, None if list_mode else sp)
+    y = torch.cat(y) if list_mode else y
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    dx = torch.cat([t.grad for t in inp]) if list_mode else inp.grad
+    assert dx.dtype == torch.float32 and layer.weight0.grad.dtype == layer.bias0.grad.dtype == torch.float32
+    assert_bits_equal(y.detach(), want[0])
+    assert_bits_equal(dx, want[1].float())
+    assert_bits_equal([w.grad for w in layer.weights()], [g.float() for g in want[2]])
+    assert_bits_equal([b.grad for b in layer.biases()], [g.float() for g in want[3]])
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_torch_autocast_with_fp8_quantizes_bf16_inputs_and_fp32_weights(recipe):
+    """Under autocast with FP8 the inputs are cast to bf16 before quantization and the weights are
+    quantized from fp32: on bf16-representable inputs and grads that is the same FP8 data as the
+    fp32 run, so dW (fp32) is bit-identical and y, dx are the fp32 run's values rounded to bf16."""
+    sp = [6, 0, 11]
+    rec = RECIPES[recipe]
+    ref, layer = make_layer(3, bias=False), make_layer(3, bias=False)
+    x = torch.randn(17, 32).bfloat16().float()
+    dy = torch.randn(17, 48).bfloat16()
+    want = run(ref, x, sp, rec, False, dy.float())
+    inp = x.clone().requires_grad_()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), fp8_autocast(fp8_recipe=rec):
+        y = layer(inp, sp)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    assert_bits_equal(y.detach(), want[0].bfloat16())
+    assert_bits_equal(inp.grad, want[1].bfloat16().float())
+    assert_bits_equal([w.grad for w in layer.weights()], want[2])
+    if rec.delayed():
+        assert_bits_equal(layer.fp8_scale, ref.fp8_scale)
+
+
+def test_torch_autocast_with_fp8_bias_and_return_bias():
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    x = torch.randn(17, 32, requires_grad=True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), \
+            fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y = layer(x, sp)
+        y2, biases = make_layer(3, return_bias=True)(x, sp)
+    assert y.dtype == y2.dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in biases)
+    y.float().sum().backward()
+    for i, m in enumerate(sp):
+        assert layer.biases()[i].grad.dtype == torch.float32
+        torch.testing.assert_close(layer.biases()[i].grad, torch.full((48,), float(m)))
+    ref = torch.cat([xi.double() @ w.double().T + b.double() for xi, w, b in
+                     zip(x.detach().split(sp), layer.weights(), layer.biases())])
+    assert (y.double() - ref).norm() / ref.norm() < 0.1
+    # fused bias (added before the bf16 rounding) vs added after it: one bf16 rounding apart
+    torch.testing.assert_close(torch.cat([p + b for p, b in zip(y2.split(sp), biases)]), y,
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_dtype_mismatch_outside_autocast_still_raises():
+    layer = make_layer(3)
+    with pytest.raises(TypeError, match="inp: dtype torch.bfloat16 differs"):
+        layer(torch.randn(4, 32).bfloat16(), [4, 0, 0])
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="inp: expected a floating-point dtype"):
+            layer(torch.ones(4, 32, dtype=torch.int32), [4, 0, 0])
+
+
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_torch_compile_fullgraph_with_return_bias_3d_input_and_autocast(recipe):
+    torch._dynamo.reset()
+    eager = make_layer(3, return_bias=True)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    x = torch.randn(2, 10, 32)
+    outs = []
+    for fn, mod in ((eager, eager), (compiled, compiled_layer)):
+        inp = x.clone().requires_grad_()
+        with _autocast(RECIPES[recipe]), torch.autocast("cpu", torch.bfloat16):
+            y, biases = fn(inp, [4, 0, 16])
+        y.float().sum().backward()
+        outs.append((y.detach(), inp.grad, [w.grad for w in mod.weights()], list(biases)))
+    assert outs[0][0].shape == (2, 10, 48) and outs[0][0].dtype == torch.bfloat16
+    assert_bits_equal(outs[1][:3], outs[0][:3], recipe)
+    assert_bits_equal([b.detach() for b in outs[1][3]], [b.detach() for b in outs[0][3]])
+
+
+@pytest.mark.parametrize("new_len", [2, 5, 9])
+def test_changing_amax_history_len_keeps_the_fp8_state(new_len):
+    """TransformerEngine's ``adjust_amax_history_length``: the history is cut to its newest
+    entries (column 0 is the newest) or zero-padded; amax, scale and scale_inv are kept."""
+    x = torch.randn(30, 32)
+    layer = make_layer(3)
+    run(layer, x, [10, 5, 15], DelayedScaling(amax_history_len=5), False, steps=3)
+    before = {n: getattr(layer, n).clone() for n in
+              ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv")}
+    assert torch.all(before["fp8_scale"] != 1)
+    rec = DelayedScaling(amax_history_len=new_len)
+    layer.init_fp8_state(rec)
+    hist = layer.fp8_amax_history
+    assert hist.shape == (9, new_len) and layer._fp8_recipe == rec
+    keep = min(new_len, 5)
+    assert_bits_equal(hist[:, :keep], before["fp8_amax_history"][:, :keep])
+    assert torch.count_nonzero(hist[:, keep:]) == 0
+    for n in ("fp8_amax", "fp8_scale", "fp8_scale_inv"):
+        assert_bits_equal(getattr(layer, n), before[n], n)
+    # a training step under the new recipe does the same, then rolls the kept history by one
+    fwd = make_layer(3)
+    run(fwd, x, [10, 5, 15], DelayedScaling(amax_history_len=5), False, steps=3)
+    resized = torch.nn.functional.pad(before["fp8_amax_history"], (0, max(0, new_len - 5)))
+    run(fwd, x, [10, 5, 15], rec, False)
+    assert fwd.fp8_amax_history.shape == (9, new_len)
+    assert_bits_equal(fwd.fp8_amax_history[:, 1:], resized[:, :new_len - 1])
+    assert torch.isfinite(fwd.fp8_scale).all() and torch.all(fwd.fp8_scale != 1)
+
+
+@pytest.mark.parametrize("change", [dict(fp8_format=Format.E4M3), dict(margin=2)])
+def test_changing_format_or_margin_starts_a_fresh_fp8_state(change):
+    layer = make_layer(3)
+    run(layer, torch.randn(30, 32), [10, 5, 15], DelayedScaling(amax_history_len=4), False)
+    layer.init_fp8_state(DelayedScaling(amax_history_len=4, **change))
+    assert torch.count_nonzero(layer.fp8_amax_history) == 0
+    assert torch.all(layer.fp8_scale == 1)

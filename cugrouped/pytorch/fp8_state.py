@@ -38,9 +38,33 @@ class DelayedScalingState:
                        "scale_inv": torch.ones(T, dtype=torch.float32, device=device)}
         self.tensors = tensors
 
+    def compatible(self, recipe: DelayedScaling, num_experts: int) -> bool:
+        """Whether this state's scales mean the same thing under ``recipe``: same experts, FP8
+        format and margin (the history length and the amax algorithm may differ)."""
+        r = self.recipe
+        return (num_experts == self.num_experts and recipe.fp8_format == r.fp8_format
+                and recipe.margin == r.margin)
+
     def matches(self, recipe: DelayedScaling, num_experts: int) -> bool:
-        return (num_experts == self.num_experts
+        """Usable as it is for ``recipe``: :meth:`compatible` and the same history length."""
+        return (self.compatible(recipe, num_experts)
                 and recipe.amax_history_len == self.tensors["amax_history"].shape[1])
+
+    def with_history_len(self, recipe: DelayedScaling) -> DelayedScalingState:
+        """This state for ``recipe`` (:meth:`compatible` with it), its amax history cut to the
+        newest ``recipe.amax_history_len`` entries or zero-padded on the old end
+        (TransformerEngine's ``adjust_amax_history_length``); ``amax``, ``scale`` and
+        ``scale_inv`` are kept (the same tensors)."""
+        if not self.compatible(recipe, self.num_experts):
+            raise ValueError(f"recipe: format/margin differ from the state's {self.recipe}")
+        hist = self.tensors["amax_history"]
+        L, old = recipe.amax_history_len, hist.shape[1]
+        if L <= old:
+            new = hist[:, :L].clone()
+        else:
+            new = torch.nn.functional.pad(hist, (0, L - old))
+        return DelayedScalingState(self.num_experts, recipe, hist.device,
+                                   {**self.tensors, "amax_history": new.contiguous()})
 
     def offset(self, which: int) -> int:
         return which * self.num_experts

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import _custom_ops as cops
@@ -234,7 +236,9 @@ class GroupedLinear(torch.nn.Module):
     bias : bool  per-expert biases ``bias{i}``.
     params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)``
         (default ``torch.get_default_dtype()``).
-    device : ``"cuda"`` (default, as in TransformerEngine) or ``"cpu"``.
+    device : ``"cuda"`` (default, as in TransformerEngine), ``"cpu"`` or ``"meta"``. On
+        ``"meta"`` nothing is initialised; materialise with ``to_empty(device=...)`` and then call
+        :meth:`reset_parameters`.
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
         which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``.
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
@@ -243,41 +247,133 @@ class GroupedLinear(torch.nn.Module):
         ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``.
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
-    sequence_parallel, tp_group, tp_size, parallel_mode : accepted for compatibility with their
-        single-GPU values only (no tensor parallelism here).
+
+    Keyword-only, for TransformerEngine / Megatron-LM compatibility (expert layers with expert
+    tensor parallelism 1):
+
+    return_bias : bool  if True the bias is not added: forward returns ``(out, biases)``, where
+        ``biases`` is the list of the E biases in the activation dtype (E empty tensors when
+        ``bias=False``), as TransformerEngine does, so the caller can fuse the addition.
+    get_rng_state_tracker : None, or a callable returning a tracker whose ``fork(name)`` context
+        the weight initialisation runs in (Megatron's ``get_cuda_rng_tracker``).
+    rng_tracker_name : str or None  the name passed to ``fork`` (None: the tracker's default).
+    sequence_parallel, tp_group, tp_size, parallel_mode : tensor parallelism. Only a tensor-parallel
+        size of 1 is supported (``tp_group`` None or of size 1, ``tp_size=1``), where they are
+        no-ops: ``parallel_mode`` may be None, ``"column"`` or ``"row"`` (it only sets the
+        TransformerEngine ``tensor_model_parallel`` / ``partition_dim`` attributes of the
+        weights), and ``sequence_parallel`` is ignored (``self.sequence_parallel`` is False, as
+        in TransformerEngine when the size is 1). A size above 1 raises ``ValueError``.
+    ub_overlap_rs, ub_overlap_ag, ub_name : userbuffer overlap; must be off (TransformerEngine's
+        GroupedLinear does not support it either).
+    delay_wgrad_compute, save_original_input : newer TransformerEngine options; accepted only
+        as False (ValueError otherwise).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device="cuda",
                  fuse_wgrad_accumulation: bool = False, init_method=None,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
-                 parallel_mode: str | None = None):
+                 parallel_mode: str | None = None, *, return_bias: bool = False,
+                 get_rng_state_tracker=None, rng_tracker_name: str | None = None,
+                 ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
+                 ub_name: str | None = None, delay_wgrad_compute: bool = False,
+                 save_original_input: bool = False):
         super().__init__()
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
                         ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if sequence_parallel or tp_group is not None or tp_size != 1 or parallel_mode is not None:
-            raise ValueError("sequence_parallel, tp_group, tp_size, parallel_mode: tensor "
-                             "parallelism is not supported; leave them at their defaults")
+        self.tp_size = self._tensor_parallel_size(tp_group, tp_size)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode: expected None, 'column' or 'row', got "
+                             f"{parallel_mode!r}")
+        if ub_overlap_rs or ub_overlap_ag:
+            raise ValueError("ub_overlap_rs, ub_overlap_ag: userbuffer overlap is not supported "
+                             "(nor by TransformerEngine's GroupedLinear); leave them False")
+        for name, v in (("delay_wgrad_compute", delay_wgrad_compute),
+                        ("save_original_input", save_original_input)):
+            if v:
+                raise ValueError(f"{name}: not supported (the backward computes the weight "
+                                 f"gradient at once and saves the FP8 input); leave it False")
+        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+            raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an "
+                            f"RNG tracker, got {type(get_rng_state_tracker).__name__}")
+        if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+            raise TypeError(f"rng_tracker_name: expected None or a str, got {rng_tracker_name!r}")
+        self.tp_group, self.parallel_mode = tp_group, parallel_mode
+        self.sequence_parallel = False      # TransformerEngine: sequence_parallel and tp_size > 1
+        self.ub_name = ub_name
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bool(bias)
+        self.return_bias = bool(return_bias)
+        self.apply_bias = self.use_bias and not self.return_bias
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        params_dtype = params_dtype or torch.get_default_dtype()
-        init = init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023))
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.init_method = init_method
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype,
-                                               device=device))
-            with torch.no_grad():
-                init(w)
-            self.register_parameter(f"weight{i}", w)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
+                out_features, in_features, dtype=self.params_dtype, device=device)))
             if self.use_bias:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
-                    torch.zeros(out_features, dtype=params_dtype, device=device)))
+                    torch.empty(out_features, dtype=self.params_dtype, device=device)))
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             self.register_buffer(f"fp8_{name}", None, persistent=False)
         self._fp8_recipe: DelayedScaling | None = None
         self._fp8_weight_cache: tuple | None = None
+        self.reset_parameters(defer_init=self.weight0.is_meta)
+
+    @staticmethod
+    def _tensor_parallel_size(tp_group, tp_size) -> int:
+        """The tensor-parallel size (``tp_group``'s size when given, as in TransformerEngine);
+        anything but 1 raises."""
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("tp_group: given, but torch.distributed is not initialized")
+            size = dist.get_world_size(tp_group)
+            if size != 1:
+                raise ValueError(f"tp_group: tensor parallelism is not supported (the group has "
+                                 f"{size} ranks); pass None or a group of size 1")
+            return 1
+        if tp_size != 1:
+            raise ValueError(f"tp_size: tensor parallelism is not supported, got tp_size="
+                             f"{tp_size}; leave it at 1")
+        return 1
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re-)initialise the weights with ``init_method`` (inside the RNG tracker's ``fork`` when
+        ``get_rng_state_tracker`` was given) and zero the biases; drops a cached FP8 copy of the
+        weights. ``defer_init=True`` does nothing (TransformerEngine's flag, used for ``"meta"``
+        construction). The FP8 delayed-scaling state is kept.
+
+        Meta-device flow::
+
+            layer = GroupedLinear(E, k, n, device="meta")
+            layer.to_empty(device="cuda")
+            layer.reset_parameters()
+        """
+        if defer_init:
+            return
+        init = self.init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023))
+        fork = contextlib.nullcontext()
+        if self.get_rng_state_tracker is not None:
+            tracker = self.get_rng_state_tracker()
+            fork = tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()
+        with torch.no_grad():
+            with fork:
+                for w in self.weights():
+                    init(w)
+            for b in self.biases():
+                b.zero_()
+        for w in self.weights():   # TransformerEngine's tensor-parallel attributes (size 1 here)
+            w.tensor_model_parallel = True
+            w.partition_dim = 1 if self.parallel_mode == "row" else 0
+            w.partition_stride = 1
+        self._fp8_weight_cache = None
 
     # -- parameters ---------------------------------------------------------------------------
     def weights(self) -> list[torch.Tensor]:
@@ -301,12 +397,20 @@ class GroupedLinear(torch.nn.Module):
 
     def init_fp8_state(self, recipe: DelayedScaling) -> DelayedScalingState:
         """Create (or keep, if compatible) the delayed-scaling buffers for ``recipe`` (forward does
-        this on first use; call it before ``torch.compile`` to keep the graph free of it)."""
+        this on first use; call it before ``torch.compile`` to keep the graph free of it).
+
+        A state for another ``amax_history_len`` (same format and margin) is kept: its history
+        is cut to the newest entries or zero-padded, and amax, scale and scale_inv stay, as
+        TransformerEngine's ``adjust_amax_history_length``. Another FP8 format or margin (or
+        number of experts) starts a fresh state: the scales were derived for the old one."""
         st = self.fp8_state()
         if st is not None and st.matches(recipe, self.num_gemms):
             self._fp8_recipe = recipe
             return self.fp8_state()
-        st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
+        if st is not None and st.compatible(recipe, self.num_gemms):
+            st = st.with_history_len(recipe)
+        else:
+            st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
         self._set_state(st)
         return st
 
@@ -377,40 +481,64 @@ class GroupedLinear(torch.nn.Module):
             if not isinstance(inp, torch.Tensor):
                 raise TypeError(f"inp: expected a tensor or a list of tensors, got "
                                 f"{type(inp).__name__}")
-            if inp.dim() != 2 or inp.shape[1] != k:
-                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}), got "
+            if inp.dim() < 2 or inp.shape[-1] != k:
+                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}) or "
+                                 f"(..., in_features={k}) with sum(m_splits) rows in all, got "
                                  f"{tuple(inp.shape)}")
+            rows = inp.numel() // k
             if m_splits is None:
                 raise ValueError("m_splits: required when inp is a single tensor")
             splits = tuple(self._host_splits(m_splits))
             if len(splits) != E:
                 raise ValueError(f"m_splits: expected {E} counts (num_gemms), got {len(splits)}")
-            if sum(splits) != inp.shape[0]:
+            if sum(splits) != rows:
                 raise ValueError(f"m_splits: counts sum to {sum(splits)} but inp has "
-                                 f"{inp.shape[0]} rows")
+                                 f"{rows} rows")
             first = inp
         if first.device != w0.device:
             raise ValueError(f"inp: on {first.device} but the weights are on {w0.device}")
-        if first.dtype != w0.dtype:
-            raise TypeError(f"inp: dtype {first.dtype} differs from the weights' {w0.dtype} "
-                            f"(params_dtype)")
+        if self._autocast_dtype(first.device) is None:
+            if first.dtype != w0.dtype:
+                raise TypeError(f"inp: dtype {first.dtype} differs from the weights' {w0.dtype} "
+                                f"(params_dtype; under torch.autocast the input is cast instead)")
+        elif not first.dtype.is_floating_point:
+            raise TypeError(f"inp: expected a floating-point dtype under torch.autocast, got "
+                            f"{first.dtype}")
         return splits, first
 
     @staticmethod
+    def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+        """The ``torch.autocast`` dtype for ``device``'s type when it is enabled, else None
+        (TransformerEngine's ``set_activation_dtype``: autocast decides the activation dtype)."""
+        if device.type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device.type):
+            return None
+        return torch.get_autocast_dtype(device.type)
+
+    @staticmethod
     def _host_splits(m_splits) -> list[int]:
+        """``m_splits`` as a list of Python ints: from a sequence of integers (``int``, NumPy
+        integers, any ``numbers.Integral`` but ``bool``), a 1-D integer NumPy array, or a 1-D
+        integer tensor (on CUDA: a host sync)."""
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() != 1:
                 raise TypeError(f"m_splits: expected a 1-D integer tensor or a list of ints, got "
                                 f"{m_splits.dtype} of shape {tuple(m_splits.shape)}")
             splits = m_splits.tolist()   # on CUDA: a host sync (the GEMM loop needs host counts)
+        elif isinstance(m_splits, np.ndarray):
+            if m_splits.dtype.kind not in "iu" or m_splits.ndim != 1:
+                raise TypeError(f"m_splits: expected a 1-D integer array or a list of ints, got "
+                                f"{m_splits.dtype} of shape {m_splits.shape}")
+            splits = m_splits.tolist()
         elif isinstance(m_splits, Sequence):
             splits = list(m_splits)
         else:
             raise TypeError(f"m_splits: expected a list of ints or an integer tensor, got "
                             f"{type(m_splits).__name__}")
-        for v in splits:
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"m_splits: expected ints, got {v!r}")
+        for i, v in enumerate(splits):
+            if type(v) is not int:
+                if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
+                    raise TypeError(f"m_splits: expected ints, got {v!r}")
+                splits[i] = v = int(v)
             if v < 0:
                 raise ValueError(f"m_splits: counts must be non-negative, got {splits}")
         return splits
@@ -433,32 +561,70 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None):
         """``inp``: list of E ``(m_i, in_features)`` tensors -> list of E ``(m_i, out_features)``
         outputs (views of one buffer); or one ``(Σ m_i, in_features)`` tensor with ``m_splits``
-        (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor.
+        (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor. A single
+        tensor may have more dims, ``(..., in_features)``: it is flattened to
+        ``(-1, in_features)`` (a view when its strides allow; ``m_splits`` counts those rows) and
+        the output is ``(..., out_features)``, as in TransformerEngine. List inputs stay 2-D
+        (TransformerEngine has no list input).
 
         ``is_first_microbatch``: None (no weight caching), True (cast the FP8 weights and cache
         them), False (reuse the cached FP8 weights: the weights have not changed since).
+
+        With ``return_bias=True`` the biases are not added and the result is ``(out, biases)``
+        (the list of E biases in the activation dtype; E empty tensors without ``bias``).
+
+        Under ``torch.autocast`` enabled for the input's device type the activation dtype is the
+        autocast dtype (as in TransformerEngine): inputs (and biases) are cast to it, and so are
+        the weights without FP8; with FP8 the weights are quantized from their own dtype. The
+        output is in the activation dtype, grads come back in each parameter's own dtype.
+        Outside autocast the input dtype must equal ``params_dtype``.
         """
         splits, first = self._check_input(inp, m_splits)
         list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
+        out_shape = None
+        if not list_mode and inp.dim() != 2:    # (..., k) -> (rows, k), as TransformerEngine
+            out_shape = (*inp.shape[:-1], n)
+            inp = first = inp.reshape(-1, k)
         recipe = get_fp8_recipe()
-        ws, bs = self.weights(), self.biases()
+        ws, all_bs = self.weights(), self.biases()
         xs = tuple(inp) if list_mode else (inp,)
         main_grads = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
+        act_dtype = self._autocast_dtype(first.device)
+        if act_dtype is not None:
+            # torch.autocast: compute in its dtype, as TransformerEngine. Differentiable casts at
+            # this level (the autograd function is left as it is), so grads reach the params in
+            # their own dtype: inputs and biases always; weights only without FP8 (the FP8 cast
+            # reads them in their own dtype). Cost without FP8: one cast copy of every weight
+            # per forward and one of its grad per backward (TE casts the same way).
+            xs = tuple(x.to(act_dtype) for x in xs)
+            first = xs[0]
+            all_bs = [b.to(act_dtype) for b in all_bs]
+            if recipe is None:
+                ws = [w.to(act_dtype) for w in ws]
+        bs = all_bs if self.apply_bias else []
         # TransformerEngine: the first micro-batch's wgrad, and a weight marked
         # overwrite_main_grad (Megatron-FSDP), overwrite main_grad instead of adding to it
         accumulate = is_first_microbatch is not True and \
             not getattr(ws[0], "overwrite_main_grad", False)
         if recipe is None:
-            cfg = _Config(list_mode, E, k, n, self.use_bias, False,
+            cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate)
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
                                   is_first_microbatch, first, accumulate)
-        return list(torch.split(y, list(splits))) if list_mode else y
+        if list_mode:
+            out = list(torch.split(y, list(splits)))
+        else:
+            out = y if out_shape is None else y.view(out_shape)
+        if not self.return_bias:
+            return out
+        if not all_bs:
+            all_bs = [torch.empty(0, dtype=first.dtype, device=first.device) for _ in range(E)]
+        return out, list(all_bs)
 
     def _main_grad(self, i, w):
         g = getattr(w, "main_grad", None)
@@ -497,7 +663,7 @@ class GroupedLinear(torch.nn.Module):
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
         wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend, need_dgrad)
         fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
-        cfg = _Config(list_mode, E, k, n, self.use_bias, True, recipe.fp8_format.forward,
+        cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
                       bool(main_grads), accumulate_main_grad, cast_backend,
