@@ -628,8 +628,17 @@ def test_operand_kinds_and_dtypes(ops):
         grouped_fprop(plain, W)
     with pytest.raises(TypeError, match=r"x: dtype float32 differs from w's float16"):
         grouped_fprop(plain, [rand(rng, (48, 32)).astype(np.float16)] * 3, out_dtype="float32")
-    with pytest.raises(ValueError, match=r"out_dtype: float32 operands give \('float32',\) outputs"):
-        grouped_fprop(plain, [rand(rng, (48, 32))] * 3)  # default bf16 output
+    with pytest.raises(ValueError, match=r"out_dtype: float32 operands give \('float32',\) "
+                       r"outputs in cuBLASLt, got 'bfloat16' \(pass out_dtype='float32', or None\)"):
+        grouped_fprop(plain, [rand(rng, (48, 32))] * 3, out_dtype="bfloat16")
+    # the default output dtype: the plain operands' own (float32 for wgrad); bfloat16 for FP8
+    w32 = [rand(rng, (48, 32)) for _ in range(3)]
+    assert grouped_fprop(plain, w32).dtype == np.float32
+    assert grouped_dgrad([rand(rng, (m, 48)).astype(np.float16) for m in (5, 0, 19)],
+                         [w.astype(np.float16) for w in w32]).dtype == np.float16
+    assert grouped_wgrad([p.astype(np.float16) for p in plain],
+                         [rand(rng, (m, 48)).astype(np.float16) for m in (5, 0, 19)]).dtype == np.float32
+    assert grouped_fprop(X, W).dtype == ml_dtypes.bfloat16
     with pytest.raises(TypeError, match="expected a GroupedFP8 or a list of 2-D arrays"):
         grouped_fprop(np.zeros((24, 32), np.float32), W)
     with pytest.raises(TypeError, match=r"x\[0\]: expected dtype bfloat16, float16 or float32"):

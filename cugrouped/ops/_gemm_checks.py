@@ -163,12 +163,17 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
         raise ValueError(f"{a_name} has {len(a.blocks)} experts but {b_name} has {len(b.blocks)}")
 
 
-def _check_out_dtype(out_dtype: str, op: _Operand) -> None:
+def _check_out_dtype(out_dtype: str | None, op: _Operand, wgrad: bool = False) -> str:
+    """The output dtype: ``out_dtype`` checked, or its default when None (float32 for wgrad;
+    otherwise bfloat16 for FP8 operands and the operands' own dtype for plain ones)."""
+    if out_dtype is None:
+        return "float32" if wgrad else "bfloat16" if op.fmt is not None else op.dtype
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype: got {out_dtype!r}, expected one of {OUT_DTYPES}")
     if op.fmt is None and out_dtype not in _PLAIN_OUT[op.dtype]:
         raise ValueError(f"out_dtype: {op.dtype} operands give {_PLAIN_OUT[op.dtype]} outputs in "
-                         f"cuBLASLt, got {out_dtype!r}")
+                         f"cuBLASLt, got {out_dtype!r} (pass out_dtype={op.dtype!r}, or None)")
+    return out_dtype
 
 
 def _check_fp8_dim(value: int, name: str) -> None:
@@ -217,12 +222,12 @@ def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand) -> tuple[int
     return tuple(v.ptr for v in views)
 
 
-def check_fprop(x, w, bias=None, *, out_dtype="bfloat16", fast_accum=True) -> Problem:
+def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     """Check fprop's operands; raise TypeError/ValueError naming the argument."""
     xo = _operand(x, "x", "rowwise", "fprop")
     wo = _operand(w, "w", "rowwise", "fprop", expect_3d=True)
     _check_pair(wo, "w", xo, "x")
-    _check_out_dtype(out_dtype, xo)
+    out_dtype = _check_out_dtype(out_dtype, xo)
     k = _uniform(xo.blocks, "cols", "x", "k (columns)") if xo.fmt is None else xo.blocks[0].cols
     n = _uniform(wo.blocks, "rows", "w", "n (rows)")
     wk = _uniform(wo.blocks, "cols", "w", "k (columns)")
@@ -240,12 +245,12 @@ def check_fprop(x, w, bias=None, *, out_dtype="bfloat16", fast_accum=True) -> Pr
                    bool(fast_accum), False, out_dtype, _place(xo))
 
 
-def check_dgrad(dy, w, *, out_dtype="bfloat16", fast_accum=False) -> Problem:
+def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
     """Check dgrad's operands. FP8: ``dy`` row-wise ``(m_i, n)``, ``w`` transposed ``(k, n)``."""
     dyo = _operand(dy, "dy", "rowwise", "dgrad")
     wo = _operand(w, "w", "columnwise", "dgrad (the transposed weight)", expect_3d=True)
     _check_pair(wo, "w", dyo, "dy")
-    _check_out_dtype(out_dtype, dyo)
+    out_dtype = _check_out_dtype(out_dtype, dyo)
     n = dyo.blocks[0].cols if dyo.fmt else _uniform(dyo.blocks, "cols", "dy", "n (columns)")
     if wo.fmt:
         # w's transposed blocks are (k, n_pad) with the true n = w.m_splits[i] columns
@@ -271,12 +276,12 @@ def check_dgrad(dy, w, *, out_dtype="bfloat16", fast_accum=False) -> Problem:
                    bool(fast_accum), False, out_dtype, _place(dyo))
 
 
-def check_wgrad(x, dy, *, out_dtype="float32", fast_accum=False, accumulate=False) -> Problem:
+def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) -> Problem:
     """Check wgrad's operands. FP8: both transposed, ``x`` ``(k, m_pad_i)``, ``dy`` ``(n, m_pad_i)``."""
     xo = _operand(x, "x", "columnwise", "wgrad")
     dyo = _operand(dy, "dy", "columnwise", "wgrad")
     _check_pair(xo, "x", dyo, "dy")
-    _check_out_dtype(out_dtype, xo)
+    out_dtype = _check_out_dtype(out_dtype, xo, wgrad=True)
     if xo.m_splits != dyo.m_splits:
         raise ValueError(f"x, dy: token counts per expert differ: {xo.m_splits} vs {dyo.m_splits}")
     if xo.fmt:

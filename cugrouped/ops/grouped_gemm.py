@@ -77,7 +77,7 @@ def _backend(backend: str | None, on_device: bool) -> str:
     return _launch.resolve_backend(backend, on_device)
 
 
-def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
+def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str | None = None,
                   fast_accum: bool = True, backend: str | None = None, path: str | None = None):
     """``y_i = x_i · W_iᵀ (+ b_i)`` for every expert, into one unpadded ``(Σ m_i, n)`` array.
 
@@ -91,7 +91,8 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
         (bfloat16 for an FP8 GEMM with float32 output); added by cuBLASLt's ``BIAS`` epilogue.
     out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate (not with torch
         operands). CuPy bfloat16 is a ``uint16`` array tagged by ``out_dtype``.
-    out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+    out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``; None (default): bfloat16 for FP8
+        operands, the operands' dtype for plain ones (float32 for :func:`grouped_wgrad`).
     fast_accum : FP8 fast accumulation (cuBLASLt ``FAST_ACCUM``); ignored without FP8.
     backend : ``"cuda"`` (cuBLASLt, device arrays), ``"reference"`` (NumPy twin, host arrays) or
         None to pick by where the data lives. NumPy, CuPy and torch operands (one kind per call)
@@ -108,7 +109,7 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str = "bfloat16",
     return _run(checked("fprop", (x, w, bias), kw), out, backend, path)
 
 
-def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: bool = False,
+def grouped_dgrad(dy, w, *, out=None, out_dtype: str | None = None, fast_accum: bool = False,
                   backend: str | None = None, path: str | None = None):
     """``dx_i = dy_i · W_i`` for every expert, into one unpadded ``(Σ m_i, k)`` array.
 
@@ -120,7 +121,7 @@ def grouped_dgrad(dy, w, *, out=None, out_dtype: str = "bfloat16", fast_accum: b
     return _run(checked("dgrad", (dy, w), kw), out, backend, path)
 
 
-def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str = "float32",
+def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str | None = None,
                   fast_accum: bool = False, backend: str | None = None, path: str | None = None):
     """``dW_i = dy_iᵀ · x_i`` for every expert.
 

@@ -67,7 +67,7 @@ def _check_host(problem, backend):
                         "cugrouped.pytorch (or pass tensor.numpy())")
 
 
-def grouped_fprop(x, w, bias=None, *, out=None, out_dtype="bfloat16", fast_accum=True, backend=None):
+def grouped_fprop(x, w, bias=None, *, out=None, out_dtype=None, fast_accum=True, backend=None):
     """Same signature and result as :func:`cugrouped.grouped_fprop`, NumPy arrays only."""
     from ..ops.grouped_gemm import check_fprop, outputs
 
@@ -81,10 +81,10 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype="bfloat16", fast_accum
         bs = [rfp8.to_float32(b, dtype=problem.bias_dtype if b.dtype.kind in "ui" else None)
               .astype(np.float64) for b in bs]
         ys = [y + b[None, :] for y, b in zip(ys, bs)]
-    return _write_rows(ys, out, out_dtype)
+    return _write_rows(ys, out, problem.out_dtype)
 
 
-def grouped_dgrad(dy, w, *, out=None, out_dtype="bfloat16", fast_accum=False, backend=None):
+def grouped_dgrad(dy, w, *, out=None, out_dtype=None, fast_accum=False, backend=None):
     """Same signature and result as :func:`cugrouped.grouped_dgrad`, NumPy arrays only."""
     from ..ops.grouped_gemm import check_dgrad, outputs
 
@@ -93,10 +93,10 @@ def grouped_dgrad(dy, w, *, out=None, out_dtype="bfloat16", fast_accum=False, ba
     outputs(problem, out, np)
     dys = expert_matrices(dy, "rowwise")
     ws = expert_matrices(w, "columnwise")  # (n, k) per expert either way
-    return _write_rows([d @ wi for d, wi in zip(dys, ws)], out, out_dtype)
+    return _write_rows([d @ wi for d, wi in zip(dys, ws)], out, problem.out_dtype)
 
 
-def grouped_wgrad(x, dy, *, out=None, accumulate=False, out_dtype="float32", fast_accum=False,
+def grouped_wgrad(x, dy, *, out=None, accumulate=False, out_dtype=None, fast_accum=False,
                   backend=None):
     """Same signature and result as :func:`cugrouped.grouped_wgrad`, NumPy arrays only."""
     from ..ops.grouped_gemm import check_wgrad, outputs
@@ -106,6 +106,7 @@ def grouped_wgrad(x, dy, *, out=None, accumulate=False, out_dtype="float32", fas
     given = out
     out, _ = outputs(problem, out, np)
     xs, dys = expert_matrices(x, "columnwise"), expert_matrices(dy, "columnwise")
+    out_dtype = problem.out_dtype
     targets = list(out) if isinstance(out, (list, tuple)) else [out[i] for i in range(len(xs))]
     for t, xi, di in zip(targets, xs, dys):
         t_arr = np.asarray(t)
