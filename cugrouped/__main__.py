@@ -48,15 +48,34 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return v
+
+
+def _multiple_of_16(text: str) -> int:
+    v = _positive_int(text)
+    if v % 16:
+        raise argparse.ArgumentTypeError(f"FP8 GEMMs need a multiple of 16, got {text}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cugrouped", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m cugrouped",
+        description="cugrouped: fused FP8 pad + cast + transpose and grouped GEMMs for MoE experts.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="an MoE expert layer's FP8 work on synthetic data")
-    d.add_argument("--experts", type=int, default=8)
-    d.add_argument("--k", type=int, default=None, help="hidden size (default: 2048 GPU, 512 CPU)")
-    d.add_argument("--n", type=int, default=None, help="expert output size (default: 1024 GPU, 256 CPU)")
-    d.add_argument("--tokens", type=int, default=None, help="routed tokens (default: 16384 GPU, 1024 CPU)")
+    d.add_argument("--experts", type=_positive_int, default=8, help="number of experts (default: 8)")
+    d.add_argument("--k", type=_multiple_of_16, default=None,
+                   help="hidden size, a multiple of 16 (default: 2048 GPU, 512 CPU)")
+    d.add_argument("--n", type=_multiple_of_16, default=None,
+                   help="expert output size, a multiple of 16 (default: 1024 GPU, 256 CPU)")
+    d.add_argument("--tokens", type=_positive_int, default=None,
+                   help="routed tokens (default: 16384 GPU, 1024 CPU)")
     d.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
     d.set_defaults(func=_cmd_demo)
 
@@ -77,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     i.set_defaults(func=_cmd_info)
 
     args = p.parse_args(argv)
+    if args.cmd == "compile-check" and args.kernel:
+        from . import ops  # noqa: F401  (registers the kernels)
+        from ._jit import registered
+
+        unknown = sorted(set(args.kernel) - set(registered()))
+        if unknown:
+            c.error(f"--kernel: unknown {unknown}; registered kernels: {sorted(registered())}")
     return int(args.func(args) or 0)
 
 

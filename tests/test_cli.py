@@ -42,6 +42,15 @@ def test_bench_without_gpu_says_what_it_skipped(tmp_path, capsys):
     assert "gpu" in header and "host_us_per_expert" in header
 
 
+@pytest.mark.skipif(__import__("cugrouped").gpu_available(), reason="the GPU-less behaviour")
+def test_bench_layer_without_gpu_writes_nothing_and_says_so(tmp_path, capsys):
+    assert main(["bench", "layer", "--quick", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped the device timings (layer forward+backward vs bf16 and torch)" in out
+    assert "nothing measured, so no CSV or plot written" in out and "wrote" not in out
+    assert not list((tmp_path / "b").iterdir())
+
+
 def test_compile_check_one_kernel_one_arch(capsys):
     assert main(["compile-check", "--kernel", "pad_cast_transpose", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out
@@ -61,3 +70,15 @@ def test_compile_check_sass_summary(capsys):
     for i in rows:
         assert lines[i + 1].split() == ["SASS:", "LDG.128", "x0,", "STG.128", "x0,", "F2FP", "x0,",
                                         "local", "memory", "x0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--experts", "0"], "--experts: expected a positive integer, got 0"),
+    (["demo", "--k", "100"], "--k: FP8 GEMMs need a multiple of 16, got 100"),
+    (["compile-check", "--kernel", "nosuch"], "--kernel: unknown ['nosuch']; registered kernels:"),
+])
+def test_bad_command_lines_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -100,8 +100,11 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
         section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
-        print(f"bench {what}: no GPU here; skipped the device timings (cast vs torch eager/compile, "
-              "gemm, layer). Run scripts/gpu_check.sh on a GPU machine.")
+        skipped = {"cast": "cast vs torch eager/compile", "gemm": "gemm vs the torch peers",
+                   "layer": "layer forward+backward vs bf16 and torch"}
+        names = "; ".join(v for k, v in skipped.items() if what in (k, "all"))
+        print(f"bench {what}: no GPU here; skipped the device timings ({names}). Run "
+              "scripts/gpu_check.sh on a GPU machine.")
     else:
         if what in ("cast", "all"):
             from .cast import bench_cast
@@ -115,7 +118,10 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
             from .layer import bench_layer
 
             section("layer", bench_layer, quick, rows)
-    if out:
+    if out and not rows:
+        print(f"bench {what}: nothing measured, so no CSV or plot written to {out}")
+    elif out:
+        _write_csv(rows, env, out)
         print(f"wrote {out / 'bench.csv'}")
         from .plot import write_png
 
