@@ -99,9 +99,13 @@ def _retag(name: str, dtype: str | None, arg: str) -> str:
         return name
     if dtype in _CARRIERS.get(name, ()):
         return dtype
+    carriers = [c for c, v in _CARRIERS.items() if dtype in v]
+    if not carriers:
+        tags = sorted({t for v in _CARRIERS.values() for t in v})
+        raise TypeError(f"{arg}: dtype={dtype!r} is not a dtype tag; expected one of {tags} (for "
+                        f"integer views of those types) or None")
     raise TypeError(f"{arg}: got an array of dtype {name}, which cannot be read as dtype={dtype!r} "
-                    f"(expected {dtype} data, or a same-size integer view of it: "
-                    f"{[c for c, v in _CARRIERS.items() if dtype in v]})")
+                    f"(expected {dtype} data, or a same-size integer view of it: {carriers})")
 
 
 def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayView:

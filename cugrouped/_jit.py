@@ -194,8 +194,16 @@ def get_function(spec: KernelSpec, name_expression: str):
 
 
 def warmup() -> list[str]:
-    """Compile every registered kernel for the current device ahead of use; return what was built."""
-    from . import ops  # noqa: F401  (imports register the specs)
+    """Compile every registered kernel for the current device ahead of use; return what was built.
+    Needs a GPU (``python -m cugrouped compile-check`` compiles for named architectures without
+    one; the CPU backends need no compilation)."""
+    from . import gpu_available, ops  # noqa: F401  (imports register the specs)
+
+    if not gpu_available():
+        raise RuntimeError("warmup: no CUDA GPU is visible to CuPy, so there is no device to "
+                           "compile for; the CPU backends ('reference', 'emulate') need no "
+                           "warm-up, and `python -m cugrouped compile-check` compiles every "
+                           "kernel for sm_80/89/90/100 without a GPU")
 
     built = []
     for name, spec in registered().items():

@@ -624,6 +624,9 @@ def test_operand_kinds_and_dtypes(ops):
     X, W, DY = ops
     rng = np.random.default_rng(0)
     plain = [rand(rng, (m, 32)) for m in (5, 0, 19)]
+    with pytest.raises(ValueError, match="must be arrays of the same kind on the same device, got "
+                                         "torch on the host and numpy on the host"):
+        grouped_fprop(plain, [pytest.importorskip("torch").from_numpy(rand(rng, (48, 32)))] * 3)
     with pytest.raises(TypeError, match="w is a GroupedFP8 but x is not"):
         grouped_fprop(plain, W)
     with pytest.raises(TypeError, match=r"x: dtype float32 differs from w's float16"):

@@ -218,3 +218,9 @@ def test_emulated_kernels_are_built_once_per_process():
     assert _jit.get_emulated_function(spec, name) is not fn
     with pytest.raises(ValueError, match="not one of the instantiations"):
         _jit.get_emulated_function(spec, "cg::nope")
+
+
+@pytest.mark.skipif(__import__("cugrouped").gpu_available(), reason="the GPU-less behaviour")
+def test_warmup_without_gpu_says_what_to_do_instead():
+    with pytest.raises(RuntimeError, match="no CUDA GPU is visible.*compile-check"):
+        cugrouped.warmup()

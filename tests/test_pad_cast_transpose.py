@@ -329,6 +329,8 @@ def test_group_struct_layout_matches_on_host_and_device():
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0], x[1][:, :8]]), ValueError, r"inputs\[1\].*k="),
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0], x[1].astype(np.float16)]), TypeError, r"inputs\[1\]"),
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0].astype(np.int32)]), TypeError, "inputs"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([x[0].astype(np.uint16)], dtype="bf16"), TypeError,
+     r"inputs\[0\]: dtype='bf16' is not a dtype tag; expected one of \['bfloat16', 'float16'"),
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0].T]), ValueError, "row-major"),
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0].reshape(-1)]), ValueError, "2-D"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(3, np.float32)), ValueError, "scale"),

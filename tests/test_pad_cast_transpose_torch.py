@@ -89,8 +89,11 @@ def test_bad_torch_input_is_rejected_before_anything_runs():
     x = _inputs()
     with pytest.raises(ValueError, match="m_splits"):
         cugrouped.multi_pad_cast_transpose(x, [1, 2])
-    with pytest.raises(TypeError, match="inputs"):
+    with pytest.raises(TypeError, match=r"inputs\[1\]: expected a torch.Tensor like inputs\[0\], "
+                       r"got ndarray"):
         cugrouped.multi_pad_cast_transpose([x, np.zeros((2, K), np.float32)])
+    with pytest.raises(TypeError, match=r"got float64$"):    # no CuPy-only hint for torch
+        cugrouped.multi_pad_cast_transpose(x.double(), SPLITS)
     with pytest.raises(TypeError, match=r"inputs\[1\]"):
         cugrouped.multi_pad_cast_transpose([x, x.float()])
 

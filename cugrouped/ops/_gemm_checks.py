@@ -157,8 +157,11 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
     if a.fmt is None and a.dtype != b.dtype:
         raise TypeError(f"{b_name}: dtype {b.dtype} differs from {a_name}'s {a.dtype}")
     if (a.on_device, a.device, a.kind) != (b.on_device, b.device, b.kind):
+        def where(o):
+            return f"{o.kind} on {f'cuda:{o.device}' if o.on_device else 'the host'}"
+
         raise ValueError(f"{a_name} and {b_name}: must be arrays of the same kind on the same "
-                         f"device, got {a.kind}@{a.device} and {b.kind}@{b.device}")
+                         f"device, got {where(a)} and {where(b)}")
     if len(a.blocks) != len(b.blocks):
         raise ValueError(f"{a_name} has {len(a.blocks)} experts but {b_name} has {len(b.blocks)}")
 

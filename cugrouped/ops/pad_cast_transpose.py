@@ -259,9 +259,10 @@ def _check_views(views: list[ArrayView], is_list: bool) -> None:
                          f"shape {first.shape}")
     k, dt, place = first.shape[1], first.dtype, (first.kind, first.device)
     if dt not in FLOAT_INPUT_DTYPES:
+        hint = (" (CuPy callers pass bfloat16 as a uint16 view with dtype='bfloat16')"
+                if first.kind == "cupy" else "")
         raise TypeError(f"inputs{'[0]' if is_list else ''}: expected dtype float32, float16 or "
-                        f"bfloat16, got {dt} (CuPy callers pass bfloat16 as a uint16 view with "
-                        "dtype='bfloat16')")
+                        f"bfloat16, got {dt}{hint}")
     for i, v in enumerate(views):
         shape = v.shape
         if len(shape) == 2 and shape[1] == k and v.dtype == dt and (v.kind, v.device) == place and (

@@ -39,8 +39,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise TypeError("inputs: expected torch tensors (all of them)")
+    if not tensors:
+        raise ValueError("inputs: expected at least one expert, got an empty sequence")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"inputs[{i}]: expected a torch.Tensor like inputs[0], got "
+                            f"{type(t).__name__} (one array kind per call)")
     dev = tensors[0].device
     if dev.type == "cuda":
         xs, tag, conv = inputs, dtype, _bytes       # tensors as they are (FP8 as bytes)
