@@ -35,6 +35,8 @@ class GroupedFP8:
         ``amax`` of the unscaled input, the scale used (``q = fp8(x * scale)``) and its inverse
         (what the GEMMs dequantize with).
     fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
+    column_sums : float32 array ``(E, k)`` or None
+        With ``column_sums=True``: each expert's column sums of the unscaled input (dbias).
     """
 
     data: Any

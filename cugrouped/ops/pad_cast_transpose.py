@@ -325,9 +325,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         Given (delayed scaling): ``q = fp8(x * scale[i])``, amax fused in the same pass, one launch.
         None (current scaling): ``scale = fp8_max / amax / 2^margin`` computed on the device
         (amax 0 or non-finite: 1); two launches. Never a host sync.
+    margin : int in [0, 64]; current scaling divides the scale by ``2^margin`` (headroom).
     align : pad each expert's transposed copy to ``m_pad_i = ceil(m_i / align) * align`` columns
         (16 for activations and gradients, 1 for weights).
     rowwise, columnwise : which copies to write.
+    column_sums : also return ``column_sums``, float32 ``(E, k)``: each expert's column sums of
+        the unscaled input (dbias when the input is an output gradient), computed in the pass
+        that reads the input for the amax (no extra pass).
     out : GroupedFP8 of preallocated buffers (e.g. from a previous call) written in place.
     dtype : re-tag integer carriers (a CuPy ``uint16`` array holding bfloat16 bits: ``"bfloat16"``).
     backend : ``"cuda"``, ``"emulate"`` (the same CUDA source on the CPU), ``"reference"`` (NumPy),

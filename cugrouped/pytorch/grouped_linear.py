@@ -377,9 +377,11 @@ class GroupedLinear(torch.nn.Module):
 
     # -- parameters ---------------------------------------------------------------------------
     def weights(self) -> list[torch.Tensor]:
+        """``[weight0, ..., weight{E-1}]``, each ``(out_features, in_features)``."""
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def biases(self) -> list[torch.Tensor]:
+        """``[bias0, ...]`` (``(out_features,)`` each), or ``[]`` without biases."""
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def extra_repr(self) -> str:
