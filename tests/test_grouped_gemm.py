@@ -1792,3 +1792,38 @@ def test_gpu_torch_tensors_in_torch_tensors_out_on_torchs_stream():
     assert isinstance(y, torch.Tensor) and y.is_cuda and y.dtype == torch.float32
     xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
     _assert_close(y.cpu().numpy(), ref, _abs_sum(xs, ws, "fprop"), "float32", 2**-11)
+
+
+def test_one_array_and_m_splits_equal_the_list_form():
+    """Like the cast op and GroupedLinear, the GEMMs take one (sum(m_i), ·) array plus host split
+    sizes for plain operands: the same results as the list of row views (views, no copies)."""
+    rng = np.random.default_rng(5)
+    sp = [7, 0, 12, 3]
+    x, dy = rand(rng, (22, 32)), rand(rng, (22, 48))
+    ws = [rand(rng, (48, 32)) for _ in sp]
+    xs, dys = np.split(x, np.cumsum(sp)[:-1]), np.split(dy, np.cumsum(sp)[:-1])
+    for splits in (sp, np.array(sp), [np.int64(v) for v in sp]):
+        np.testing.assert_array_equal(grouped_fprop(x, ws, m_splits=splits), grouped_fprop(xs, ws))
+        np.testing.assert_array_equal(grouped_dgrad(dy, ws, m_splits=splits), grouped_dgrad(dys, ws))
+        np.testing.assert_array_equal(grouped_wgrad(x, dy, m_splits=splits), grouped_wgrad(xs, dys))
+    np.testing.assert_array_equal(cugrouped.reference.grouped_fprop(x, ws, m_splits=sp),
+                                  grouped_fprop(xs, ws))
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda x, xs, ws: grouped_fprop(x, ws, m_splits=[7, 0, 12]), ValueError,
+     r"m_splits: expected non-negative counts summing to x's 22 rows, got \[7, 0, 12\]"),
+    (lambda x, xs, ws: grouped_fprop(x, ws, m_splits=[7, 0, 16, -1]), ValueError, "non-negative"),
+    (lambda x, xs, ws: grouped_fprop(x, ws, m_splits=[7.0, 0, 12, 3]), TypeError,
+     "m_splits: expected a sequence of ints"),
+    (lambda x, xs, ws: grouped_fprop(xs, ws, m_splits=[7, 0, 12, 3]), ValueError,
+     "m_splits: goes with one 2-D x array"),
+    (lambda x, xs, ws: grouped_fprop(x[None], ws, m_splits=[7, 0, 12, 3]), TypeError,
+     r"x: with m_splits, expected one 2-D \(sum\(m_splits\), cols\) array, got ndarray of shape"),
+])
+def test_m_splits_errors(call, exc, match):
+    rng = np.random.default_rng(5)
+    x = rand(rng, (22, 32))
+    xs, ws = np.split(x, [7, 7, 19]), [rand(rng, (48, 32)) for _ in range(4)]
+    with pytest.raises(exc, match=match):
+        call(x, xs, ws)

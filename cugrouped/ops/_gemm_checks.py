@@ -225,6 +225,36 @@ def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand) -> tuple[int
     return tuple(v.ptr for v in views)
 
 
+def split_rows(a: Any, m_splits: Any, arg: str) -> Any:
+    """One 2-D array ``(sum(m_splits), cols)`` and its host split sizes -> the list of per-expert
+    row views the ops take (views: nothing is copied); ``a`` itself when ``m_splits`` is None."""
+    if m_splits is None:
+        return a
+    from .pad_cast_transpose import array_is_device
+
+    if isinstance(a, (GroupedFP8, list, tuple)):
+        raise ValueError(f"m_splits: goes with one 2-D {arg} array; a list or GroupedFP8 {arg} "
+                         f"carries its own split sizes")
+    shape = getattr(a, "shape", None)
+    if shape is None or len(shape) != 2:
+        got = type(a).__name__ + ("" if shape is None else f" of shape {tuple(shape)}")
+        raise TypeError(f"{arg}: with m_splits, expected one 2-D (sum(m_splits), cols) array, "
+                        f"got {got}")
+    if array_is_device(m_splits):
+        raise TypeError("m_splits: the GEMMs need host split sizes (a list of ints or a host "
+                        "array); reading device counts would be a host sync")
+    values = m_splits.tolist() if hasattr(m_splits, "tolist") else m_splits
+    if not isinstance(values, Sequence) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"m_splits: expected a sequence of ints, got {m_splits!r}")
+    counts = [int(v) for v in values]
+    if any(c < 0 for c in counts) or sum(counts) != shape[0]:
+        raise ValueError(f"m_splits: expected non-negative counts summing to {arg}'s {shape[0]} "
+                         f"rows, got {counts}")
+    starts = np.concatenate(([0], np.cumsum(counts))).tolist()
+    return [a[lo:hi] for lo, hi in zip(starts[:-1], starts[1:])]
+
+
 def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     """Check fprop's operands; raise TypeError/ValueError naming the argument."""
     xo = _operand(x, "x", "rowwise", "fprop")

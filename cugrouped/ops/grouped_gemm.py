@@ -34,7 +34,7 @@ from __future__ import annotations
 from . import _launch
 from ._gemm_checks import (  # noqa: F401  (re-exported)
     FP8_MULTIPLE, OUT_DTYPES, PLAIN_DTYPES, check_alignment, check_dgrad, check_fprop, check_wgrad,
-    new_output, outputs,
+    new_output, outputs, split_rows,
 )
 from ._gemm_grouped import (  # noqa: F401  (re-exported)
     GROUPED_BAD_VERSIONS, GROUPED_INT_ARRAYS, GROUPED_MAX_GROUPS, GROUPED_MIN_VERSION_BLACKWELL,
@@ -77,16 +77,19 @@ def _backend(backend: str | None, on_device: bool) -> str:
     return _launch.resolve_backend(backend, on_device)
 
 
-def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str | None = None,
+def grouped_fprop(x, w, bias=None, *, m_splits=None, out=None, out_dtype: str | None = None,
                   fast_accum: bool = True, backend: str | None = None, path: str | None = None):
     """``y_i = x_i · W_iᵀ (+ b_i)`` for every expert, into one unpadded ``(Σ m_i, n)`` array.
 
     Parameters
     ----------
-    x : GroupedFP8 (row-wise copy used, ``k % 16 == 0``) or list of E ``(m_i, k)`` arrays.
+    x : GroupedFP8 (row-wise copy used, ``k % 16 == 0``) or list of E ``(m_i, k)`` arrays, or
+        one ``(sum(m_splits), k)`` array with ``m_splits``.
     w : GroupedFP8 from ``multi_pad_cast_transpose(w_list, align=1)`` (row-wise ``(n, k)`` per
         expert, ``n % 16 == 0``), or list of E ``(n, k)`` arrays / one ``(E, n, k)`` array.
         FP8 pairs: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3. Plain operands share one dtype.
+    m_splits : host split sizes of a single plain ``x`` (split into row views, no copy); None
+        for a list or a GroupedFP8 (which carry their own).
     bias : None, ``(E, n)`` array or list of E ``(n,)`` vectors, contiguous, of the output dtype
         (bfloat16 for an FP8 GEMM with float32 output); added by cuBLASLt's ``BIAS`` epilogue.
     out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate (not with torch
@@ -106,33 +109,37 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype: str | None = None,
     Experts with ``m_i == 0`` are skipped. Returns ``out``.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run(checked("fprop", (x, w, bias), kw), out, backend, path)
+    return _run(checked("fprop", (split_rows(x, m_splits, "x"), w, bias), kw), out, backend, path)
 
 
-def grouped_dgrad(dy, w, *, out=None, out_dtype: str | None = None, fast_accum: bool = False,
-                  backend: str | None = None, path: str | None = None):
+def grouped_dgrad(dy, w, *, m_splits=None, out=None, out_dtype: str | None = None,
+                  fast_accum: bool = False, backend: str | None = None, path: str | None = None):
     """``dx_i = dy_i · W_i`` for every expert, into one unpadded ``(Σ m_i, k)`` array.
 
-    ``dy``: GroupedFP8 (row-wise ``(m_i, n)``, ``n % 16 == 0``) or list of ``(m_i, n)`` arrays;
+    ``dy``: GroupedFP8 (row-wise ``(m_i, n)``, ``n % 16 == 0``) or list of ``(m_i, n)`` arrays
+    (or one ``(sum(m_splits), n)`` array with ``m_splits``);
     ``w``: GroupedFP8 with the transposed copy (``(k, n)`` per expert, ``k % 16 == 0``) or list of
     ``(n, k)`` arrays / one ``(E, n, k)`` array. Other arguments as :func:`grouped_fprop`.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum)
-    return _run(checked("dgrad", (dy, w), kw), out, backend, path)
+    return _run(checked("dgrad", (split_rows(dy, m_splits, "dy"), w), kw), out, backend, path)
 
 
-def grouped_wgrad(x, dy, *, out=None, accumulate: bool = False, out_dtype: str | None = None,
-                  fast_accum: bool = False, backend: str | None = None, path: str | None = None):
+def grouped_wgrad(x, dy, *, m_splits=None, out=None, accumulate: bool = False,
+                  out_dtype: str | None = None, fast_accum: bool = False,
+                  backend: str | None = None, path: str | None = None):
     """``dW_i = dy_iᵀ · x_i`` for every expert.
 
     ``x``, ``dy``: GroupedFP8 with transposed copies (``(k, m_pad_i)``, ``(n, m_pad_i)``, cast with
     the same ``align``, a multiple of 16; the zero padding adds nothing), or lists of ``(m_i, k)``
-    and ``(m_i, n)`` arrays. ``out``: ``(E, n, k)`` array or list of E ``(n, k)`` arrays;
+    and ``(m_i, n)`` arrays (or single ``(sum(m_splits), ·)`` arrays with ``m_splits``).
+    ``out``: ``(E, n, k)`` array or list of E ``(n, k)`` arrays;
     ``accumulate=True`` adds into it (``beta = 1``; fp32 ``main_grad``) and requires it. An expert
     with ``m_i == 0`` gets a zero gradient, or keeps its accumulated one untouched.
     """
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate)
-    return _run(checked("wgrad", (x, dy), kw), out, backend, path)
+    args = (split_rows(x, m_splits, "x"), split_rows(dy, m_splits, "dy"))
+    return _run(checked("wgrad", args, kw), out, backend, path)
 
 
 def _run(call: "Checked", out, backend, path=None):

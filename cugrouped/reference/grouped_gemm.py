@@ -67,9 +67,12 @@ def _check_host(problem, backend):
                         "cugrouped.pytorch (or pass tensor.numpy())")
 
 
-def grouped_fprop(x, w, bias=None, *, out=None, out_dtype=None, fast_accum=True, backend=None):
+def grouped_fprop(x, w, bias=None, *, m_splits=None, out=None, out_dtype=None, fast_accum=True,
+                  backend=None):
     """Same signature and result as :func:`cugrouped.grouped_fprop`, NumPy arrays only."""
-    from ..ops.grouped_gemm import check_fprop, outputs
+    from ..ops.grouped_gemm import check_fprop, outputs, split_rows
+
+    x = split_rows(x, m_splits, "x")
 
     problem = check_fprop(x, w, bias, out_dtype=out_dtype, fast_accum=fast_accum)
     _check_host(problem, backend)
@@ -84,9 +87,12 @@ def grouped_fprop(x, w, bias=None, *, out=None, out_dtype=None, fast_accum=True,
     return _write_rows(ys, out, problem.out_dtype)
 
 
-def grouped_dgrad(dy, w, *, out=None, out_dtype=None, fast_accum=False, backend=None):
+def grouped_dgrad(dy, w, *, m_splits=None, out=None, out_dtype=None, fast_accum=False,
+                  backend=None):
     """Same signature and result as :func:`cugrouped.grouped_dgrad`, NumPy arrays only."""
-    from ..ops.grouped_gemm import check_dgrad, outputs
+    from ..ops.grouped_gemm import check_dgrad, outputs, split_rows
+
+    dy = split_rows(dy, m_splits, "dy")
 
     problem = check_dgrad(dy, w, out_dtype=out_dtype, fast_accum=fast_accum)
     _check_host(problem, backend)
@@ -96,10 +102,12 @@ def grouped_dgrad(dy, w, *, out=None, out_dtype=None, fast_accum=False, backend=
     return _write_rows([d @ wi for d, wi in zip(dys, ws)], out, problem.out_dtype)
 
 
-def grouped_wgrad(x, dy, *, out=None, accumulate=False, out_dtype=None, fast_accum=False,
-                  backend=None):
+def grouped_wgrad(x, dy, *, m_splits=None, out=None, accumulate=False, out_dtype=None,
+                  fast_accum=False, backend=None):
     """Same signature and result as :func:`cugrouped.grouped_wgrad`, NumPy arrays only."""
-    from ..ops.grouped_gemm import check_wgrad, outputs
+    from ..ops.grouped_gemm import check_wgrad, outputs, split_rows
+
+    x, dy = split_rows(x, m_splits, "x"), split_rows(dy, m_splits, "dy")
 
     problem = check_wgrad(x, dy, out_dtype=out_dtype, fast_accum=fast_accum, accumulate=accumulate)
     _check_host(problem, backend)
