@@ -111,7 +111,10 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
     the ranks holding replicas of the same experts (data parallel) keep identical scales. One
     collective of ``3 E`` floats per layer per step, on the current stream (no host sync with
     NCCL). With expert parallelism pass the group of the ranks that hold the *same* experts, not
-    the expert-parallel group. Current scaling takes each cast's own amax (no reduction)."""
+    the expert-parallel group. Current scaling takes each cast's own amax (no reduction).
+    Unlike TransformerEngine, ``fp8_group=None`` means no reduction even when torch.distributed
+    is initialized (TE reduces over the world by default): over an expert-parallel world that
+    would mix the amaxes of different experts, so the group is left to the caller."""
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
