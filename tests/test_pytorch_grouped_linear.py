@@ -525,6 +525,30 @@ def test_gpu_list_and_tensor_identical_and_close_to_cpu(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_gpu_fused_wgrad_overwrite_then_accumulate_matches_cpu(recipe):
+    """fuse_wgrad_accumulation on CUDA (the non-FP8 path goes through grouped_wgrad into the
+    fp32 main_grad, the FP8 path through the FP8 wgrad with beta 0 / 1): the first micro-batch
+    overwrites, the second adds; close to the same steps on the CPU."""
+    sp = [0, 37, 5, 64]
+    base = make_layer(4, k=64, n=32, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    x1, x2 = torch.randn(sum(sp), 64).bfloat16(), torch.randn(sum(sp), 64).bfloat16()
+    dy = torch.randn(sum(sp), 32).bfloat16()
+    grads = []
+    for dev in ("cuda", "cpu"):
+        layer = copy.deepcopy(base).to(dev)
+        for w in layer.weights():
+            w.main_grad = torch.full(w.shape, 7.0, device=dev)
+            w.grad_added_to_main_grad = False
+        run(layer, x1.to(dev), sp, RECIPES[recipe], False, dy.to(dev), is_first_microbatch=True)
+        run(layer, x2.to(dev), sp, RECIPES[recipe], False, dy.to(dev), is_first_microbatch=False)
+        assert all(w.grad_added_to_main_grad for w in layer.weights())
+        grads.append([w.main_grad.cpu() for w in layer.weights()])
+    for g, c in zip(*grads):
+        torch.testing.assert_close(g, c, rtol=0.125, atol=0.25)
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync_in_forward_and_backward():
     layer = make_layer(4, k=64, n=32, dtype=torch.bfloat16).cuda()
     x = torch.randn(100, 64, device="cuda").bfloat16().requires_grad_()
