@@ -244,7 +244,10 @@ class GroupedLinear(torch.nn.Module):
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
         ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
         that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
-        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``.
+        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``. Under
+        ``torch.autocast`` without FP8 the GEMMs see cast copies of the weights, which carry no
+        such attribute: the parameters then get ``grad = None`` (never a dummy that a hook
+        could add to ``main_grad``).
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
 
