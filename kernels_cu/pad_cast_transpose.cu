@@ -8,9 +8,10 @@
 //   out_col[e]  (k, m_pad_e)  the same bytes transposed; columns m_e .. m_pad_e-1 are zero,
 //                             written here (m_pad_e = roundup(m_e, align)); no memset anywhere
 //   amax[e]     max |ftz(x)| over the unpadded input (NaN ignored, as fmaxf does)
-//   colsum[e]   (k,) float32 column sums of the unscaled input (dbias of a gradient), optional,
-//               in a fixed summation order (see "Column sums" below), so every run gives the same
-//               bits and the NumPy reference can reproduce them
+//   colsum[e]   (k,) float32 column sums of the unscaled input (dbias of a gradient), optional
+//               (template parameter COLSUM, in the modes that compute amax), in a fixed summation
+//               order (see "Column sums" below), so every run gives the same bits and the NumPy
+//               reference can reproduce them
 // The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1]),
 // row-major over (tile row, tile column), at least one tile row, so that an empty expert still
 // writes its amax, scale_inv and (zero) column sums.
@@ -180,20 +181,34 @@ CG_DEVICE float warp_max(float v) {
     return v;
 }
 
-template <InDtype IN, Fp8Format FMT, PctMode MODE>
-__global__ void __launch_bounds__(PCT_THREADS)
+// Blocks of PCT_THREADS that must fit on one SM (__launch_bounds__), i.e. a register cap of
+// 65536 / (256 * n), rounded down to a multiple of 8:
+//   4 (<= 64 registers) by default: 4 x 256 threads, the occupancy the bandwidth target assumes;
+//   6 (<= 40) for the amax-only pass without column sums, which converts and stores nothing: it
+//     fits in 36-40 registers on sm_80..sm_100 without spilling, so more of its loads are in flight.
+// Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
+// 48 registers plus a 4-byte spill for float16 CAST_AMAX on sm_90 (compile-check, NVRTC 13.0).
+constexpr int pct_min_blocks(PctMode mode, bool colsum) {
+    return mode == PctMode::AMAX_ONLY && !colsum ? 6 : 4;
+}
+
+// COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
+// write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
+template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(MODE, COLSUM))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           float* __restrict__ scale,       // read (CAST, CAST_AMAX) or written (AMAX_ONLY)
                           float* __restrict__ amax,        // written (AMAX_ONLY, CAST_AMAX)
                           float* __restrict__ scale_inv,   // written (AMAX_ONLY, CAST_AMAX)
                           int* __restrict__ workspace,     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
-                          float* __restrict__ colsum,      // (experts, k) column sums, or null
+                          float* __restrict__ colsum,      // (experts, k) column sums (COLSUM), or null
                           float* __restrict__ colsum_partial,  // one 128-float row per tile
                           int* __restrict__ colsum_count)  // experts * tiles_k ints, zero on entry
 {
     using Traits = InTraits<IN>;
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
     constexpr bool kAmax = MODE != PctMode::CAST;
+    static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];
@@ -234,7 +249,6 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // Phase 1: each thread reads 16 consecutive elements of one row, writes their 16 FP8 bytes to
     // the row-wise output and to the shared tile. Rows m .. of the tile are the zero padding.
     float local_amax = 0.f;
-    const bool want_colsum = kAmax && colsum != nullptr;
     float csum[PCT_SEG];
 #pragma unroll
     for (int it = 0; it < PCT_SEG_ITERS; ++it) {
@@ -263,7 +277,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));
         }
-        if (want_colsum) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
+        if (COLSUM) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
         }
@@ -327,7 +341,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // across the 4 row groups of a warp by xor-shuffles over lane bits 3 then 4, i.e.
     // (g0 + g1) + (g2 + g3); across the 8 warps sequentially; across the tile rows of the expert
     // sequentially, by the last block of each (expert, tile column), from one partial row per tile.
-    if (want_colsum) {
+    if (COLSUM) {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
         for (int j = 0; j < PCT_SEG; ++j) {

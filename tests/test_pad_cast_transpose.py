@@ -205,6 +205,13 @@ def test_launch_counts():
         cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
     assert [launch.kernel.split("PctMode::")[1] for launch in log] == ["AMAX_ONLY>", "CAST>"]
     assert all(launch.grid == sum(pct.tile_counts([5, 0, 9], 32, 16)) for launch in log)
+    # column sums select the COLSUM instantiation of the amax-computing pass only
+    for scale, want in ((None, ["AMAX_ONLY, true>", "CAST>"]), (np.ones(3, np.float32), ["CAST_AMAX, true>"])):
+        with cugrouped.record_launches() as log:
+            cugrouped.multi_pad_cast_transpose(xs, scale=scale, column_sums=True, backend="emulate")
+        assert [launch.kernel.split("PctMode::")[1] for launch in log] == want
+    with pytest.raises(ValueError, match="column sums"):
+        pct.kernel_name("float32", "e4m3", "CAST", column_sums=True)
 
 
 def test_column_sums_are_close_to_exact_sums():
