@@ -196,13 +196,19 @@ CG_DEVICE float warp_max(float v) {
 //   4 (<= 64 registers) by default: 4 x 256 threads, the occupancy the bandwidth target assumes;
 //   6 (<= 40) for the amax-only pass without column sums, which converts and stores nothing: it
 //     fits in 36-40 registers on sm_80..sm_100 without spilling, so more of its loads are in flight;
-//   3 (<= 80) for float32 CAST_AMAX with column sums: with a full tile's 8 loads in flight it
-//     spills at 64 on sm_80 and sm_100 (4 and 8 bytes).
+//   3 (<= 80) for float32 CAST_AMAX with column sums on sm_80 and sm_100 only: with a full
+//     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
 // Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
 // 48 registers plus a 4-byte spill for float16 CAST_AMAX on sm_90 (compile-check, NVRTC 13.0).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || __CUDA_ARCH__ >= 1000)
+constexpr bool kPctF32ColsumNeedsMore = true;
+#else
+constexpr bool kPctF32ColsumNeedsMore = false;
+#endif
 constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum) {
     return mode == PctMode::AMAX_ONLY && !colsum ? 6
-         : in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3 : 4;
+         : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
+         : 4;
 }
 
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also

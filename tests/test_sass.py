@@ -87,13 +87,13 @@ def test_full_tile_issues_all_loads_before_the_first_use(sass, dtype, fmt, mode,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registers_fit_the_launch_bounds(sass, dtype, mode, colsum):
     """__launch_bounds__(256, pct_min_blocks): 4 blocks per SM (<= 64 registers), 6 for the
-    amax-only pass without column sums (<= 40), 3 for float32 CAST_AMAX with column sums (<= 80);
-    never a spill."""
+    amax-only pass without column sums (<= 40), 3 for float32 CAST_AMAX with column sums on sm_80
+    and sm_100 (<= 80; it spills at 64 there); never a spill."""
     arch, _, resources = sass
     for fmt in FORMATS:
         r = resources[pct.kernel_name(dtype, fmt, mode, colsum)]
         cap = {("AMAX_ONLY", False): 40}.get((mode, colsum), 64)
-        if (dtype, mode, colsum) == ("float32", "CAST_AMAX", True):
+        if (dtype, mode, colsum) == ("float32", "CAST_AMAX", True) and arch in ("80", "100"):
             cap = 80
         assert r.registers <= cap and r.spills == 0, r
 
