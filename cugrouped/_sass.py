@@ -17,10 +17,17 @@ from pathlib import Path
 
 from . import _compile_check, _jit
 
-__all__ = ["find_nvdisasm", "disassemble", "disassemble_image", "memory_ops", "summary"]
+__all__ = ["find_nvdisasm", "disassemble", "disassemble_image", "memory_ops", "summary",
+           "longest_load_run"]
 
 _FUNC_RE = re.compile(r"^\s*\.text\.(\S+):\s*$", re.M)
 _MEM_RE = re.compile(r"\b(?:LDG|STG|LDS|STS|LDL|STL|ATOMG|RED|F2FP)(?:\.[A-Z0-9_]+)*")
+# One instruction line: "/*0a80*/  @!P2 LDG.E.128 R8, ..." -> the opcode; or a label line ".L_x_12:".
+_INSN_RE = re.compile(r"^\s*(?:/\*[0-9a-f]+\*/\s*(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)|(\.L\w*):)", re.M)
+# What consumes loaded data in the cast kernel (amax, scaling, conversion, sums, stores) and what
+# ends a basic block.
+_USE_PREFIXES = ("FMNMX", "FMUL", "FADD", "F2FP", "STS", "STG")
+_BLOCK_END_PREFIXES = ("BRA", "EXIT", "RET", "BAR")
 
 
 def find_nvdisasm() -> str | None:
@@ -60,6 +67,21 @@ def memory_ops(sass: str) -> collections.Counter:
     """Counts of the memory and FP8-conversion instructions in one kernel's SASS, by full
     opcode (``LDG.E.128``, ``STG.E.U8``, ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C``, ...)."""
     return collections.Counter(_MEM_RE.findall(sass))
+
+
+def longest_load_run(sass: str, load: str = "LDG.E.128") -> int:
+    """The most ``load`` instructions issued in one basic block before anything there uses data
+    (``FMNMX``, ``FMUL``, ``FADD``, ``F2FP``, a shared or global store): how many loads of a
+    thread can be in flight at once. A run ends at a use, a branch, a barrier or a label."""
+    best = run = 0
+    for m in _INSN_RE.finditer(sass):
+        op = m.group(1)
+        if op is None or op.startswith(_USE_PREFIXES + _BLOCK_END_PREFIXES):
+            run = 0
+        elif op == load:
+            run += 1
+            best = max(best, run)
+    return best
 
 
 def summary(sass: str) -> str:

@@ -8,9 +8,10 @@
 //   out_col[e]  (k, m_pad_e)  the same bytes transposed; columns m_e .. m_pad_e-1 are zero,
 //                             written here (m_pad_e = roundup(m_e, align)); no memset anywhere
 //   amax[e]     max |ftz(x)| over the unpadded input (NaN ignored, as fmaxf does)
-//   colsum[e]   (k,) float32 column sums of the unscaled input (dbias of a gradient), optional,
-//               in a fixed summation order (see "Column sums" below), so every run gives the same
-//               bits and the NumPy reference can reproduce them
+//   colsum[e]   (k,) float32 column sums of the unscaled input (dbias of a gradient), optional
+//               (template parameter COLSUM, in the modes that compute amax), in a fixed summation
+//               order (see "Column sums" below), so every run gives the same bits and the NumPy
+//               reference can reproduce them
 // The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1]),
 // row-major over (tile row, tile column), at least one tile row, so that an empty expert still
 // writes its amax, scale_inv and (zero) column sums.
@@ -77,36 +78,46 @@ struct PctExpert {
 };
 
 template <InDtype IN> struct InTraits;
+// Per input type: `words` 16-byte words hold one segment of PCT_SEG elements; load_raw reads them
+// (from a 16-byte aligned address) without converting, unpack widens them to float.
 template <> struct InTraits<InDtype::F32> {
     static constexpr int bytes = 4;
+    static constexpr int words = PCT_SEG * bytes / 16;   // 4
     CG_DEVICE static float load(const void* p, i64 i) { return static_cast<const float*>(p)[i]; }
-    // 16 consecutive elements from a 16-byte aligned address.
-    CG_DEVICE static void load16(const void* p, float (&v)[PCT_SEG]) {
-        const float4* q = static_cast<const float4*>(p);
+    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
+        const uint4* q = static_cast<const uint4*>(p);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float4 w = q[j];
-            v[4 * j] = w.x; v[4 * j + 1] = w.y; v[4 * j + 2] = w.z; v[4 * j + 3] = w.w;
+        for (int j = 0; j < words; ++j) w[j] = q[j];
+    }
+    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[PCT_SEG]) {
+#pragma unroll
+        for (int j = 0; j < words; ++j) {
+            v[4 * j] = bits_f32(w[j].x); v[4 * j + 1] = bits_f32(w[j].y);
+            v[4 * j + 2] = bits_f32(w[j].z); v[4 * j + 3] = bits_f32(w[j].w);
         }
     }
 };
 template <InDtype IN> struct Half16Traits {
     static constexpr int bytes = 2;
+    static constexpr int words = PCT_SEG * bytes / 16;   // 2
     CG_DEVICE static float cvt(u32 bits) {
         return IN == InDtype::BF16 ? bf16_to_float(static_cast<u16>(bits))
                                    : half_to_float(static_cast<u16>(bits));
     }
     CG_DEVICE static float load(const void* p, i64 i) { return cvt(static_cast<const u16*>(p)[i]); }
-    CG_DEVICE static void load16(const void* p, float (&v)[PCT_SEG]) {
+    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
         const uint4* q = static_cast<const uint4*>(p);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            uint4 w = q[j];
-            u32 words[4] = {w.x, w.y, w.z, w.w};
+        for (int j = 0; j < words; ++j) w[j] = q[j];
+    }
+    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[PCT_SEG]) {
 #pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                v[8 * j + 2 * h] = cvt(words[h] & 0xffffu);
-                v[8 * j + 2 * h + 1] = cvt(words[h] >> 16);
+        for (int j = 0; j < words; ++j) {
+            const u32 h[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                v[8 * j + 2 * i] = cvt(h[i] & 0xffffu);
+                v[8 * j + 2 * i + 1] = cvt(h[i] >> 16);
             }
         }
     }
@@ -180,20 +191,43 @@ CG_DEVICE float warp_max(float v) {
     return v;
 }
 
-template <InDtype IN, Fp8Format FMT, PctMode MODE>
-__global__ void __launch_bounds__(PCT_THREADS)
+// Blocks of PCT_THREADS that must fit on one SM (__launch_bounds__), i.e. a register cap of
+// 65536 / (256 * n), rounded down to a multiple of 8:
+//   4 (<= 64 registers) by default: 4 x 256 threads, the occupancy the bandwidth target assumes;
+//   6 (<= 40) for the amax-only pass without column sums, which converts and stores nothing: it
+//     fits in 36-40 registers on sm_80..sm_100 without spilling, so more of its loads are in flight;
+//   3 (<= 80) for float32 CAST_AMAX with column sums on sm_80 and sm_100 only: with a full
+//     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
+// Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
+// 48 registers plus a 4-byte spill for float16 CAST_AMAX on sm_90 (compile-check, NVRTC 13.0).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || __CUDA_ARCH__ >= 1000)
+constexpr bool kPctF32ColsumNeedsMore = true;
+#else
+constexpr bool kPctF32ColsumNeedsMore = false;
+#endif
+constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum) {
+    return mode == PctMode::AMAX_ONLY && !colsum ? 6
+         : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
+         : 4;
+}
+
+// COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
+// write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
+template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           float* __restrict__ scale,       // read (CAST, CAST_AMAX) or written (AMAX_ONLY)
                           float* __restrict__ amax,        // written (AMAX_ONLY, CAST_AMAX)
                           float* __restrict__ scale_inv,   // written (AMAX_ONLY, CAST_AMAX)
                           int* __restrict__ workspace,     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
-                          float* __restrict__ colsum,      // (experts, k) column sums, or null
+                          float* __restrict__ colsum,      // (experts, k) column sums (COLSUM), or null
                           float* __restrict__ colsum_partial,  // one 128-float row per tile
                           int* __restrict__ colsum_count)  // experts * tiles_k ints, zero on entry
 {
     using Traits = InTraits<IN>;
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
     constexpr bool kAmax = MODE != PctMode::CAST;
+    static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];
@@ -231,11 +265,31 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     const bool rowwise = x.out_row != nullptr;
     const bool columnwise = x.out_col != nullptr;
 
-    // Phase 1: each thread reads 16 consecutive elements of one row, writes their 16 FP8 bytes to
-    // the row-wise output and to the shared tile. Rows m .. of the tile are the zero padding.
+    // Phase 1: each thread reads 16 consecutive elements of one row per iteration, writes their 16
+    // FP8 bytes to the row-wise output and to the shared tile. Rows m .. of the tile are the zero
+    // padding.
+    //
+    // A full tile (inside m and k, every row 16-byte aligned: block-uniform) issues all of a
+    // thread's 16-byte loads (PCT_SEG_ITERS segments) before it converts or stores anything, so
+    // that 32 B (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler
+    // cannot move a later iteration's load above an earlier iteration's row-wise store (they may
+    // alias as far as it knows). Other tiles load segment by segment with bounds checks. Both
+    // paths then run the same conversion code, so the bits cannot differ.
     float local_amax = 0.f;
-    const bool want_colsum = kAmax && colsum != nullptr;
     float csum[PCT_SEG];
+    const bool full_tile = row0 + PCT_TILE_M <= m && col0 + PCT_TILE_K <= k && aligned16(x.in) &&
+                           (x.ld * Traits::bytes) % 16 == 0;
+    uint4 raw[PCT_SEG_ITERS][Traits::words];
+    if (full_tile) {
+#pragma unroll
+        for (int it = 0; it < PCT_SEG_ITERS; ++it) {
+            const int seg = threadIdx.x + it * PCT_THREADS;
+            const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
+            const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
+            Traits::load_raw(static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes,
+                             raw[it]);
+        }
+    }
 #pragma unroll
     for (int it = 0; it < PCT_SEG_ITERS; ++it) {
         const int seg = threadIdx.x + it * PCT_THREADS;
@@ -244,10 +298,14 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         const i64 grow = row0 + r;
         const i64 gcol = col0 + c;
         float v[PCT_SEG];
-        if (grow < m && gcol < k) {
+        if (full_tile) {
+            Traits::unpack(raw[it], v);
+        } else if (grow < m && gcol < k) {
             const void* src = static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes;
             if (gcol + PCT_SEG <= k && aligned16(src)) {
-                Traits::load16(src, v);
+                uint4 w[Traits::words];
+                Traits::load_raw(src, w);
+                Traits::unpack(w, v);
             } else {
 #pragma unroll
                 for (int j = 0; j < PCT_SEG; ++j)
@@ -263,7 +321,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));
         }
-        if (want_colsum) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
+        if (COLSUM) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
         }
@@ -327,7 +385,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // across the 4 row groups of a warp by xor-shuffles over lane bits 3 then 4, i.e.
     // (g0 + g1) + (g2 + g3); across the 8 warps sequentially; across the tile rows of the expert
     // sequentially, by the last block of each (expert, tile column), from one partial row per tile.
-    if (want_colsum) {
+    if (COLSUM) {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
         for (int j = 0; j < PCT_SEG; ++j) {

@@ -205,6 +205,13 @@ def test_launch_counts():
         cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
     assert [launch.kernel.split("PctMode::")[1] for launch in log] == ["AMAX_ONLY>", "CAST>"]
     assert all(launch.grid == sum(pct.tile_counts([5, 0, 9], 32, 16)) for launch in log)
+    # column sums select the COLSUM instantiation of the amax-computing pass only
+    for scale, want in ((None, ["AMAX_ONLY, true>", "CAST>"]), (np.ones(3, np.float32), ["CAST_AMAX, true>"])):
+        with cugrouped.record_launches() as log:
+            cugrouped.multi_pad_cast_transpose(xs, scale=scale, column_sums=True, backend="emulate")
+        assert [launch.kernel.split("PctMode::")[1] for launch in log] == want
+    with pytest.raises(ValueError, match="column sums"):
+        pct.kernel_name("float32", "e4m3", "CAST", column_sums=True)
 
 
 def test_column_sums_are_close_to_exact_sums():
@@ -256,6 +263,34 @@ def test_dequantize_round_trip_is_within_fp8_precision():
     # e4m3 has 3 mantissa bits: relative error of a rounded value is at most 2^-4
     big = np.abs(xs[0]) > 2.0**-6 * float(res.amax[0])
     assert np.all(np.abs(back - xs[0])[big] <= 2.0**-4 * np.abs(xs[0])[big])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_tiles_without_column_sums_and_tiles_that_may_not_take_the_fast_path(dtype):
+    """The full-tile path (tile inside m and k, every row 16-byte aligned: all loads issued before
+    any use) in the kernels without column sums (the matrix above asks for them everywhere); and
+    tiles inside m and k that must take the per-segment path: a row stride that is not a multiple
+    of 16 bytes, and a base pointer one element off 16-byte alignment."""
+    m_splits, k = SPLITS["full_tiles"]
+    xs = make_inputs(m_splits, k, dtype, 13)
+    for given in (True, False):
+        scale = scales_for(m_splits, "e5m2", 5) if given else None
+        for form in ("list", "device"):
+            got, want = run_both(xs, m_splits, form, fp8_format="e5m2", scale=scale)
+            assert_same_bits(got, want, f"full tiles/{dtype}/given={given}/{form}")
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    wide = make_inputs([130], k + 16 // itemsize + 2, dtype, 14)[0]
+    views = {"row stride % 16 B != 0": wide[:, :k],           # ld = k + 16 / itemsize + 2
+             "base 1 element off": wide[:, 1: k + 1]}
+    wide2 = make_inputs([130], k + 16 // itemsize, dtype, 15)[0]       # ld * itemsize % 16 == 0
+    views["base 1 element off, aligned stride"] = wide2[:, 1: k + 1]
+    for label, view in views.items():
+        for scale in (None, np.array([3.0], np.float32)):
+            got = cugrouped.multi_pad_cast_transpose([view], scale=scale, column_sums=True,
+                                                     backend="emulate")
+            want = reference.multi_pad_cast_transpose([np.ascontiguousarray(view)], scale=scale,
+                                                      column_sums=True)
+            assert_same_bits(got, want, f"{label}/{dtype}/scale={scale}")
 
 
 def test_row_stride_larger_than_k():

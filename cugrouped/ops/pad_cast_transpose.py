@@ -36,16 +36,25 @@ GEMM_K_MULTIPLE = 16
 _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 _MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
+# Column sums are taken in the pass that computes amax: only these modes have a column-sum variant.
+_COLSUM_MODES = ("AMAX_ONLY", "CAST_AMAX")
 
 
-def kernel_name(in_dtype: str, fp8_format: str, mode: str) -> str:
+def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False) -> str:
+    """The instantiation for one launch. Column sums are a template parameter (``COLSUM``,
+    default false), so the common kernels carry no column-sum registers; the names of those keep
+    the three-argument spelling."""
+    if column_sums and mode not in _COLSUM_MODES:
+        raise ValueError(f"mode: column sums are computed in {_COLSUM_MODES}, got {mode!r}")
     return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
-            f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}>")
+            f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{', true' if column_sums else ''}>")
 
 
+# 3 dtypes x 2 formats x (3 modes + 2 column-sum variants) = 30 instantiations
 KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
     source="pad_cast_transpose.cu",
-    name_expressions=tuple(kernel_name(d, f, m) for d in _IN for f in _FMT for m in _MODES),
+    name_expressions=tuple(kernel_name(d, f, m, cs) for d in _IN for f in _FMT for m in _MODES
+                           for cs in (False, True) if not cs or m in _COLSUM_MODES),
 ))
 
 
@@ -419,8 +428,9 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         passes = (mode,) if mode == "CAST_AMAX" else ("AMAX_ONLY", "CAST")
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
-            _run(backend, kernel_name(g.dtype, fp8_format, p), chunk, arg, g.k, align, margin,
-                 ptrs, colsum if p != "CAST" else None)
+            cs = colsum if p != "CAST" else None
+            _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None), chunk, arg, g.k,
+                 align, margin, ptrs, cs)
 
 
 def _contiguous(v: ArrayView) -> bool:
