@@ -841,6 +841,49 @@ def test_torch_autocast_without_fp8_computes_in_the_autocast_dtype(list_mode):
     assert_bits_equal([b.grad for b in layer.biases()], [g.float() for g in want[3]])
 
 
+def test_torch_autocast_fused_wgrad_acts_on_the_parameters():
+    """fuse_wgrad_accumulation under torch.autocast without FP8: overwrite_main_grad and
+    Megatron's grad_added_to_main_grad act on the fp32 parameters themselves (the autograd
+    function casts the weights; the module does not hand it copies), and main_grad holds the
+    bf16 layer's gradient in fp32."""
+    sp = [6, 0, 11]
+    layer = make_layer(3, fuse_wgrad_accumulation=True)
+    bf16 = make_layer(3).bfloat16()             # the same weights (same seed), unfused
+    seen = []
+    for w in layer.weights():
+        w.main_grad = torch.full_like(w, 1000.0)
+        w.overwrite_main_grad, w.grad_added_to_main_grad = True, False
+        w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    x, dy = torch.randn(17, 32), torch.randn(17, 48).bfloat16()
+    want = run(bf16, x.bfloat16(), sp, None, False, dy)[2]
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        y = layer(x, sp)
+    y.backward(dy)
+    assert seen == [True] * 3
+    for w, g in zip(layer.weights(), want):
+        assert w.grad_added_to_main_grad and w.grad.dtype == torch.float32
+        torch.testing.assert_close(w.main_grad, g.float(), rtol=1e-2, atol=1e-2)   # overwritten
+
+
+@pytest.mark.parametrize("how", ["float64", "transposed_view"])
+def test_fused_wgrad_takes_any_float_dtype_and_strided_inputs(how):
+    """The non-FP8 fused wgrad falls back to torch's matmul for float64 (gradcheck's dtype) and
+    makes non-row-major input views contiguous, like the unfused layer."""
+    sp = [6, 0, 11]
+    dtype = torch.float64 if how == "float64" else torch.float32
+    plain = make_layer(3, dtype=dtype)
+    fused = make_layer(3, dtype=dtype, fuse_wgrad_accumulation=True)
+    for w in fused.weights():
+        w.main_grad = torch.zeros(w.shape)
+    x = torch.randn(17, 32, dtype=dtype)
+    if how == "transposed_view":
+        x = x.t().contiguous().t()          # same values, column-major storage
+    want = run(plain, x, sp, None, True)[2]
+    run(fused, x, sp, None, True)
+    for w, g in zip(fused.weights(), want):
+        torch.testing.assert_close(w.main_grad, g.float(), rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_torch_autocast_with_fp8_quantizes_bf16_inputs_and_fp32_weights(recipe):
     """Under autocast with FP8 the inputs are cast to bf16 before quantization and the weights are

@@ -284,7 +284,18 @@ def wgrad_main_grad(xs: List[torch.Tensor], dys: List[torch.Tensor],
                     main_grads: List[torch.Tensor], accumulate: bool) -> None:
     """Without FP8: ``main_grads[i] (+)= dys[i]ᵀ · xs[i]`` with the fp32 ``main_grad`` as the
     GEMM's output (cuBLASLt on CUDA, the NumPy twin on CPU), so bf16 / fp16 operands are never
-    rounded to their own dtype before the accumulation."""
+    rounded to their own dtype before the accumulation. Operands the grouped GEMM does not take
+    (float64; CPU float64 is how the layer is gradchecked) go through torch's matmul in their
+    own precision; views with a non-unit column stride are made contiguous first."""
+    if xs[0].dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        for g, d, x in zip(main_grads, dys, xs):
+            if accumulate:
+                g.add_(d.t() @ x)
+            else:
+                g.copy_(d.t() @ x)
+        return
+    xs = [x if x.shape[0] == 0 or x.stride(-1) == 1 else x.contiguous() for x in xs]
+    dys = [d if d.shape[0] == 0 or d.stride(-1) == 1 else d.contiguous() for d in dys]
     with launch_context(xs[0].device):
         _ops.grouped_wgrad(list(xs), list(dys), out=list(main_grads), accumulate=accumulate)
 

@@ -5,9 +5,10 @@ Tensor ``t`` of the state, for E experts: ``t = e`` input of expert e, ``E + e``
 ``2E + e`` its grad output; so with HYBRID the first 2E are E4M3 and the last E are E5M2, which is
 the single format boundary the update kernel takes (one launch for all 3E tensors).
 
-``amax`` holds the amaxes measured by the latest casts (each cast writes its slice); the update
-(:meth:`DelayedScalingState.update`, once per step, at the end of backward) rolls them into
-``amax_history`` and recomputes ``scale`` / ``scale_inv``. A cast in step t therefore uses the
+``amax`` holds the pending amaxes: forward casts (input, weight) max-merge into their slices,
+so forwards that run ahead of their backwards (pipeline schedules) all count; the grad-output
+cast writes its slice. The update (once per step, in the layer's backward) rolls them into
+``amax_history``, recomputes ``scale`` / ``scale_inv`` and zeroes ``amax``. A cast in step t therefore uses the
 scale derived from the amaxes of steps < t (TransformerEngine's delayed scaling).
 """
 

@@ -126,10 +126,13 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.main_grads = main_grads
         ctx.ws = ws if cfg.fuse_wgrad else ()
         if not cfg.fp8:
+            # weights in another dtype than the input (torch.autocast): computed in the input's
+            # dtype, their grads returned in their own
+            wc = [w if w.dtype == xs[0].dtype else w.to(xs[0].dtype) for w in ws]
             ys = [torch.addmm(b, x, w.t()) if bs else x @ w.t()
-                  for x, w, b in zip(x_list, ws, bs if bs else [None] * E)]
+                  for x, w, b in zip(x_list, wc, bs if bs else [None] * E)]
             y = torch.cat(ys) if E > 1 else ys[0]
-            ctx.save_for_backward(*(xs if need_wgrad else ()), *ws)
+            ctx.save_for_backward(*(xs if need_wgrad else ()), *wc)
             ctx.saved_x = need_wgrad
             return y
         history, amax, scale, scale_inv = state if state else (None,) * 4
@@ -178,7 +181,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     cops.eager.wgrad_main_grad(x_list, dy_list, list(ctx.main_grads),
                                                cfg.accumulate_main_grad)
                 else:
-                    dws = [d.t() @ x for d, x in zip(dy_list, x_list)]
+                    dws = [(d.t() @ x).to(ctx.w_dtype) for d, x in zip(dy_list, x_list)]
             if need_dbias:
                 dbs = [d.sum(0) for d in dy_list]
         else:
@@ -244,10 +247,7 @@ class GroupedLinear(torch.nn.Module):
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
         ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
         that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
-        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``. Under
-        ``torch.autocast`` without FP8 the GEMMs see cast copies of the weights, which carry no
-        such attribute: the parameters then get ``grad = None`` (never a dummy that a hook
-        could add to ``main_grad``).
+        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``.
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
 
@@ -599,16 +599,16 @@ class GroupedLinear(torch.nn.Module):
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
         act_dtype = self._autocast_dtype(first.device)
         if act_dtype is not None:
-            # torch.autocast: compute in its dtype, as TransformerEngine. Differentiable casts at
-            # this level (the autograd function is left as it is), so grads reach the params in
-            # their own dtype: inputs and biases always; weights only without FP8 (the FP8 cast
-            # reads them in their own dtype). Cost without FP8: one cast copy of every weight
-            # per forward and one of its grad per backward (TE casts the same way).
+            # torch.autocast: compute in its dtype, as TransformerEngine. Inputs and biases are
+            # cast here (differentiable casts: grads reach them in their own dtype). The weights
+            # go in as the parameters themselves: without FP8 the autograd function casts them
+            # to the input dtype and returns their grads in their own dtype (so main_grad
+            # flags, overwrite_main_grad and dummy grads apply to the parameters); with FP8 the
+            # cast kernel reads them in their own dtype. Cost without FP8: one cast copy of every
+            # weight per forward (TE casts the same way).
             xs = tuple(x.to(act_dtype) for x in xs)
             first = xs[0]
             all_bs = [b.to(act_dtype) for b in all_bs]
-            if recipe is None:
-                ws = [w.to(act_dtype) for w in ws]
         bs = all_bs if self.apply_bias else []
         # TransformerEngine: the first micro-batch's wgrad, and a weight marked
         # overwrite_main_grad (Megatron-FSDP), overwrite main_grad instead of adding to it

@@ -2,8 +2,10 @@
 
 Written from the contract (design.md §3 and the header of ``kernels_cu/scale_update.cu``): the
 history is rolled by one with the new amax in front (values moved bit for bit), reduced by
-``max`` (NaN anywhere in the window gives NaN) or ``most_recent``, then
-``scale = compute_scale(reduced, margin)`` and ``scale_inv = scale_inverse(scale)``.
+``max`` over the window's non-NaN entries (-inf when there are none) or ``most_recent``; then
+``scale = compute_scale(reduced, margin)`` where the reduced amax is usable (positive, normal,
+finite: ``amax_usable``), otherwise the previous ``scale`` is kept (TransformerEngine's rule);
+finally ``scale_inv = scale_inverse(scale)``.
 """
 
 from __future__ import annotations
