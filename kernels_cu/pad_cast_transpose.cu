@@ -20,7 +20,11 @@
 //   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax) and
 //                  scale_inv, written by the last tile of each expert; nothing else is written;
 //   PCT_CAST       second pass of current scaling: cast with the scale the first pass wrote;
-//   PCT_CAST_AMAX  delayed scaling (caller's scales): cast and amax fused, scale_inv written.
+//   PCT_CAST_AMAX  delayed scaling (caller's scales): cast and amax fused, scale_inv written;
+//                  with amax_accumulate != 0 the amax is max-merged into amax[e] instead of
+//                  overwriting it (amax[e] = ftz(old) > a ? old : a: fmaxf(old, a) for every
+//                  old value that is not NaN, denormal or -0; those give a), so a layer keeps a
+//                  pending amax across forwards without a second launch.
 //
 // Cross-block reductions use a per-stream workspace (two ints per expert slot) that is zero when a
 // launch starts and that the last block of each expert returns to zero ("last block" pattern of the
@@ -222,7 +226,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                           int* __restrict__ workspace,     // 2 * CG_PCT_MAX_EXPERTS ints, zero on entry
                           float* __restrict__ colsum,      // (experts, k) column sums (COLSUM), or null
                           float* __restrict__ colsum_partial,  // one 128-float row per tile
-                          int* __restrict__ colsum_count)  // experts * tiles_k ints, zero on entry
+                          int* __restrict__ colsum_count,  // experts * tiles_k ints, zero on entry
+                          const i32 amax_accumulate)       // CAST_AMAX: merge into amax[e] (nonzero)
 {
     using Traits = InTraits<IN>;
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
@@ -442,7 +447,17 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                 __threadfence();
                 const float a = __int_as_float(atomicExch(ws_amax + e, 0));
                 atomicExch(ws_count + e, 0);
-                amax[e] = a;
+                if (MODE == PctMode::CAST_AMAX && amax_accumulate) {
+                    // Merge into the pending amax (delayed scaling: forwards that run ahead of
+                    // their backwards): the larger of the two, with the old value flushed for
+                    // the comparison (the GPU's FTZ) and the new one winning ties, so a NaN
+                    // already in the buffer is replaced (as fmaxf drops NaN), a denormal or -0
+                    // old value gives `a`, and every backend writes the same bits.
+                    const float old = amax[e];
+                    amax[e] = ftz(old) > a ? old : a;
+                } else {
+                    amax[e] = a;
+                }
                 if (MODE == PctMode::AMAX_ONLY) {
                     const float sc = compute_scale<FMT>(a, margin);
                     scale[e] = sc;

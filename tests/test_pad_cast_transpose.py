@@ -376,6 +376,15 @@ def test_group_struct_layout_matches_on_host_and_device():
                                                   backend="emulate"), TypeError, "int64"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, np.array([4, 6]), splits_on_device=True),
      ValueError, "single inputs array"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_accumulate=True, out=cugrouped.multi_pad_cast_transpose(
+        x, backend="emulate")), ValueError, r"amax_accumulate: needs a given scale"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=True),
+     ValueError, r"amax_accumulate: needs out="),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=1),
+     TypeError, "amax_accumulate"),
+    (lambda x: reference.multi_pad_cast_transpose(x, amax_accumulate=True), ValueError, "amax_accumulate"),
+    (lambda x: reference.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=True),
+     ValueError, "amax_accumulate"),
 ])
 def test_bad_input_is_rejected_clearly(call, exc, match):
     xs = [np.ones((10, 16), np.float32), np.ones((0, 16), np.float32)]
@@ -392,6 +401,129 @@ def test_bad_out_buffer_is_rejected_before_anything_is_written():
     with pytest.raises(ValueError, match="out.data_t"):
         cugrouped.multi_pad_cast_transpose(xs2, backend="emulate", out=out)
     assert np.array_equal(np.asarray(out.data).view(np.uint8), data_before)
+
+
+# ------------------------------------------------------------------------------------------------
+# amax_accumulate: the cast max-merges each expert's amax into out.amax (a pending amax that
+# several forwards fill before one scale update), in the same single launch.
+
+# old amaxes already in the buffer: ordinary, 0, NaN (replaced), denormal and -0 (count as 0),
+# inf and a huge value (kept), a negative value (replaced)
+OLD_AMAX = np.array([2.5, 0.0, np.nan, 1e-40, -0.0, np.inf, 3e38, -7.0, 1e-3, 1e4],
+                    dtype=np.float32)
+ACC_SPLITS = ("empty_first", "empty_middle", "empty_last", "skewed", "single", "count_one",
+              "full_tiles")
+
+
+def _old_amax(E, seed):
+    old = np.roll(np.resize(OLD_AMAX, E), seed).astype(np.float32)
+    if not (old > 1e3).any():
+        old[seed % E] = 3e38          # at least one expert keeps its old amax
+    return old
+
+
+def _accumulate(backend, xs, m_splits, form, scale, old, **kw):
+    """A first cast (plain) gives the out buffers; out.amax is set to ``old``; then a second cast
+    with amax_accumulate merges into it."""
+    args = (xs, None) if form == "list" else (np.concatenate(xs, axis=0), list(m_splits))
+    dev = dict(splits_on_device=True) if form == "device" else {}
+    if form == "device":
+        args = (args[0], np.array(m_splits, np.int64))
+    out = cugrouped.multi_pad_cast_transpose(*args, scale=scale, backend=backend, **dev, **kw)
+    out.amax[...] = old
+    res = cugrouped.multi_pad_cast_transpose(*args, scale=scale, out=out, backend=backend,
+                                             amax_accumulate=True, **dev, **kw)
+    assert res.amax is out.amax
+    return res
+
+
+@pytest.mark.parametrize("split", ACC_SPLITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_amax_accumulate_emulated_matches_reference(split, dtype):
+    m_splits, xs, scale = case_data(split, dtype, "e4m3", True)
+    form = ("list", "tensor", "device")[zlib.crc32(split.encode()) % 3]
+    order = ORDERS[zlib.crc32((split + dtype).encode()) % len(ORDERS)]
+    old = _old_amax(len(m_splits), len(split))
+    want = _accumulate("reference", xs, m_splits, "list", scale, old, column_sums=True)
+    with cugrouped.emulation_order(order):
+        got = _accumulate("emulate", xs, m_splits, form, scale, old, column_sums=True)
+    assert_same_bits(got, want, f"{split}/{dtype}/{form}/{order}")
+    fresh = np.array([reference.amax_of(x) for x in xs], np.float32)
+    np.testing.assert_array_equal(want.amax, reference.merge_amax(old, fresh))
+    for i, m in enumerate(m_splits):   # an expert without tokens contributes 0: old >= 0 is kept
+        if m == 0 and old[i] >= 0 and np.isfinite(old[i]) and reference.ftz(old[i]) == old[i]:
+            assert as_bits(got.amax[i]) == as_bits(old[i]), i
+
+
+def test_merge_amax_is_fmax_with_ftz_and_nan_dropped():
+    old = np.float32([2.0, 1.0, np.nan, 1e-40, -0.0, np.inf, -1.0, 0.0])
+    new = np.float32([1.0, 3.0, 0.5, 0.0, 0.0, 5.0, 0.0, 0.0])
+    got = reference.merge_amax(old, new)
+    np.testing.assert_array_equal(as_bits(got), as_bits(np.float32([2.0, 3.0, 0.5, 0.0, 0.0, np.inf,
+                                                                     0.0, 0.0])))
+    normal = np.isfinite(old) & (np.abs(old) >= np.finfo(np.float32).tiny)
+    np.testing.assert_array_equal(got[normal], np.fmax(old, new)[normal])
+
+
+def test_amax_accumulate_over_two_casts_and_more_experts_than_one_launch():
+    """Two forwards merge into one pending amax; 70 experts take two launches (sliced amax)."""
+    m_splits = [int(v) for v in np.random.default_rng(3).integers(0, 9, 70)]
+    m_splits[0] = m_splits[69] = 0
+    xs1 = make_inputs(m_splits, 32, "bfloat16", 1)
+    xs2 = make_inputs(m_splits, 32, "bfloat16", 2)
+    scale = scales_for(m_splits, "e4m3", 1)
+    outs = {}
+    for backend in ("reference", "emulate"):
+        out = cugrouped.multi_pad_cast_transpose(xs1, scale=scale, backend=backend)
+        out.amax[...] = 0.0              # what the scale update leaves (reset_amax)
+        for xs in (xs1, xs2):
+            with cugrouped.record_launches() as log:
+                cugrouped.multi_pad_cast_transpose(xs, scale=scale, out=out, backend=backend,
+                                                   amax_accumulate=True)
+            if backend == "emulate":
+                assert [launch.kernel.split("PctMode::")[1] for launch in log] == ["CAST_AMAX>"] * 2
+        outs[backend] = out.amax.copy()
+    a1 = np.array([reference.amax_of(x) for x in xs1], np.float32)
+    a2 = np.array([reference.amax_of(x) for x in xs2], np.float32)
+    np.testing.assert_array_equal(as_bits(outs["emulate"]), as_bits(outs["reference"]))
+    np.testing.assert_array_equal(outs["emulate"], np.maximum(a1, a2))
+
+
+def test_amax_accumulate_is_still_one_launch():
+    """Delayed scaling with a pending amax: one CAST_AMAX launch, nothing else (the torch layer
+    used to add a torch.maximum launch per cast)."""
+    xs = make_inputs([5, 0, 9], 32, "float32", 2)
+    scale = np.ones(3, np.float32)
+    out = cugrouped.multi_pad_cast_transpose(xs, scale=scale, column_sums=True, backend="emulate")
+    for cs in (False, True):
+        with cugrouped.record_launches() as log:
+            cugrouped.multi_pad_cast_transpose(xs, scale=scale, out=out, column_sums=cs,
+                                               amax_accumulate=True, backend="emulate")
+        assert [launch.kernel.split("PctMode::")[1] for launch in log] == (
+            ["CAST_AMAX, true>"] if cs else ["CAST_AMAX>"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ACC_SPLITS)
+@pytest.mark.parametrize("form", ["list", "device"])
+def test_cuda_amax_accumulate_matches_reference(split, form):
+    import cupy
+
+    m_splits, xs, scale = case_data(split, "bfloat16", "e4m3", True)
+    old = _old_amax(len(m_splits), len(split))
+    want = _accumulate("reference", xs, m_splits, "list", scale, old)
+    dxs = [cupy.asarray(x.view(np.uint16)) for x in xs]
+    splits = None
+    if form == "device":
+        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    out = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype="bfloat16",
+                                             scale=cupy.asarray(scale))
+    out.amax[...] = cupy.asarray(old)
+    got = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype="bfloat16", scale=out.scale,
+                                             out=out, amax_accumulate=True)
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_same_bits(host, want, f"cuda accumulate {split}/{form}")
 
 
 # ------------------------------------------------------------------------------------------------

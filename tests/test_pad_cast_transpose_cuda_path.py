@@ -110,9 +110,10 @@ def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, f
     assert scopes == [("cuda", 0)]
     for name, grid, block, a in calls:
         assert block == (pct.THREADS,)
-        # (PctGroup g, i64 k, i32 align, i32 margin, 7 pointers)
+        # (PctGroup g, i64 k, i32 align, i32 margin, 7 pointers, i32 amax_accumulate)
         assert a[0].dtype == pct.group_dtype() and a[0].shape == ()
-        assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32] + [np.uint64] * 7
+        assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32] + [np.uint64] * 7 + [np.int32]
+        assert int(a[11]) == 0
         assert (int(a[1]), int(a[2]), int(a[3])) == (k, align, 0)
         assert int(a[7]) == workspaces["pad_cast_transpose"].ctypes.data
         if "CAST>" in name:      # the second pass of current scaling takes no column sums

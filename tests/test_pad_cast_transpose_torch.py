@@ -85,7 +85,30 @@ def test_given_scale_and_out_buffers_are_torch_tensors_written_in_place():
     _same(again, reference.multi_pad_cast_transpose(x2.numpy(), SPLITS, scale=scale.numpy()))
 
 
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
+def test_amax_accumulate_merges_into_the_torch_out_amax(backend):
+    x = _inputs(torch.float32)
+    scale = torch.tensor([1.0, 2.0, 0.5, 64.0])
+    out = cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=scale, backend=backend)
+    fresh = out.amax.clone()
+    old = torch.tensor([1e30, 5.0, 0.0, float("nan")])
+    out.amax.copy_(old)
+    got = cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=scale, out=out, backend=backend,
+                                             amax_accumulate=True)
+    assert got.amax is out.amax
+    want = reference.merge_amax(old.numpy(), fresh.numpy())
+    assert np.array_equal(got.amax.numpy().view(np.uint32), want.view(np.uint32))
+    # expert 1 has no rows: it contributes 0 and keeps its 5; a NaN already there is replaced
+    assert got.amax[0] == 1e30 and got.amax[1] == 5.0 and got.amax[3] == fresh[3]
+
+
 def test_bad_torch_input_is_rejected_before_anything_runs():
+    x = _inputs()
+    with pytest.raises(ValueError, match="amax_accumulate: needs out="):
+        cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=torch.ones(4), amax_accumulate=True)
+    with pytest.raises(ValueError, match="amax_accumulate: needs a given scale"):
+        cugrouped.multi_pad_cast_transpose(x, SPLITS, amax_accumulate=True,
+                                           out=cugrouped.multi_pad_cast_transpose(x, SPLITS))
     x = _inputs()
     with pytest.raises(ValueError, match="m_splits"):
         cugrouped.multi_pad_cast_transpose(x, [1, 2])

@@ -25,7 +25,7 @@ __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "chec
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE",
-           "cast_arrays", "cuda_arguments", "check_options"]
+           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -305,6 +305,21 @@ def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True
         raise ValueError("rowwise, columnwise: at least one must be True")
 
 
+def check_amax_accumulate(amax_accumulate, scale, out) -> None:
+    """``amax_accumulate`` merges into ``out.amax``: delayed scaling only (a given ``scale``; the
+    scale of current scaling comes from this call's amax alone), with an ``out`` to merge into."""
+    if not isinstance(amax_accumulate, (bool, np.bool_)):
+        raise TypeError(f"amax_accumulate: expected a bool, got {amax_accumulate!r}")
+    if not amax_accumulate:
+        return
+    if scale is None:
+        raise ValueError("amax_accumulate: needs a given scale (delayed scaling); current scaling "
+                         "(scale=None) computes its scale from this call's amax alone")
+    if out is None or getattr(out, "amax", None) is None:
+        raise ValueError("amax_accumulate: needs out= with an amax buffer to merge into, got "
+                         f"{'no out' if out is None else 'out.amax=None'}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The op.
 
@@ -312,7 +327,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                              margin: int = 0, align: int = 16, rowwise: bool = True,
                              columnwise: bool = True, column_sums: bool = False, out=None,
                              dtype: str | None = None, splits_on_device: bool | None = None,
-                             backend: str | None = None) -> GroupedFP8:
+                             backend: str | None = None,
+                             amax_accumulate: bool = False) -> GroupedFP8:
     """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
 
     Parameters
@@ -342,6 +358,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         the unscaled input (dbias when the input is an output gradient), computed in the pass
         that reads the input for the amax (no extra pass).
     out : GroupedFP8 of preallocated buffers (e.g. from a previous call) written in place.
+    amax_accumulate : with a given ``scale`` and ``out``: max-merge each expert's amax into
+        ``out.amax`` (``amax = ftz(old) > new ? old : new``, i.e. ``fmaxf(old, new)``: a NaN already
+        in the buffer is replaced by the new amax, which is never NaN; a denormal or -0 old value
+        counts as 0, as on the GPU with ``-ftz=true``) instead of overwriting it, in the same single
+        launch. An expert without tokens contributes 0, so it leaves a non-negative ``old`` as it
+        is. For a pending amax that several forwards merge into before one scale update.
     dtype : re-tag integer carriers (a CuPy ``uint16`` array holding bfloat16 bits: ``"bfloat16"``).
     backend : ``"cuda"``, ``"emulate"`` (the same CUDA source on the CPU), ``"reference"`` (NumPy),
         or None for ``"cuda"`` with device arrays and ``"reference"`` with host arrays.
@@ -355,17 +377,19 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         return torch_op(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                         align=align, rowwise=rowwise, columnwise=columnwise,
                         column_sums=column_sums, out=out, dtype=dtype,
-                        splits_on_device=splits_on_device, backend=backend)
+                        splits_on_device=splits_on_device, backend=backend,
+                        amax_accumulate=amax_accumulate)
     return cast_arrays(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                        align=align, rowwise=rowwise, columnwise=columnwise,
                        column_sums=column_sums, out=out, dtype=dtype,
-                       splits_on_device=splits_on_device, backend=backend)
+                       splits_on_device=splits_on_device, backend=backend,
+                       amax_accumulate=amax_accumulate)
 
 
 def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
                 rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
                 splits_on_device=None, backend=None,
-                normalized: GroupedInput | None = None) -> GroupedFP8:
+                normalized: GroupedInput | None = None, amax_accumulate=False) -> GroupedFP8:
     """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
@@ -376,7 +400,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         check_options(fp8_format, margin, align, rowwise, columnwise)
         normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
     g = normalized
-    check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out)
+    check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
         from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
@@ -385,7 +409,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
             raise ValueError("splits_on_device: the reference backend takes host counts")
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
-                   out=out, dtype=dtype)
+                   out=out, dtype=dtype, amax_accumulate=amax_accumulate)
     xp = np if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
@@ -398,7 +422,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
         if g.m_dev is not None:
             res.m_splits, res.m_pad_splits = g.m_dev.owner, None
-        _launch_all(backend, g, res, plans, align, mode, fp8_format, margin, column_sums)
+        _launch_all(backend, g, res, plans, align, mode, fp8_format, margin, column_sums,
+                    bool(amax_accumulate))
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -417,7 +442,7 @@ def _device_scope(backend: str, device: int):
 
 
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format, margin,
-                column_sums) -> None:
+                column_sums, amax_accumulate=False) -> None:
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
         if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
             ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
@@ -430,7 +455,7 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
             _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None), chunk, arg, g.k,
-                 align, margin, ptrs, cs)
+                 align, margin, ptrs, cs, amax_accumulate)
 
 
 def _contiguous(v: ArrayView) -> bool:
@@ -443,8 +468,10 @@ def _contiguous(v: ArrayView) -> bool:
     return all(s == e for s, e, n in zip(v.strides, reversed(expect), v.shape) if n > 1)
 
 
-def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out) -> None:
+def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out,
+                        amax_accumulate=False) -> None:
     """Validate ``scale`` and ``out`` against the inputs before anything is launched or written."""
+    check_amax_accumulate(amax_accumulate, scale, out)
     E, k = g.num_experts, g.k
     rows, col_bytes = output_sizes(g, align)
     if scale is not None:
@@ -592,10 +619,11 @@ def _nullable(*arrays):
 
 
 def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptrs,
-                   colsum) -> tuple:
+                   colsum, amax_accumulate: bool = False) -> tuple:
     """The argument tuple of one CUDA launch, in the order and C widths of the kernel's signature
     ``(PctGroup g, i64 k, i32 align, i32 margin, float* scale, float* amax, float* scale_inv,
-    int* workspace, float* colsum, float* colsum_partial, int* colsum_count)``: the argument
+    int* workspace, float* colsum, float* colsum_partial, int* colsum_count,
+    i32 amax_accumulate)``: the argument
     block by value, every pointer as a ``uint64`` (so any device array kind works, torch
     tensors included, with no DLPack round trip), null where a buffer is not used. The
     workspaces are kept per (device, stream) (:mod:`._launch`), never allocated per call."""
@@ -608,15 +636,17 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptr
         count = partial = None
     pointers = tuple(ptrs) + (ws, colsum, partial, count)
     return (arg, np.int64(k), np.int32(align), np.int32(margin)) + tuple(
-        np.uint64(_ptr(a)) for a in pointers)
+        np.uint64(_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
 
 
-def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum) -> None:
+def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum,
+         amax_accumulate=False) -> None:
     grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
     if backend == "cuda":
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, margin, ptrs, colsum))
+        kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, margin, ptrs, colsum,
+                                                 amax_accumulate))
     else:   # host buffers, made per launch and checked after it
         scale, amax, scale_inv = ptrs
         scalars = (np.int64(k), np.int32(align), np.int32(margin))
@@ -625,7 +655,8 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
         partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
         kern = _jit.get_emulated_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws) + _nullable(colsum, partial, count),
+        kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws)
+             + _nullable(colsum, partial, count) + (np.int32(amax_accumulate),),
              order=_launch.current_emulation_order())
         if ws.any() or (count is not None and count.any()):
             raise RuntimeError("pad_cast_transpose kernel left its workspace non-zero (kernel bug)")

@@ -31,13 +31,15 @@ def _arr(t):
 
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
-                             dtype=None, splits_on_device=None, backend=None) -> GroupedFP8:
+                             dtype=None, splits_on_device=None, backend=None,
+                             amax_accumulate=False) -> GroupedFP8:
     """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes).
 
     CUDA tensors go to the op as they are (it reads their pointers: no DLPack round trip per
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
+    _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not tensors:
         raise ValueError("inputs: expected at least one expert, got an empty sequence")
@@ -77,7 +79,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         res = _pct.cast_arrays(
             xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
-            splits_on_device=splits_on_device, backend=backend, normalized=g)
+            splits_on_device=splits_on_device, backend=backend, normalized=g,
+            amax_accumulate=amax_accumulate)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

@@ -14,7 +14,7 @@ import numpy as np
 from ..grouped_fp8 import GroupedFP8
 from . import fp8 as rfp8
 
-__all__ = ["multi_pad_cast_transpose", "column_sums_in_kernel_order"]
+__all__ = ["multi_pad_cast_transpose", "column_sums_in_kernel_order", "merge_amax"]
 
 TILE_M = 64   # the kernel's tile height: its column sums are ordered by tiles of 64 rows
 
@@ -43,6 +43,16 @@ def column_sums_in_kernel_order(x: np.ndarray, m_pad: int) -> np.ndarray:
             acc = rfp8.ftz(acc + s[i])
     return acc.astype(np.float32)
 
+def merge_amax(old, new) -> np.ndarray:
+    """``amax_accumulate``'s merge, float32 bits: ``ftz(old) > new ? old : new``. That is
+    ``np.fmax(old, new)`` for every ``old`` but NaN (replaced by ``new``, as ``fmaxf`` drops NaN;
+    ``new`` is never NaN), denormals (0 under the GPU's FTZ) and -0 (ties go to ``new``)."""
+    old = np.asarray(old, dtype=np.float32)
+    new = np.asarray(new, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(rfp8.ftz(old) > new, old, new).astype(np.float32)
+
+
 _CARRIED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -62,12 +72,14 @@ def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
 
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
-                             dtype=None, backend=None) -> GroupedFP8:
+                             dtype=None, backend=None, amax_accumulate=False) -> GroupedFP8:
     """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
-    from ..ops.pad_cast_transpose import normalize_inputs, padded_splits  # argument checks only
+    from ..ops.pad_cast_transpose import (check_amax_accumulate, normalize_inputs,  # checks only
+                                          padded_splits)
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
+    check_amax_accumulate(amax_accumulate, scale, out)
     g = normalize_inputs(inputs, m_splits, dtype)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
@@ -75,6 +87,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     E, k = len(xs), g.k
     m_pad = padded_splits(g.m_splits, align)
     amax = np.array([rfp8.amax_of(x) for x in xs], dtype=np.float32)
+    if amax_accumulate:
+        amax = merge_amax(np.asarray(out.amax), amax)
     if scale is None:
         sc = rfp8.compute_scale(amax, fp8_format, margin).astype(np.float32)
     else:
