@@ -6,7 +6,8 @@
 // T tensors (for a GroupedLinear of E experts: E inputs, E weights, E grad outputs), one block per
 // tensor. Tensor t owns
 //   history[t * L .. t * L + L)   float32, most recent first (history[t*L + 0] is the newest amax)
-//   amax[t]                       the amax the cast kernel measured this step
+//   amax[t]                       the amax the cast kernel measured this step (zeroed after
+//                                 it is read when reset_amax != 0: rolled in, consumed)
 //   scale[t], scale_inv[t]        float32, written here
 // and the block
 //   1. rolls the history by one and inserts the new amax at the front:
@@ -21,6 +22,11 @@
 //      TransformerEngine's delayed scaling does: resetting to 1 would underflow E5M2 gradients the
 //      next time the expert is used. scale_inv = scale_inverse(scale) either way (fp8.cuh: the
 //      bits the reference reproduces).
+// With reset_amax != 0, thread 0 writes amax[t] = 0 at the end, once every thread has read it (all
+// threads read it into `newest` before the first barrier of the roll, which runs at least once
+// as L >= 1, and nothing reads amax[t] afterwards): forwards then max-merge their amaxes into a
+// zero buffer until the next update, with no separate zeroing launch.
+//
 // Tensors [0, num_e4m3) use E4M3's maximum, the rest E5M2's (HYBRID: inputs and weights E4M3,
 // grad outputs E5M2), so one launch serves every tensor of the layer.
 //
@@ -47,9 +53,9 @@ enum class AmaxAlgo : int { MAX = 0, MOST_RECENT = 1 };
 
 template <AmaxAlgo ALGO>
 __global__ void __launch_bounds__(SU_THREADS)
-scale_update_kernel(float* __restrict__ history, const float* __restrict__ amax,
+scale_update_kernel(float* __restrict__ history, float* __restrict__ amax,
                     float* __restrict__ scale, float* __restrict__ scale_inv, i64 num_tensors,
-                    i64 history_len, i64 num_e4m3, int margin) {
+                    i64 history_len, i64 num_e4m3, int margin, int reset_amax) {
     const i64 t = (i64)blockIdx.x;
     if (t >= num_tensors) return;  // uniform per block: no thread is left at a barrier
     const int tid = (int)threadIdx.x;
@@ -89,6 +95,8 @@ scale_update_kernel(float* __restrict__ history, const float* __restrict__ amax,
         }
         scale[t] = s;
         scale_inv[t] = scale_inverse(s);
+        // every thread read amax[t] before the roll's first barrier, which it has passed
+        if (reset_amax) amax[t] = 0.f;
     }
 }
 

@@ -69,6 +69,50 @@ def test_emulated_matches_reference(L, algo, fmt):
             assert np.array_equal(_bits(gi), _bits(wi)), f"step {step} {name}"
 
 
+def _run_reset(backend, h, amaxes, fmt, algo, order):
+    """Like _run with reset_amax=True: each step's amax buffer is zeroed by the update itself."""
+    h = h.copy()
+    T = h.shape[0]
+    scale, scale_inv = np.full(T, 7.0, np.float32), np.full(T, 7.0, np.float32)
+    outs = []
+    with _launch.emulation_order(order):
+        for a in amaxes:
+            buf = a.copy()
+            su.update_scales(h, buf, scale, scale_inv, fp8_format=fmt, amax_compute_algo=algo,
+                             backend=backend, reset_amax=True)
+            outs.append((h.copy(), scale.copy(), scale_inv.copy(), buf))
+    return outs
+
+
+@pytest.mark.parametrize("L", [1, 2, 128, 300])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_reset_amax_emulated_matches_reference(L, algo):
+    """reset_amax zeroes the amax once read: same history and scales as without it (every thread
+    read the amax before it was zeroed), the buffer +0 afterwards; fiber orders varied."""
+    T = 14
+    fmts = ["e4m3"] * 9 + ["e5m2"] * 5
+    h = _state(T, L, seed=L + 1)
+    amaxes = [_amax(T, s) for s in range(3)]
+    plain = _run("reference", h, amaxes, fmts, algo, margin=0)
+    want = _run_reset("reference", h, amaxes, fmts, algo, "forward")
+    for order in ("forward", "reverse", "shuffle", L):
+        got = _run_reset("emulate", h, amaxes, fmts, algo, order)
+        for step, (g, w, p) in enumerate(zip(got, want, plain)):
+            for name, gi, wi, pi in zip(("history", "scale", "scale_inv"), g, w, p):
+                assert np.array_equal(_bits(gi), _bits(wi)), f"{order} step {step} {name}"
+                assert np.array_equal(_bits(wi), _bits(pi)), f"reference step {step} {name}"
+            assert not _bits(g[3]).any() and not _bits(w[3]).any(), f"{order} step {step} amax"
+
+
+def test_without_reset_amax_the_amax_is_left_alone():
+    for backend in ("reference", "emulate"):
+        a = _amax(6, 2)
+        before = a.copy()
+        su.update_scales(_state(6, 4, 0), a, np.ones(6, np.float32), np.ones(6, np.float32),
+                         backend=backend)
+        assert np.array_equal(_bits(a), _bits(before)), backend
+
+
 def test_reference_semantics():
     h = np.array([[1.0, 2.0, 3.0], [5.0, np.nan, 0.0], [0.0, 0.0, 0.0]], np.float32)
     amax = np.array([0.5, 1.0, 0.0], np.float32)
@@ -125,6 +169,8 @@ def test_one_launch_for_all_tensors():
     (lambda h, a, s, si: su.update_scales(h, a, s, si, amax_compute_algo="mean"), ValueError,
      "amax_compute_algo"),
     (lambda h, a, s, si: su.update_scales(h, a, s, si, margin=-1), ValueError, "margin"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, reset_amax=1), TypeError, "reset_amax"),
+    (lambda h, a, s, si: ref_update(h, a, s, si, reset_amax="yes"), TypeError, "reset_amax"),
     (lambda h, a, s, si: su.update_scales(h.astype(np.float64), a, s, si), ValueError, "amax_history"),
     (lambda h, a, s, si: su.update_scales(h[:, :0], a, s, si), ValueError, "history_len"),
     (lambda h, a, s, si: su.update_scales(h.T, a[:4], s[:4], si[:4]), ValueError, "contiguous"),
@@ -160,8 +206,9 @@ def _fake_device_views(monkeypatch, device):
 
 
 def test_cuda_launch_arguments_match_the_kernel_signature(monkeypatch):
-    """(float* history, const float* amax, float* scale, float* scale_inv, i64 T, i64 L,
-    i64 num_e4m3, int margin): data pointers by value, then the scalars with their C widths."""
+    """(float* history, float* amax, float* scale, float* scale_inv, i64 T, i64 L,
+    i64 num_e4m3, int margin, int reset_amax): data pointers by value, then the scalars with
+    their C widths."""
     cupy = pytest.importorskip("cupy")
     calls = []
     monkeypatch.setattr(su._jit, "get_function",
@@ -173,9 +220,11 @@ def test_cuda_launch_arguments_match_the_kernel_signature(monkeypatch):
     su.update_scales(h, a, s, si, fp8_format=["e4m3"] * 4 + ["e5m2"] * 2, margin=3)
     [(name, grid, block, args)] = calls
     assert name == su.kernel_name("max") and grid == (6,) and block == (su.THREADS,)
-    assert [type(v) for v in args] == [np.uint64] * 4 + [np.int64] * 3 + [np.int32]
+    assert [type(v) for v in args] == [np.uint64] * 4 + [np.int64] * 3 + [np.int32] * 2
     assert [int(v) for v in args] == [h.ctypes.data, a.ctypes.data, s.ctypes.data, si.ctypes.data,
-                                      6, 5, 4, 3]
+                                      6, 5, 4, 3, 0]
+    su.update_scales(h, a, s, si, reset_amax=True)
+    assert int(calls[-1][3][-1]) == 1
 
 
 def test_cuda_torch_tensors_are_launched_through_their_pointers(monkeypatch):
@@ -228,4 +277,24 @@ def test_gpu_matches_reference(L, algo):
     for step, a in enumerate(amaxes):
         su.update_scales(hd, cupy.asarray(a), sd, sid, fp8_format=fmts, amax_compute_algo=algo)
         for name, gi, wi in zip(("history", "scale", "scale_inv"), (hd, sd, sid), want[step]):
+            assert np.array_equal(_bits(cupy.asnumpy(gi)), _bits(wi)), f"step {step} {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_gpu_reset_amax_matches_reference(algo):
+    import cupy
+
+    T, L = 3 * 8, 300
+    fmts = ["e4m3"] * 16 + ["e5m2"] * 8
+    h = _state(T, L, 4)
+    amaxes = [_amax(T, s) for s in range(3)]
+    want = _run_reset("reference", h, amaxes, fmts, algo, "forward")
+    hd = cupy.asarray(h)
+    sd, sid = cupy.full(T, 7.0, np.float32), cupy.full(T, 7.0, np.float32)
+    for step, a in enumerate(amaxes):
+        ad = cupy.asarray(a)
+        su.update_scales(hd, ad, sd, sid, fp8_format=fmts, amax_compute_algo=algo, reset_amax=True)
+        for name, gi, wi in zip(("history", "scale", "scale_inv", "amax"), (hd, sd, sid, ad),
+                                want[step]):
             assert np.array_equal(_bits(cupy.asnumpy(gi)), _bits(wi)), f"step {step} {name}"

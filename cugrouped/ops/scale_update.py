@@ -82,8 +82,10 @@ def plan_update(num_tensors: int, history_len: int, num_e4m3: int, algo: str,
                            num_e4m3, margin)
 
 
-def _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin
+def _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin, reset_amax=False
            ) -> tuple[ArrayView, ...]:
+    if not isinstance(reset_amax, (bool, np.bool_)):
+        raise TypeError(f"reset_amax: expected a bool, got {reset_amax!r}")
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(f"amax_compute_algo: got {amax_compute_algo!r}, expected one of "
                          f"{AMAX_COMPUTE_ALGOS}")
@@ -116,14 +118,16 @@ def _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin
 
 def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
                   amax_compute_algo: str = "max", margin: int = 0,
-                  backend: str | None = None) -> None:
+                  backend: str | None = None, reset_amax: bool = False) -> None:
     """Roll every tensor's amax history, insert its new amax, and recompute its scale, in place.
 
     Parameters
     ----------
     amax_history : float32 ``(T, L)``, C-contiguous; row ``t`` is tensor ``t``'s window, newest
         first. Updated in place: ``h[t] = [amax[t], h[t, 0], ..., h[t, L-2]]``.
-    amax : float32 ``(T,)``: this step's amax of each tensor (what the cast wrote).
+    amax : float32 ``(T,)``: this step's amax of each tensor (what the cast wrote). With
+        ``reset_amax`` it is zeroed once read (in the same launch): the buffer starts the next
+        window empty, ready for casts that max-merge into it (``amax_accumulate``).
     scale, scale_inv : float32 ``(T,)``, updated: ``scale = compute_scale(reduced, margin)``
         (``fp8_max / amax / 2^margin``) when the reduced amax is positive, normal and finite;
         otherwise (amax 0 after a whole window without tokens, inf, NaN) the previous ``scale`` is
@@ -136,7 +140,7 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
 
     One launch for all T tensors, on the caller's stream (CuPy's current stream); no host sync.
     """
-    views = _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin)
+    views = _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin, reset_amax)
     T, L = views[0].shape
     n4 = split_formats(fp8_format, T)
     backend = _launch.resolve_backend(backend, views[0].on_device)
@@ -144,11 +148,11 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
         from ..reference.scale_update import update_scales as ref
 
         return ref(amax_history, amax, scale, scale_inv, fp8_format=fp8_format,
-                   amax_compute_algo=amax_compute_algo, margin=margin)
+                   amax_compute_algo=amax_compute_algo, margin=margin, reset_amax=reset_amax)
     plan = plan_update(T, L, n4, amax_compute_algo, int(margin))
     if plan.grid == 0:
         return None
-    scalars = (np.int64(T), np.int64(L), np.int64(n4), np.int32(margin))
+    scalars = (np.int64(T), np.int64(L), np.int64(n4), np.int32(margin), np.int32(reset_amax))
     if backend == "cuda":
         import cupy
 

@@ -5,7 +5,7 @@ history is rolled by one with the new amax in front (values moved bit for bit), 
 ``max`` over the window's non-NaN entries (-inf when there are none) or ``most_recent``; then
 ``scale = compute_scale(reduced, margin)`` where the reduced amax is usable (positive, normal,
 finite: ``amax_usable``), otherwise the previous ``scale`` is kept (TransformerEngine's rule);
-finally ``scale_inv = scale_inverse(scale)``.
+finally ``scale_inv = scale_inverse(scale)``; with ``reset_amax`` the amax is zeroed once read.
 """
 
 from __future__ import annotations
@@ -26,30 +26,32 @@ def reduce_history(history: np.ndarray, amax_compute_algo: str) -> np.ndarray:
 
 
 def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
-                  amax_compute_algo="max", margin=0, backend=None) -> None:
+                  amax_compute_algo="max", margin=0, backend=None, reset_amax=False) -> None:
     """Same signature and effect as the op, NumPy arrays only (updated in place)."""
     from ..ops.scale_update import _check, split_formats
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
-    views = _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin)
+    views = _check(amax_history, amax, scale, scale_inv, amax_compute_algo, margin, reset_amax)
     if views[0].on_device:
         raise ValueError("amax_history: the reference needs host (NumPy) arrays")
     T, L = views[0].shape
     n4 = split_formats(fp8_format, T)
     h = np.asarray(amax_history)
     bits = h.view(np.uint32)
-    new = np.asarray(amax, dtype=np.float32).view(np.uint32)
+    new = np.asarray(amax, dtype=np.float32).view(np.uint32).copy()
     if L > 1:
         bits[:, 1:] = bits[:, :-1].copy()
     bits[:, 0] = new
     reduced = reduce_history(h, amax_compute_algo)
     if amax_compute_algo == "most_recent":
-        reduced = np.asarray(amax, dtype=np.float32).copy()
+        reduced = new.view(np.float32).copy()
     s = np.empty(T, dtype=np.float32)
     s[:n4] = rfp8.compute_scale(reduced[:n4], "e4m3", margin)
     s[n4:] = rfp8.compute_scale(reduced[n4:], "e5m2", margin)
     s = np.where(rfp8.amax_usable(reduced), s, np.asarray(scale, dtype=np.float32))
     np.asarray(scale)[...] = s
     np.asarray(scale_inv)[...] = rfp8.scale_inverse(s)
+    if reset_amax:
+        np.asarray(amax)[...] = 0.0     # +0: rolled in, consumed
     return None
