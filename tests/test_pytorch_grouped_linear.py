@@ -386,6 +386,25 @@ def test_forwards_ahead_of_their_backwards_keep_every_amax():
     assert torch.all(layer.fp8_amax_history[0:3, 0] == 0)    # B2: no forward since B1's roll
 
 
+def test_delayed_scaling_step_issues_no_extra_amax_ops():
+    """The pending amax is max-merged by the cast kernel (amax_accumulate) and zeroed by the
+    scale update's own launch (reset_amax): a delayed-scaling step runs no aten::maximum and no
+    aten::zero_ (each was one extra launch per cast / per step on a GPU)."""
+    import collections
+
+    rec = DelayedScaling(amax_history_len=4)
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    with _autocast(rec):
+        layer(x.requires_grad_(), [10, 5, 15]).sum().backward()     # state made, weights cast
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with _autocast(rec):
+            y = layer(x, [10, 5, 15])
+        y.sum().backward()
+    ops = collections.Counter(e.name for e in prof.events())
+    assert ops["aten::maximum"] == 0 and ops["aten::zero_"] == 0, ops
+
+
 @pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
 def test_torch_compile_fullgraph_matches_eager(recipe):
     torch._dynamo.reset()

@@ -132,7 +132,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     ``scale[offset:offset+E]``; None: current scaling. ``amax_out`` given: the experts' amaxes are
     written to ``amax_out[offset:offset+E]``, or with ``accumulate_amax`` max-merged into it (the
     pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
-    update zeroes it). Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
+    update zeroes it): with a ``scale`` by the cast kernel itself (``amax_accumulate``, no extra
+    launch), with current scaling through a temporary and ``torch.maximum``. Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
     E = len(xs)
@@ -143,9 +144,12 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
     colsum = torch.empty(s_cs, dtype=torch.float32, device=dev)
     pending = amax_out[offset:offset + E] if amax_out is not None else None
-    amax = pending if pending is not None and not accumulate_amax else \
-        torch.empty(s_e, dtype=torch.float32, device=dev)
     sc = scale[offset:offset + E] if scale is not None else None
+    # delayed scaling merges in the kernel; current scaling's scale comes from this cast's amax
+    # alone, so there a pending amax is merged after the cast (the layer never asks for that)
+    merge_in_kernel = pending is not None and accumulate_amax and sc is not None
+    amax = pending if pending is not None and (not accumulate_amax or merge_in_kernel) else \
+        torch.empty(s_e, dtype=torch.float32, device=dev)
     scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
     out = GroupedFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
                      m_splits=(), m_pad_splits=(), amax=amax, scale=scale_buf, scale_inv=scale_inv,
@@ -155,8 +159,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     _functional.multi_pad_cast_transpose(
         list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
-        backend=_backend(xs[0], cast_backend))
-    if pending is not None and accumulate_amax:
+        backend=_backend(xs[0], cast_backend), amax_accumulate=merge_in_kernel)
+    if pending is not None and accumulate_amax and not merge_in_kernel:
         torch.maximum(pending, amax, out=pending)   # amaxes are never NaN (the kernel skips NaN)
     return data, data_t, scale_inv, colsum
 
@@ -313,15 +317,16 @@ def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Te
                  scale_inv: torch.Tensor, num_e4m3: int, amax_compute_algo: str, margin: int,
                  count: int, cast_backend: str) -> None:
     """``update_scales`` on the first ``count`` tensors of the state (E4M3 for the first
-    ``num_e4m3`` of them, E5M2 for the rest), then ``amax[:count]`` zeroed (rolled in)."""
+    ``num_e4m3`` of them, E5M2 for the rest), with ``amax[:count]`` zeroed once rolled in (by the
+    same launch: ``reset_amax``)."""
     fmts = ["e4m3"] * min(num_e4m3, count) + ["e5m2"] * max(0, count - num_e4m3)
     conv = _same if amax_history.is_cuda else _arr     # CUDA tensors: read through pointers
     with launch_context(amax_history.device):
         update_scales(conv(amax_history[:count]), conv(amax[:count]), conv(scale[:count]),
                       conv(scale_inv[:count]), fp8_format=fmts,
                       amax_compute_algo=amax_compute_algo, margin=margin,
-                      backend=_backend(amax_history, cast_backend))
-    amax[:count].zero_()   # consumed: forwards max-merge into it until the next update
+                      backend=_backend(amax_history, cast_backend),
+                      reset_amax=True)   # consumed: forwards max-merge into it until the next update
 
 
 @scale_update.register_fake
