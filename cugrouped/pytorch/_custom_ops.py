@@ -132,8 +132,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     ``scale[offset:offset+E]``; None: current scaling. ``amax_out`` given: the experts' amaxes are
     written to ``amax_out[offset:offset+E]``, or with ``accumulate_amax`` max-merged into it (the
     pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
-    update zeroes it): with a ``scale`` by the cast kernel itself (``amax_accumulate``, no extra
-    launch), with current scaling through a temporary and ``torch.maximum``. Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
+    update zeroes it) by the cast kernel itself (``amax_accumulate``, no extra launch; delayed
+    scaling only). Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
     E = len(xs)
@@ -143,12 +143,12 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
     colsum = torch.empty(s_cs, dtype=torch.float32, device=dev)
-    pending = amax_out[offset:offset + E] if amax_out is not None else None
     sc = scale[offset:offset + E] if scale is not None else None
-    # delayed scaling merges in the kernel; current scaling's scale comes from this cast's amax
-    # alone, so there a pending amax is merged after the cast (the layer never asks for that)
-    merge_in_kernel = pending is not None and accumulate_amax and sc is not None
-    amax = pending if pending is not None and (not accumulate_amax or merge_in_kernel) else \
+    merge = accumulate_amax and amax_out is not None
+    if merge and sc is None:
+        raise ValueError("accumulate_amax: merging into a pending amax needs a given scale "
+                         "(delayed scaling)")
+    amax = amax_out[offset:offset + E] if amax_out is not None else \
         torch.empty(s_e, dtype=torch.float32, device=dev)
     scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
     out = GroupedFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
@@ -159,9 +159,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     _functional.multi_pad_cast_transpose(
         list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
-        backend=_backend(xs[0], cast_backend), amax_accumulate=merge_in_kernel)
-    if pending is not None and accumulate_amax and not merge_in_kernel:
-        torch.maximum(pending, amax, out=pending)   # amaxes are never NaN (the kernel skips NaN)
+        backend=_backend(xs[0], cast_backend), amax_accumulate=merge)
     return data, data_t, scale_inv, colsum
 
 
