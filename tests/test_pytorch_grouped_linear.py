@@ -662,8 +662,6 @@ def test_megatron_expert_kwargs_are_noops_at_tensor_parallel_size_1(kw, fake_dis
     (dict(tp_group=_FakeGroup(2), tp_size=1, parallel_mode="column"), ValueError, "tp_group"),
     (dict(parallel_mode="diagonal"), ValueError, "parallel_mode: expected None, 'column' or 'row'"),
     (dict(ub_overlap_ag=True), ValueError, "ub_overlap_rs, ub_overlap_ag"),
-    (dict(delay_wgrad_compute=True), ValueError, "delay_wgrad_compute: not supported"),
-    (dict(save_original_input=True), ValueError, "save_original_input: not supported"),
     (dict(get_rng_state_tracker=3), TypeError, "get_rng_state_tracker"),
     (dict(rng_tracker_name=3), TypeError, "rng_tracker_name"),
 ])

@@ -12,7 +12,9 @@ FP8 path, per step (all experts at once in every launch):
   is, column sums if dbias is; E5M2 under HYBRID), the delayed-scaling update of every tensor of
   every expert (one launch), the grouped dgrad and wgrad GEMMs, each skipped when
   ``ctx.needs_input_grad`` says so. ``fuse_wgrad_accumulation`` accumulates into
-  ``weight.main_grad`` (fp32) inside the wgrad GEMM.
+  ``weight.main_grad`` (fp32) inside the wgrad GEMM. ``delay_wgrad_compute`` queues the wgrad
+  GEMM for ``backward_dw()``; ``save_original_input`` moves the input's transposed cast from
+  forward to there.
 
 Without FP8 the same autograd function runs plain torch matmuls (any float dtype, float64 too).
 CPU tensors run the cast kernels on the CPU emulator (bit-exact; :func:`set_cpu_cast_backend`
@@ -24,6 +26,7 @@ Host syncs: none, given ``m_splits`` as a host list. A CUDA ``m_splits`` tensor 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import numbers
@@ -84,6 +87,8 @@ class _Config:
     cast_backend: str = "emulate"
     amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
     grad_enabled: bool = True       # False (no_grad): the delayed-scaling state is left alone
+    wgrad_store: object = None      # a _WgradStore: backward queues wgrad for backward_dw()
+    save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
 
     def unpack(self, flat):
         E = self.num_experts
@@ -107,6 +112,25 @@ def _reduce_amax(amax: torch.Tensor, count: int, group) -> None:
 
 def _split(t: torch.Tensor, m_splits) -> list[torch.Tensor]:
     return list(torch.split(t, list(m_splits)))
+
+
+class _WgradStore:
+    """The weight-gradient computations that backward deferred (``delay_wgrad_compute``), oldest
+    first. Compared and hashed by identity (it sits in the hashable :class:`_Config`)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self):
+        self._pending = collections.deque()
+
+    def put(self, fn) -> None:
+        self._pending.append(fn)
+
+    def pop(self):
+        return self._pending.popleft()
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class _GroupedLinearFn(torch.autograd.Function):
@@ -136,11 +160,13 @@ class _GroupedLinearFn(torch.autograd.Function):
             ctx.saved_x = need_wgrad
             return y
         history, amax, scale, scale_inv = state if state else (None,) * 4
+        # save_original_input: backward casts the saved input again for wgrad instead
+        save_x = cfg.save_original_input and need_wgrad
         # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
         # the next scale update rolls in (forwards may run ahead of their backwards)
         x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
-            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad, False, scale,
-            amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
+            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and not save_x, False,
+            scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
@@ -154,8 +180,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             _reduce_amax(amax, 2 * E, cfg.amax_group)
             cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
                                     cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
-        ctx.state = state
-        ctx.save_for_backward(x_t, x_si, w_t, w_si)
+        ctx.state, ctx.saved_x = state, save_x
+        ctx.save_for_backward(*(xs if save_x else (x_t, x_si)), w_t, w_si)
         return y
 
     @staticmethod
@@ -168,7 +194,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
         dy = dy.contiguous()
         dy_list = _split(dy, m_splits)
-        dx = dws = dbs = None
+        dx = dws = dbs = wgrad_fn = None
+        main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
         if not cfg.fp8:
             saved = ctx.saved_tensors
             xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
@@ -177,15 +204,21 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dx = torch.cat(parts) if E > 1 else parts[0]
             if need_wgrad:
                 x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
-                if cfg.fuse_wgrad:
-                    cops.eager.wgrad_main_grad(x_list, dy_list, list(ctx.main_grads),
-                                               cfg.accumulate_main_grad)
-                else:
-                    dws = [(d.t() @ x).to(ctx.w_dtype) for d, x in zip(dy_list, x_list)]
+
+                def _wgrad():
+                    if cfg.fuse_wgrad:
+                        cops.eager.wgrad_main_grad(x_list, dy_list, main_grads, acc)
+                        return None
+                    return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
+                wgrad_fn = _wgrad
             if need_dbias:
                 dbs = [d.sum(0) for d in dy_list]
         else:
-            x_t, x_si, w_t, w_si = ctx.saved_tensors
+            saved = ctx.saved_tensors
+            if ctx.saved_x:
+                xs, (w_t, w_si), x_t, x_si = saved[:nx], saved[nx:], None, None
+            else:
+                xs, (x_t, x_si, w_t, w_si) = (), saved
             history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
             dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
                 dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not need_wgrad,
@@ -199,16 +232,31 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
                                           k, list(m_splits), ctx.x_dtype)
             if need_wgrad:
-                if cfg.fuse_wgrad:
-                    cops.eager.fp8_wgrad_main_grad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
-                                                   cfg.fmt_bwd, k, n, list(m_splits),
-                                                   list(ctx.main_grads), cfg.accumulate_main_grad)
-                else:
-                    dws = list(cops.eager.fp8_wgrad(x_t, x_si, cfg.fmt_fwd, dy_t, dy_si,
-                                                    cfg.fmt_bwd, k, n, list(m_splits),
-                                                    ctx.w_dtype).unbind(0))
+                def _wgrad():
+                    xt, xsi = x_t, x_si
+                    if xt is None:
+                        # save_original_input (current scaling only): the same amax, scale and
+                        # bits as the forward's cast would have given
+                        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+                        _, xt, xsi, _ = cops.eager.fp8_quantize(
+                            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, False, True, False, None,
+                            None, 0, cfg.cast_backend)
+                    if cfg.fuse_wgrad:
+                        cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                                                       cfg.fmt_bwd, k, n, list(m_splits),
+                                                       main_grads, acc)
+                        return None
+                    return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                                                     cfg.fmt_bwd, k, n, list(m_splits),
+                                                     w_dtype).unbind(0))
+                wgrad_fn = _wgrad
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))
+        if wgrad_fn is not None:
+            if cfg.wgrad_store is not None:
+                cfg.wgrad_store.put(wgrad_fn)   # GroupedLinear.backward_dw() runs it
+            else:
+                dws = wgrad_fn()
         if cfg.fuse_wgrad and need_wgrad:
             # TransformerEngine's contract with Megatron: a weight that carries the
             # grad_added_to_main_grad attribute gets it set and an (uninitialised) dummy gradient,
@@ -218,7 +266,9 @@ class _GroupedLinearFn(torch.autograd.Function):
             for i, w in enumerate(ctx.ws):
                 if hasattr(w, "grad_added_to_main_grad"):
                     w.grad_added_to_main_grad = True
-                    dws[i] = torch.empty_like(w)
+                    # zeros where Megatron adds the dummy into main_grad anyway
+                    dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
+                              else torch.empty_like)(w)
         dxs = [None] * nx
         if dx is not None:
             dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
@@ -268,8 +318,14 @@ class GroupedLinear(torch.nn.Module):
         in TransformerEngine when the size is 1). A size above 1 raises ``ValueError``.
     ub_overlap_rs, ub_overlap_ag, ub_name : userbuffer overlap; must be off (TransformerEngine's
         GroupedLinear does not support it either).
-    delay_wgrad_compute, save_original_input : newer TransformerEngine options; accepted only
-        as False (ValueError otherwise).
+    delay_wgrad_compute : bool  backward computes dgrad (and dbias) only and queues the weight
+        gradients; each :meth:`backward_dw` call computes the oldest queued ones (so they can
+        overlap communication, as Megatron's MoE schedules do). Not under ``torch.compile``.
+    save_original_input : bool  FP8 with ``Float8CurrentScaling``: save the input itself for
+        backward instead of its transposed FP8 copy, and cast that copy in backward (the same
+        bits). Saves memory when the input is kept alive anyway (e.g. by the activation
+        before it). Refused with ``DelayedScaling``, as in TransformerEngine; no effect
+        without FP8.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -293,11 +349,6 @@ class GroupedLinear(torch.nn.Module):
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError("ub_overlap_rs, ub_overlap_ag: userbuffer overlap is not supported "
                              "(nor by TransformerEngine's GroupedLinear); leave them False")
-        for name, v in (("delay_wgrad_compute", delay_wgrad_compute),
-                        ("save_original_input", save_original_input)):
-            if v:
-                raise ValueError(f"{name}: not supported (the backward computes the weight "
-                                 f"gradient at once and saves the FP8 input); leave it False")
         if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
             raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an "
                             f"RNG tracker, got {type(get_rng_state_tracker).__name__}")
@@ -311,6 +362,10 @@ class GroupedLinear(torch.nn.Module):
         self.return_bias = bool(return_bias)
         self.apply_bias = self.use_bias and not self.return_bias
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.save_original_input = bool(save_original_input)
+        self.wgrad_store = _WgradStore() if self.delay_wgrad_compute else None
+        self.wgrad_accumulation_and_reduce_hooks = []
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.init_method = init_method
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
@@ -325,6 +380,11 @@ class GroupedLinear(torch.nn.Module):
         self._fp8_recipe: DelayedScaling | None = None
         self._fp8_weight_cache: tuple | None = None
         self.reset_parameters(defer_init=self.weight0.is_meta)
+        if self.delay_wgrad_compute:
+            # Megatron's DDP skips its grad-ready hook for these; backward_dw() runs the hooks
+            # registered with register_wgrad_accumulation_and_reduce_hooks instead
+            for p in (*self.weights(), *self.biases()):
+                p.skip_backward_post_hook = True
 
     @staticmethod
     def _tensor_parallel_size(tp_group, tp_size) -> int:
@@ -584,6 +644,10 @@ class GroupedLinear(torch.nn.Module):
         output is in the activation dtype, grads come back in each parameter's own dtype.
         Outside autocast the input dtype must equal ``params_dtype``.
         """
+        if self.delay_wgrad_compute and torch.compiler.is_compiling():
+            raise RuntimeError("delay_wgrad_compute: not under torch.compile (backward queues "
+                               "the weight gradient for backward_dw(), a side effect a compiled "
+                               "graph cannot hold); compile without it")
         splits, first = self._check_input(inp, m_splits)
         list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
@@ -616,7 +680,8 @@ class GroupedLinear(torch.nn.Module):
             not getattr(ws[0], "overwrite_main_grad", False)
         if recipe is None:
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
-                          fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate)
+                          fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate,
+                          wgrad_store=self.wgrad_store)
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
@@ -630,6 +695,43 @@ class GroupedLinear(torch.nn.Module):
         if not all_bs:
             all_bs = [torch.empty(0, dtype=first.dtype, device=first.device) for _ in range(E)]
         return out, list(all_bs)
+
+    # -- delayed weight gradients (TransformerEngine's delay_wgrad_compute) --------------------
+    def need_backward_dw(self) -> bool:
+        """Whether backward leaves the weight gradients to :meth:`backward_dw`."""
+        return self.delay_wgrad_compute
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients that the oldest not yet completed backward deferred
+        (``delay_wgrad_compute=True``; a no-op otherwise or when none is pending), e.g. while
+        an expert-parallel all-to-all of the next layer is in flight.
+
+        With ``fuse_wgrad_accumulation`` the grouped wgrad GEMM accumulates into (or, for a first
+        micro-batch, overwrites) ``weight{i}.main_grad`` as backward would have; otherwise the
+        result is added to ``weight{i}.grad`` (set when None), as autograd would have done
+        (TransformerEngine assigns it instead). Bias gradients are not deferred: backward
+        produces them. Then the hooks given to
+        :meth:`register_wgrad_accumulation_and_reduce_hooks` run, in order."""
+        if not self.delay_wgrad_compute or not len(self.wgrad_store):
+            return
+        dws = self.wgrad_store.pop()()
+        if dws is not None:
+            with torch.no_grad():
+                for w, dw in zip(self.weights(), dws):
+                    if w.grad is None:
+                        w.grad = dw
+                    else:
+                        w.grad += dw
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Run ``hook()`` at the end of every :meth:`backward_dw` (Megatron's DDP registers its
+        grad-ready hooks here for parameters marked ``skip_backward_post_hook``, which
+        ``delay_wgrad_compute=True`` sets on every weight and bias)."""
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
     def _main_grad(self, i, w):
         g = getattr(w, "main_grad", None)
@@ -653,6 +755,11 @@ class GroupedLinear(torch.nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         state = ()
         scale = amax = None
+        if delayed and self.save_original_input:
+            raise ValueError("save_original_input: not with DelayedScaling (the scale may change "
+                             "between forward and backward, so a second cast would not "
+                             "reproduce the forward's); use Float8CurrentScaling or leave it "
+                             "False, as in TransformerEngine")
         if delayed:
             st = self.fp8_state()
             if st is None or not st.matches(recipe, E):
@@ -672,5 +779,6 @@ class GroupedLinear(torch.nn.Module):
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
                       bool(main_grads), accumulate_main_grad, cast_backend,
-                      get_fp8_group() if delayed else None, torch.is_grad_enabled())
+                      get_fp8_group() if delayed else None, torch.is_grad_enabled(),
+                      self.wgrad_store, self.save_original_input)
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)

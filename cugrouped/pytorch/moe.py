@@ -303,6 +303,9 @@ class MoEFeedForward(torch.nn.Module):
     group : the expert-parallel ``torch.distributed`` process group; None: the world if
         torch.distributed is initialized, else a single process.
     params_dtype, device : of all parameters (default ``torch.get_default_dtype()``, ``"cuda"``).
+    delay_wgrad_compute : backward leaves the experts' weight gradients to :meth:`backward_dw`
+        (``GroupedLinear``'s option, on fc1 and fc2), e.g. to run them while the next layer's
+        all-to-all is in flight. The router's gradients are not deferred.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
@@ -313,7 +316,7 @@ class MoEFeedForward(torch.nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
                  *, activation: str = "swiglu", normalize_topk: bool = True, bias: bool = False,
                  router_bias: bool = False, group=None, params_dtype: torch.dtype | None = None,
-                 device="cuda"):
+                 device="cuda", delay_wgrad_compute: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
@@ -330,9 +333,16 @@ class MoEFeedForward(torch.nn.Module):
         fc1_out = ffn_hidden_size * (2 if activation in _GATED else 1)
         L = self.num_local_experts
         self.fc1 = GroupedLinear(L, hidden_size, fc1_out, bias=bias, params_dtype=params_dtype,
-                                 device=device)
+                                 device=device, delay_wgrad_compute=delay_wgrad_compute)
         self.fc2 = GroupedLinear(L, ffn_hidden_size, hidden_size, bias=bias,
-                                 params_dtype=params_dtype, device=device)
+                                 params_dtype=params_dtype, device=device,
+                                 delay_wgrad_compute=delay_wgrad_compute)
+
+    def backward_dw(self) -> None:
+        """The experts' deferred weight gradients of the oldest pending backward (fc2's, then
+        fc1's, as Megatron's grouped MLP); a no-op without ``delay_wgrad_compute``."""
+        self.fc2.backward_dw()
+        self.fc1.backward_dw()
 
     @property
     def local_expert_ids(self) -> range:
