@@ -17,6 +17,7 @@ run the same kernels on the CPU emulator and the GEMMs' NumPy reference (for deb
 """
 
 from . import _custom_ops  # noqa: F401  (registers the torch.library ops)
+from .checkpoint import checkpoint
 from .fp8_state import DelayedScalingState
 from .grouped_linear import GroupedLinear, cpu_cast_backend, set_cpu_cast_backend
 from .moe import MoEFeedForward, shard_state_dict
@@ -25,4 +26,4 @@ from .recipe import (DelayedScaling, Float8CurrentScaling, Format, fp8_autocast,
 
 __all__ = ["GroupedLinear", "fp8_autocast", "DelayedScaling", "Float8CurrentScaling", "Format",
            "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled", "DelayedScalingState", "set_cpu_cast_backend",
-           "cpu_cast_backend", "MoEFeedForward", "shard_state_dict"]
+           "cpu_cast_backend", "MoEFeedForward", "shard_state_dict", "checkpoint"]

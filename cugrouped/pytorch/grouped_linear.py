@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import _custom_ops as cops
+from .checkpoint import delayed_scale_for
 from .fp8_state import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScalingState
 from .recipe import DelayedScaling, Float8CurrentScaling, get_fp8_group, get_fp8_recipe
 
@@ -608,8 +609,10 @@ class GroupedLinear(torch.nn.Module):
                 raise ValueError(f"m_splits: counts must be non-negative, got {splits}")
         return splits
 
-    def _fp8_weights(self, recipe, is_first_microbatch, scale, amax, cast_backend, need_t):
-        """(w_data, w_t, w_scale_inv): cast now, or reused with ``is_first_microbatch=False``."""
+    def _fp8_weights(self, recipe, is_first_microbatch, scale, amax, cast_backend, need_t,
+                     recompute=False):
+        """(w_data, w_t, w_scale_inv): cast now, or reused with ``is_first_microbatch=False``
+        (a checkpoint's recomputation reads the cache but does not write it)."""
         key = (recipe, cast_backend)
         cache = self._fp8_weight_cache
         if is_first_microbatch is False and cache is not None and cache[0] == key:
@@ -620,7 +623,8 @@ class GroupedLinear(torch.nn.Module):
             need_t or is_first_microbatch is not None, False, scale,
             amax if torch.is_grad_enabled() else None, WEIGHT * self.num_gemms, cast_backend, True)
         out = (w_data, w_t, w_si)
-        self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
+        if not recompute:
+            self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
         return out
 
     def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None):
@@ -766,19 +770,23 @@ class GroupedLinear(torch.nn.Module):
                 st = self.init_fp8_state(recipe)
             else:
                 self._fp8_recipe = recipe
-            state = (self.fp8_amax_history, self.fp8_amax, self.fp8_scale, self.fp8_scale_inv)
-            scale, amax = self.fp8_scale, self.fp8_amax
+            # inside checkpoint(): the forward keeps a copy of its scales, the recomputation
+            # casts with that copy and leaves the state alone
+            scale, recompute = delayed_scale_for(self, self.fp8_scale)
+            amax = None if recompute else self.fp8_amax
+            state = (self.fp8_amax_history, self.fp8_amax, scale, self.fp8_scale_inv)
             num_e4m3 = 3 * E if recipe.fp8_format.backward == "e4m3" else 2 * E
         else:
             assert isinstance(recipe, Float8CurrentScaling)
-            num_e4m3 = 0
+            num_e4m3, recompute = 0, False
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
-        wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend, need_dgrad)
+        wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend, need_dgrad,
+                               recompute)
         fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
         cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
                       bool(main_grads), accumulate_main_grad, cast_backend,
-                      get_fp8_group() if delayed else None, torch.is_grad_enabled(),
-                      self.wgrad_store, self.save_original_input)
+                      get_fp8_group() if delayed else None,
+                      torch.is_grad_enabled() and not recompute, self.wgrad_store, self.save_original_input)
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
