@@ -406,7 +406,8 @@ def test_all_to_all_chunks_forward_and_backward(pool):
 
 def _amax_reduction_case(group, reduce):
     """One delayed-scaling step of a GroupedLinear replicated on every rank (same weights), each
-    rank with its own input scaled by (rank + 1); ``fp8_group`` = the world when ``reduce``."""
+    rank with its own input scaled by (rank + 1); ``fp8_group`` = the world when ``reduce``
+    (``"off"``: given, but the recipe says ``reduce_amax=False``)."""
     import torch.distributed as dist
 
     from cugrouped.pytorch import GroupedLinear
@@ -416,7 +417,7 @@ def _amax_reduction_case(group, reduce):
     layer = GroupedLinear(3, 32, 16, bias=False, device="cpu")
     x = (torch.randn(40, 32, generator=torch.Generator().manual_seed(7 + rank)) * (rank + 1)
          ).requires_grad_()
-    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4),
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4, reduce_amax=reduce is True),
                       fp8_group=(group or dist.group.WORLD) if reduce else None):
         y = layer(x, [10, 0, 30])
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(11 + rank)))
@@ -429,6 +430,9 @@ def test_fp8_group_reduces_amaxes_to_identical_scales(pool):
     W = 2
     own = pool().run("_amax_reduction_case", tuple(range(W)), False)
     red = pool().run("_amax_reduction_case", tuple(range(W)), True)
+    off = pool().run("_amax_reduction_case", tuple(range(W)), "off")
+    for r in range(W):      # DelayedScaling(reduce_amax=False): the group is not used
+        assert torch.equal(off[r]["history"], own[r]["history"])
     assert not torch.equal(own[0]["history"][:, 0], own[1]["history"][:, 0])
     want = torch.maximum(own[0]["history"][:, 0], own[1]["history"][:, 0])
     for r in range(W):

@@ -546,6 +546,30 @@ def test_constructor_and_recipe_errors():
     with pytest.raises(TypeError, match="fp8_recipe"):
         with fp8_autocast(fp8_recipe="delayed"):
             pass
+    with pytest.raises(ValueError, match="scaling_factor_compute_algo"):
+        DelayedScaling(scaling_factor_compute_algo=lambda amax, scale, fp8_max, recipe: scale)
+    with pytest.raises(TypeError, match="reduce_amax"):
+        DelayedScaling(reduce_amax=1)
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        with pytest.raises(TypeError, match="fp8_dpa"):
+            cls(fp8_dpa="yes")
+        with pytest.raises(TypeError, match="override_linear_precision: expected a tuple"):
+            cls(override_linear_precision=[False, False, False])
+        with pytest.raises(ValueError, match="override_linear_precision: every GEMM runs in FP8"):
+            cls(override_linear_precision=(False, False, True))
+
+
+def test_megatron_recipe_arguments_are_accepted():
+    """Megatron-LM builds TransformerEngine recipes with these arguments (fp8_wgrad on)."""
+    rec = DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max",
+                         amax_history_len=16, override_linear_precision=(False, False, False),
+                         fp8_dpa=False, fp8_mha=False)
+    cur = Float8CurrentScaling(fp8_format=Format.E4M3, fp8_dpa=True)
+    sp = [5, 0, 9]
+    x = torch.randn(14, 32)
+    for r, plain in ((rec, DelayedScaling(amax_history_len=16)),
+                     (cur, Float8CurrentScaling(fp8_format=Format.E4M3))):
+        assert_bits_equal(run(make_layer(3), x, sp, r, False), run(make_layer(3), x, sp, plain, False))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,22 @@ def _check_margin(margin) -> None:
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
 
 
+def _check_te_options(recipe) -> None:
+    """TransformerEngine's recipe fields that configure other modules (attention) or GEMM
+    precisions cugrouped does not offer: accepted as data, with their defaults' meaning."""
+    for name in ("fp8_dpa", "fp8_mha"):
+        if not isinstance(getattr(recipe, name), bool):
+            raise TypeError(f"{name}: expected a bool, got {getattr(recipe, name)!r}")
+    olp = recipe.override_linear_precision
+    if not isinstance(olp, tuple) or len(olp) != 3 or not all(isinstance(v, bool) for v in olp):
+        raise TypeError(f"override_linear_precision: expected a tuple of 3 bools (fprop, dgrad, "
+                        f"wgrad), got {olp!r}")
+    if any(olp):
+        raise ValueError(f"override_linear_precision: every GEMM runs in FP8 here (the GEMMs "
+                         f"in high precision are not offered); pass (False, False, False), got "
+                         f"{olp!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
     """Scales from a window of past amaxes, per expert and per tensor (input, weight, grad output),
@@ -56,16 +72,32 @@ class DelayedScaling:
     ``amax_history_len`` steps (NaN entries skipped) or ``"most_recent"``. A reduced amax that is
     0 (an expert that saw no tokens in the window), inf or NaN keeps the previous scale, as in
     TransformerEngine; a fresh state starts from scale 1.
+
+    ``reduce_amax``: all-reduce (max) each step's amaxes over ``fp8_autocast``'s ``fp8_group``
+    when one is given (False: never). Also accepted for TransformerEngine compatibility, with
+    no effect here: ``fp8_dpa``, ``fp8_mha`` (attention options), ``override_linear_precision``
+    (only ``(False, False, False)``), ``scaling_factor_compute_algo`` (only None).
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: None = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
 
     def __post_init__(self):
         _check_margin(self.margin)
         _check_format(self.fp8_format)
+        _check_te_options(self)
+        if self.scaling_factor_compute_algo is not None:
+            raise ValueError("scaling_factor_compute_algo: a custom scale function is not "
+                             "supported (the scale update runs in a CUDA kernel); leave it None")
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"reduce_amax: expected a bool, got {self.reduce_amax!r}")
         if not isinstance(self.amax_history_len, int) or not 1 <= self.amax_history_len <= 1 << 16:
             raise ValueError(f"amax_history_len: expected an int in [1, 65536], got "
                              f"{self.amax_history_len!r}")
@@ -81,14 +113,22 @@ class DelayedScaling:
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling:
     """Scales from this step's amax of each expert's tensor: ``fp8_max / amax / 2^margin``
-    (computed on the device by the cast kernel; two launches per cast, no state)."""
+    (computed on the device by the cast kernel; two launches per cast, no state).
+
+    ``fp8_dpa``, ``fp8_mha`` (attention options) and ``override_linear_precision`` (only
+    ``(False, False, False)``) are accepted for TransformerEngine compatibility, with no effect
+    here."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
 
     def __post_init__(self):
         _check_format(self.fp8_format)
         _check_margin(self.margin)
+        _check_te_options(self)
 
     def delayed(self) -> bool:
         return False
@@ -107,7 +147,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
     ``DelayedScaling()``); ``enabled=False`` turns FP8 off inside an enclosing autocast.
 
     ``fp8_group`` (a ``torch.distributed`` process group, as in TransformerEngine): with delayed
-    scaling, every step's amaxes are all-reduced (max) over it before the scales are updated, so
+    scaling (and its ``reduce_amax`` left True), every step's amaxes are all-reduced (max) over
+    it before the scales are updated, so
     the ranks holding replicas of the same experts (data parallel) keep identical scales. One
     collective of ``3 E`` floats per layer per step, on the current stream (no host sync with
     NCCL). With expert parallelism pass the group of the ranks that hold the *same* experts, not
