@@ -405,12 +405,15 @@ def test_delayed_scaling_step_issues_no_extra_amax_ops():
     assert ops["aten::maximum"] == 0 and ops["aten::zero_"] == 0, ops
 
 
-@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed", "hp_wgrad", "dequantized"])
 def test_torch_compile_fullgraph_matches_eager(recipe):
     torch._dynamo.reset()
     sp = [5, 0, 12]
     eager = make_layer(3)
-    rec = RECIPES[recipe]
+    rec = {"hp_wgrad": DelayedScaling(amax_history_len=4,
+                                      override_linear_precision=(False, False, True)),
+           "dequantized": Float8CurrentScaling(backward_override="dequantized")}.get(
+        recipe, RECIPES.get(recipe))
     if rec is not None and rec.delayed():
         eager.init_fp8_state(rec)
     compiled_layer = copy.deepcopy(eager)
@@ -555,8 +558,12 @@ def test_constructor_and_recipe_errors():
             cls(fp8_dpa="yes")
         with pytest.raises(TypeError, match="override_linear_precision: expected a tuple"):
             cls(override_linear_precision=[False, False, False])
-        with pytest.raises(ValueError, match="override_linear_precision: every GEMM runs in FP8"):
-            cls(override_linear_precision=(False, False, True))
+        with pytest.raises(ValueError, match="override_linear_precision: only the wgrad GEMM"):
+            cls(override_linear_precision=(True, False, False))
+    with pytest.raises(ValueError, match="backward_override: delayed scaling supports only None"):
+        DelayedScaling(backward_override="high_precision")
+    with pytest.raises(ValueError, match="backward_override: expected one of"):
+        Float8CurrentScaling(backward_override="fp32")
 
 
 def test_megatron_recipe_arguments_are_accepted():

@@ -89,6 +89,7 @@ class _Config:
     amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
     grad_enabled: bool = True       # False (no_grad): the delayed-scaling state is left alone
     wgrad_store: object = None      # a _WgradStore: backward queues wgrad for backward_dw()
+    bwd_mode: str = "fp8"           # or "hp_wgrad", "high_precision", "dequantized" (recipes)
     save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
 
     def unpack(self, flat):
@@ -161,13 +162,17 @@ class _GroupedLinearFn(torch.autograd.Function):
             ctx.saved_x = need_wgrad
             return y
         history, amax, scale, scale_inv = state if state else (None,) * 4
-        # save_original_input: backward casts the saved input again for wgrad instead
-        save_x = cfg.save_original_input and need_wgrad
+        mode = cfg.bwd_mode
+        # what backward gets of the input: "orig" (the input itself: save_original_input, or a
+        # wgrad in high precision), "rows" (the row-wise FP8 copy fprop used: "dequantized"), or
+        # "t" (the transposed FP8 copy wgrad reads: the default)
+        x_kind = "rows" if mode == "dequantized" else "orig" if (
+            cfg.save_original_input or mode in ("hp_wgrad", "high_precision")) else "t"
         # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
         # the next scale update rolls in (forwards may run ahead of their backwards)
         x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
-            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and not save_x, False,
-            scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
+            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
+            False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
@@ -181,8 +186,14 @@ class _GroupedLinearFn(torch.autograd.Function):
             _reduce_amax(amax, 2 * E, cfg.amax_group)
             cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
                                     cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
-        ctx.state, ctx.saved_x = state, save_x
-        ctx.save_for_backward(*(xs if save_x else (x_t, x_si)), w_t, w_si)
+        if not need_wgrad:
+            x_kind, x_saved = "t", (x_t, x_si)                 # empty: nothing kept
+        else:
+            x_saved = {"orig": xs, "rows": (x_data, x_si), "t": (x_t, x_si)}[x_kind]
+        # the weights: "t" (transposed FP8, for the FP8 dgrad), "rows" (dequantized), "orig"
+        w_saved = {"high_precision": ws, "dequantized": (w_data, w_si)}.get(mode, (w_t, w_si))
+        ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
+        ctx.save_for_backward(*x_saved, *w_saved)
         return y
 
     @staticmethod
@@ -197,33 +208,49 @@ class _GroupedLinearFn(torch.autograd.Function):
         dy_list = _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
         main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
-        if not cfg.fp8:
-            saved = ctx.saved_tensors
-            xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
+        x_dtype = ctx.x_dtype
+
+        def hp_wgrad(x_list):
+            """wgrad from high-precision operands (no FP8, or a backward override)."""
+            if cfg.fuse_wgrad:
+                cops.eager.wgrad_main_grad(x_list, dy_list, main_grads, acc)
+                return None
+            return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
+
+        saved = ctx.saved_tensors
+        if not cfg.fp8 or cfg.bwd_mode in ("high_precision", "dequantized"):
+            # everything in the activation dtype: the plain path, or current scaling's backward
+            # overrides (the original operands, or the forward's FP8 operands dequantized)
+            if not cfg.fp8:
+                xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
+            elif cfg.bwd_mode == "high_precision":
+                xs, ws = saved[:ctx.nx_saved], [w.to(x_dtype) for w in saved[ctx.nx_saved:]]
+            else:
+                xs, ws = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
+                if need_dgrad:
+                    ws = _dequantize(ws[0], ws[1], cfg.fmt_fwd, [n] * E, x_dtype)
             if need_dgrad:
                 parts = [d @ w for d, w in zip(dy_list, ws)]
                 dx = torch.cat(parts) if E > 1 else parts[0]
             if need_wgrad:
-                x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+                if cfg.fp8 and cfg.bwd_mode == "dequantized":
+                    x_list = _dequantize(xs[0], xs[1], cfg.fmt_fwd, m_splits, x_dtype)
+                else:
+                    x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
 
                 def _wgrad():
-                    if cfg.fuse_wgrad:
-                        cops.eager.wgrad_main_grad(x_list, dy_list, main_grads, acc)
-                        return None
-                    return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
+                    return hp_wgrad(x_list)
                 wgrad_fn = _wgrad
             if need_dbias:
                 dbs = [d.sum(0) for d in dy_list]
         else:
-            saved = ctx.saved_tensors
-            if ctx.saved_x:
-                xs, (w_t, w_si), x_t, x_si = saved[:nx], saved[nx:], None, None
-            else:
-                xs, (x_t, x_si, w_t, w_si) = (), saved
+            xs, (w_t, w_si) = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
+            x_kind = ctx.x_kind
+            fp8_wgrad = need_wgrad and cfg.bwd_mode == "fp8"
             history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
             dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
-                dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not need_wgrad,
-                need_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
+                dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
             if cfg.delayed:   # one launch: every tensor of every expert
                 _reduce_amax(amax, 3 * E, cfg.amax_group)
                 cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
@@ -231,17 +258,22 @@ class _GroupedLinearFn(torch.autograd.Function):
                                         cfg.cast_backend)
             if need_dgrad:
                 dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
-                                          k, list(m_splits), ctx.x_dtype)
-            if need_wgrad:
+                                          k, list(m_splits), x_dtype)
+            if need_wgrad and not fp8_wgrad:        # override_linear_precision: wgrad in high
+                def _wgrad():                       # precision, from the saved input
+                    return hp_wgrad(list(xs) if cfg.list_mode else _split(xs[0], m_splits))
+                wgrad_fn = _wgrad
+            elif need_wgrad:
                 def _wgrad():
-                    xt, xsi = x_t, x_si
-                    if xt is None:
+                    if x_kind == "orig":
                         # save_original_input (current scaling only): the same amax, scale and
                         # bits as the forward's cast would have given
                         x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
                         _, xt, xsi, _ = cops.eager.fp8_quantize(
                             x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, False, True, False, None,
                             None, 0, cfg.cast_backend)
+                    else:
+                        xt, xsi = xs
                     if cfg.fuse_wgrad:
                         cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
                                                        cfg.fmt_bwd, k, n, list(m_splits),
@@ -278,6 +310,14 @@ class _GroupedLinearFn(torch.autograd.Function):
             grads += dbs if dbs is not None else [None] * E
         grads += [None] * (len(ctx.needs_input_grad) - len(grads))
         return tuple(grads)
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, rows, dtype) -> list:
+    """Row-wise FP8 bytes ``(Σ rows, k)`` with one ``scale_inv`` per block of rows -> the blocks
+    in ``dtype`` (float32 products, rounded once, as TransformerEngine's dequantize)."""
+    f8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    return [(part.view(f8).float() * si).to(dtype)
+            for part, si in zip(_split(data, rows), scale_inv.unbind(0))]
 
 
 class GroupedLinear(torch.nn.Module):
@@ -780,13 +820,18 @@ class GroupedLinear(torch.nn.Module):
             assert isinstance(recipe, Float8CurrentScaling)
             num_e4m3, recompute = 0, False
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
-        wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend, need_dgrad,
-                               recompute)
+        # TransformerEngine's backward overrides: the wgrad GEMM (override_linear_precision), or
+        # the whole backward (current scaling's backward_override), in the activation dtype
+        mode = getattr(recipe, "backward_override", None) or (
+            "hp_wgrad" if recipe.override_linear_precision[2] else "fp8")
+        wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend,
+                               need_dgrad and mode in ("fp8", "hp_wgrad"), recompute)
         fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
         cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
                       bool(main_grads), accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
-                      torch.is_grad_enabled() and not recompute, self.wgrad_store, self.save_original_input)
+                      torch.is_grad_enabled() and not recompute, self.wgrad_store, mode,
+                      self.save_original_input)
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)

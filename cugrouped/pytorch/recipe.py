@@ -47,9 +47,13 @@ def _check_margin(margin) -> None:
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
 
 
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
 def _check_te_options(recipe) -> None:
-    """TransformerEngine's recipe fields that configure other modules (attention) or GEMM
-    precisions cugrouped does not offer: accepted as data, with their defaults' meaning."""
+    """TransformerEngine's recipe fields: ``fp8_dpa``, ``fp8_mha`` configure attention (no
+    effect here); ``override_linear_precision`` may only move the wgrad GEMM to high precision
+    (as in TransformerEngine); ``backward_override`` (current scaling only)."""
     for name in ("fp8_dpa", "fp8_mha"):
         if not isinstance(getattr(recipe, name), bool):
             raise TypeError(f"{name}: expected a bool, got {getattr(recipe, name)!r}")
@@ -57,10 +61,12 @@ def _check_te_options(recipe) -> None:
     if not isinstance(olp, tuple) or len(olp) != 3 or not all(isinstance(v, bool) for v in olp):
         raise TypeError(f"override_linear_precision: expected a tuple of 3 bools (fprop, dgrad, "
                         f"wgrad), got {olp!r}")
-    if any(olp):
-        raise ValueError(f"override_linear_precision: every GEMM runs in FP8 here (the GEMMs "
-                         f"in high precision are not offered); pass (False, False, False), got "
-                         f"{olp!r}")
+    if olp[0] or olp[1]:
+        raise ValueError(f"override_linear_precision: only the wgrad GEMM can run in high "
+                         f"precision (as in TransformerEngine); got {olp!r}")
+    if recipe.backward_override not in BACKWARD_OVERRIDES:
+        raise ValueError(f"backward_override: expected one of {BACKWARD_OVERRIDES}, got "
+                         f"{recipe.backward_override!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +80,11 @@ class DelayedScaling:
     TransformerEngine; a fresh state starts from scale 1.
 
     ``reduce_amax``: all-reduce (max) each step's amaxes over ``fp8_autocast``'s ``fp8_group``
-    when one is given (False: never). Also accepted for TransformerEngine compatibility, with
-    no effect here: ``fp8_dpa``, ``fp8_mha`` (attention options), ``override_linear_precision``
-    (only ``(False, False, False)``), ``scaling_factor_compute_algo`` (only None).
+    when one is given (False: never). ``override_linear_precision=(False, False, True)``: the
+    wgrad GEMM in the activation dtype, from the saved input (not its FP8 copy) and the
+    unquantized grad output (fprop and dgrad stay FP8). Also accepted for TransformerEngine
+    compatibility: ``fp8_dpa``, ``fp8_mha`` (attention options, no effect here),
+    ``scaling_factor_compute_algo`` and ``backward_override`` (only None).
     """
 
     margin: int = 0
@@ -88,11 +96,16 @@ class DelayedScaling:
     fp8_dpa: bool = False
     fp8_mha: bool = False
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    backward_override: None = None
 
     def __post_init__(self):
         _check_margin(self.margin)
         _check_format(self.fp8_format)
         _check_te_options(self)
+        if self.backward_override is not None:
+            raise ValueError(f"backward_override: delayed scaling supports only None (as in "
+                             f"TransformerEngine); use Float8CurrentScaling for "
+                             f"{self.backward_override!r}")
         if self.scaling_factor_compute_algo is not None:
             raise ValueError("scaling_factor_compute_algo: a custom scale function is not "
                              "supported (the scale update runs in a CUDA kernel); leave it None")
@@ -115,15 +128,19 @@ class Float8CurrentScaling:
     """Scales from this step's amax of each expert's tensor: ``fp8_max / amax / 2^margin``
     (computed on the device by the cast kernel; two launches per cast, no state).
 
-    ``fp8_dpa``, ``fp8_mha`` (attention options) and ``override_linear_precision`` (only
-    ``(False, False, False)``) are accepted for TransformerEngine compatibility, with no effect
-    here."""
+    ``backward_override`` (TransformerEngine's): None (FP8 dgrad and wgrad), ``"high_precision"``
+    (backward in the activation dtype from the original input and weights, which forward keeps
+    instead of FP8 copies), or ``"dequantized"`` (backward in the activation dtype from the
+    forward's FP8 input and weights, dequantized: the gradients of the function forward
+    computed). ``override_linear_precision=(False, False, True)``: only the wgrad GEMM in high
+    precision. ``fp8_dpa``, ``fp8_mha``: attention options, accepted with no effect here."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    backward_override: str | None = None
 
     def __post_init__(self):
         _check_format(self.fp8_format)
