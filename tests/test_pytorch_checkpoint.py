@@ -4,6 +4,7 @@ the NumPy reference; the last test on a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -121,11 +122,68 @@ def test_recomputation_leaves_the_scaling_state_alone():
         same(getattr(ckpt, name), getattr(plain, name), name)
 
 
+class Tracker:
+    """Megatron-LM's RNG states tracker protocol (``get_states``, ``set_states``, ``fork``) on
+    the CPU generator."""
+
+    def __init__(self):
+        self.states = {"model-parallel-rng": torch.Generator().manual_seed(5).get_state()}
+
+    def get_states(self):
+        return dict(self.states)
+
+    def set_states(self, states):
+        self.states = dict(states)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_rng_state_tracker_replays_dropout(recipe):
+    """Dropout inside the tracker's fork (Megatron's expert-parallel RNG): the recomputation
+    draws the forward's masks, and the tracker continues afterwards as without checkpointing.
+    Without the tracker the recomputation draws other masks (so the test can fail)."""
+    rec = RECIPES[recipe]
+    results = []
+    for how in ("plain", "tracked", "untracked"):
+        layer = layer_pair()[0]
+        tracker = Tracker()
+
+        def f(x):
+            h = layer(x, SPLITS)
+            with tracker.fork():
+                return torch.nn.functional.dropout(h, 0.5)
+
+        grads = []
+        for x, dy in batches()[0]:
+            x = x.clone().requires_grad_()
+            with fp8_autocast(fp8_recipe=rec):
+                if how == "plain":
+                    y = f(x)
+                else:
+                    y = checkpoint(f, x, distribute_saved_activations=False, tp_group=None,
+                                   get_rng_state_tracker=(lambda: tracker) if how == "tracked"
+                                   else None)
+            y.backward(dy)
+            grads += [x.grad, layer.weight0.grad.clone()]
+        results.append((grads, tracker.states["model-parallel-rng"]))
+    same(results[1], results[0])
+    assert not torch.equal(results[2][0][0], results[0][0][0])
+
+
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(use_reentrant=True), ValueError, "use_reentrant: only the non-reentrant"),
-    (dict(distribute_saved_activations=True), ValueError, "distribute_saved_activations"),
-    (dict(tp_group=object()), ValueError, "tp_group"),
-    (dict(get_rng_state_tracker=lambda: None), ValueError, "get_rng_state_tracker"),
+    (dict(distribute_saved_activations=1), TypeError, "distribute_saved_activations"),
+    (dict(get_rng_state_tracker=3), TypeError, "get_rng_state_tracker: expected None or a callable"),
+    (dict(get_rng_state_tracker=lambda: None), TypeError, "get_rng_state_tracker: its tracker"),
 ])
 def test_checkpoint_errors_name_the_argument(kw, exc, match):
     layer = layer_pair()[0]

@@ -29,11 +29,15 @@ _PHASE: list[tuple[str, dict, dict]] = []
 
 class _Phase:
     """A checkpoint phase (re-enterable: torch enters the recomputation context once per
-    recomputation, and a graph kept with ``retain_graph`` is recomputed again). Given
-    ``autocast_state`` (recomputation), re-enter that ``fp8_autocast`` state (``()``: FP8 off)."""
+    recomputation, and a graph kept with ``retain_graph`` is recomputed again). The
+    recomputation (``autocast_state`` given) re-enters that ``fp8_autocast`` state (``()``: FP8
+    off) and, given a tracker, runs with the tracker's RNG states of the forward (put back
+    after it)."""
 
-    def __init__(self, name: str, record: dict, autocast_state=None):
+    def __init__(self, name: str, record: dict, autocast_state=None, tracker=None,
+                 rng_states=None):
         self.name, self.record, self.autocast_state = name, record, autocast_state
+        self.tracker, self.rng_states = tracker, rng_states
         self._restore: list = []
 
     def __enter__(self):
@@ -41,14 +45,25 @@ class _Phase:
         if self.autocast_state is not None:
             enabled, rec, group = self.autocast_state or (False, None, None)
             restore = _recipe.fp8_autocast(enabled, rec, group)
+        outer_rng = None
+        if self.tracker is not None:
+            outer_rng = _copy_states(self.tracker.get_states())
+            self.tracker.set_states(_copy_states(self.rng_states))
         restore.__enter__()
-        self._restore.append(restore)
+        self._restore.append((restore, outer_rng))
         _PHASE.append((self.name, self.record, {}))
         return self
 
     def __exit__(self, *exc):
         _PHASE.pop()
-        return self._restore.pop().__exit__(*exc)
+        restore, outer_rng = self._restore.pop()
+        if self.tracker is not None:
+            self.tracker.set_states(outer_rng)
+        return restore.__exit__(*exc)
+
+
+def _copy_states(states: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
 
 
 def delayed_scale_for(module, scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -76,28 +91,44 @@ def checkpoint(function, *args, use_reentrant: bool = False,
     saved (``torch.utils.checkpoint.checkpoint``, non-reentrant), under the FP8 autocast state
     of this call and with each cugrouped layer's forward scales (see the module docstring).
 
-    ``use_reentrant`` must be False (the reentrant variant cannot restore the FP8 state).
-    TransformerEngine's ``distribute_saved_activations`` (must be False), ``get_rng_state_tracker``
-    and ``tp_group`` (must be None: tensor parallelism is not supported) are accepted for
-    compatibility; torch's own CPU/CUDA RNG state is restored for the recomputation as usual.
+    TransformerEngine's keyword arguments:
+
+    * ``use_reentrant`` must be False (the reentrant variant cannot restore the FP8 state;
+      TransformerEngine defaults to True, the gradients are the same);
+    * ``get_rng_state_tracker``: None, or a callable returning an RNG states tracker
+      (Megatron-LM's ``get_cuda_rng_tracker``: ``get_states()`` / ``set_states(states)``): the
+      recomputation runs from the tracker's states of the forward (so dropout inside its
+      ``fork()`` draws the same masks), and the tracker is put back afterwards. torch's own
+      CPU/CUDA RNG states are restored by torch's checkpoint, as usual;
+    * ``distribute_saved_activations``, ``tp_group``: no effect without reentrant
+      checkpointing, as in TransformerEngine.
+
     Other keyword arguments go to ``function``.
     """
     if use_reentrant:
         raise ValueError("use_reentrant: only the non-reentrant checkpoint can recompute under "
                          "the forward's FP8 state; pass use_reentrant=False")
-    if distribute_saved_activations:
-        raise ValueError("distribute_saved_activations: needs tensor parallelism, which is not "
-                         "supported; leave it False")
-    for name, v in (("get_rng_state_tracker", get_rng_state_tracker), ("tp_group", tp_group)):
-        if v is not None:
-            raise ValueError(f"{name}: tensor-parallel RNG tracking is not supported; pass None")
+    if not isinstance(distribute_saved_activations, bool):
+        raise TypeError(f"distribute_saved_activations: expected a bool, got "
+                        f"{distribute_saved_activations!r}")
     if not callable(function):
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
+    tracker = rng_states = None
+    if get_rng_state_tracker is not None:
+        if not callable(get_rng_state_tracker):
+            raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an "
+                            f"RNG states tracker, got {type(get_rng_state_tracker).__name__}")
+        tracker = get_rng_state_tracker()
+        if not all(callable(getattr(tracker, f, None)) for f in ("get_states", "set_states")):
+            raise TypeError(f"get_rng_state_tracker: its tracker ({type(tracker).__name__}) needs "
+                            f"get_states() and set_states(states)")
+        rng_states = _copy_states(tracker.get_states())
     state = _recipe._STACK[-1] if _recipe._STACK else ()
     record: dict = {}
 
     def contexts():
-        return _Phase("forward", record), _Phase("recompute", record, state)
+        return (_Phase("forward", record),
+                _Phase("recompute", record, state, tracker, rng_states))
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, **kwargs)
