@@ -6,7 +6,8 @@
 # pytest-timeout and pytest-xdist when present): no network, no install; the checkout is put on
 # PYTHONPATH. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
 # cannot eat the machine's lease: a stage stopped at its limit is reported and the next one runs.
-# OUT_DIR receives at most 6 files: gpu_check.log, gpu_tests.xml, bench.csv and up to three PNGs.
+# OUT_DIR receives at most 7 files: gpu_check.log, gpu_tests.xml, bench.csv and up to four PNGs
+# (bench-cast.png, bench-gemm.png, bench-layer.png, bench-host.png).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
