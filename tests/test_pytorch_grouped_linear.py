@@ -16,7 +16,7 @@ import torch
 from cugrouped import reference
 from cugrouped.ops import record_launches
 from cugrouped.pytorch import (DelayedScaling, Float8CurrentScaling, Format, GroupedLinear,
-                               cpu_cast_backend, fp8_autocast)
+                               cpu_cast_backend, fp8_autocast, get_fp8_recipe)
 
 SPLITS = {"uneven": [5, 17, 40], "empty_first": [0, 9, 23], "empty_middle": [12, 0, 7],
           "empty_last": [30, 1, 0], "single": [33]}
@@ -564,6 +564,29 @@ def test_constructor_and_recipe_errors():
         DelayedScaling(backward_override="high_precision")
     with pytest.raises(ValueError, match="backward_override: expected one of"):
         Float8CurrentScaling(backward_override="fp32")
+
+
+def test_autocast_is_fp8_autocast_under_te_names():
+    """TransformerEngine 2.x's ``autocast(enabled, calibrating, recipe, amax_reduction_group)``."""
+    from cugrouped.pytorch import autocast
+
+    sp, x, rec = [5, 0, 9], torch.randn(14, 32), DelayedScaling(amax_history_len=4)
+    a, b = make_layer(3), make_layer(3)
+    for _ in range(2):
+        with autocast(enabled=True, recipe=rec, amax_reduction_group=None):
+            ya = a(x, sp)
+        with fp8_autocast(fp8_recipe=rec):
+            yb = b(x, sp)
+        assert_bits_equal(ya, yb)
+        ya.sum().backward()
+        yb.sum().backward()
+    assert_bits_equal(a.fp8_scale, b.fp8_scale)
+    with autocast(enabled=False, recipe=rec):
+        assert get_fp8_recipe() is None
+    for ctx in (autocast(calibrating=True), fp8_autocast(calibrating=True)):
+        with pytest.raises(ValueError, match="calibrating: collecting amaxes"):
+            with ctx:
+                pass
 
 
 def test_megatron_recipe_arguments_are_accepted():

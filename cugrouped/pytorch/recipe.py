@@ -17,8 +17,8 @@ import contextlib
 import dataclasses
 import enum
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "fp8_autocast", "get_fp8_recipe",
-           "is_fp8_enabled", "Recipe"]
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "fp8_autocast", "autocast",
+           "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
 
 
 class Format(enum.Enum):
@@ -159,9 +159,11 @@ _STACK: list[tuple[bool, Recipe | None, object]] = []
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_group=None):
+def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_group=None, *,
+                 calibrating: bool = False):
     """Run cugrouped layers inside the block in FP8 with ``fp8_recipe`` (default
     ``DelayedScaling()``); ``enabled=False`` turns FP8 off inside an enclosing autocast.
+    (TransformerEngine's newer name and argument names: :func:`autocast`.)
 
     ``fp8_group`` (a ``torch.distributed`` process group, as in TransformerEngine): with delayed
     scaling (and its ``reduce_amax`` left True), every step's amaxes are all-reduced (max) over
@@ -173,6 +175,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
     Unlike TransformerEngine, ``fp8_group=None`` means no reduction even when torch.distributed
     is initialized (TE reduces over the world by default): over an expert-parallel world that
     would mix the amaxes of different experts, so the group is left to the caller."""
+    if calibrating:
+        raise ValueError("calibrating: collecting amaxes without FP8 is not supported; leave it "
+                         "False")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
@@ -183,6 +188,14 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
         yield
     finally:
         _STACK.pop()
+
+
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+             amax_reduction_group=None):
+    """TransformerEngine's current name for :func:`fp8_autocast`, with its argument names:
+    ``recipe`` is ``fp8_recipe``, ``amax_reduction_group`` is ``fp8_group``; ``calibrating``
+    must be False."""
+    return fp8_autocast(enabled, recipe, amax_reduction_group, calibrating=calibrating)
 
 
 def is_fp8_enabled() -> bool:
