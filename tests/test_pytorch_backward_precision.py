@@ -156,3 +156,25 @@ def test_gpu_backward_modes_close_to_cpu(mode):
         for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
             u, v = u.double(), v.cpu().double()
             assert (u - v).norm() <= 0.01 * u.norm() + 1e-6
+
+
+def test_no_dgrad_keeps_no_weights_and_eval_allows_save_original_input():
+    """Without an input gradient the overrides keep no weights for backward; and
+    save_original_input with delayed scaling is refused only where a backward will need the
+    input (as in TransformerEngine): not under no_grad, not with frozen weights."""
+    x, dy = data()
+    for mode in ("high_precision", "dequantized"):
+        saved = []
+        layer = make_layer()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with fp8_autocast(fp8_recipe=Float8CurrentScaling(**MODES[mode])):
+                y = layer(x, SPLITS)           # x does not require grad: no dgrad
+        y.backward(dy)
+        assert not any(t.shape == (N, K) or t.numel() == 3 * N * K for t in saved), mode
+    layer = make_layer(save_original_input=True)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(x, SPLITS)
+    for w in layer.weights():
+        w.requires_grad_(False)
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(x.requires_grad_(), SPLITS).sum().backward()

@@ -179,6 +179,32 @@ def test_rng_state_tracker_replays_dropout(recipe):
     assert not torch.equal(results[2][0][0], results[0][0][0])
 
 
+def test_callers_context_fn_is_entered_too():
+    """A context_fn of the caller's (TransformerEngine composes one) runs in the forward and in
+    the recomputation, around ours; the gradients stay those of the plain run."""
+    seen = []
+
+    @contextlib.contextmanager
+    def mark(name):
+        seen.append(name)
+        yield
+
+    plain, ckpt = layer_pair()
+    data = batches(steps=1)
+    want = pipeline(plain, RECIPES["delayed"], data, False)
+    class Run(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = ckpt
+
+        def forward(self, inp, splits, **kw):
+            return checkpoint(self.layer, inp, splits,
+                              context_fn=lambda: (mark("fwd"), mark("re")), **kw)
+
+    same(pipeline(Run(), RECIPES["delayed"], data, False), want)
+    assert seen == ["fwd", "fwd", "re", "re"]
+
+
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(use_reentrant=True), ValueError, "use_reentrant: only the non-reentrant"),
     (dict(distribute_saved_activations=1), TypeError, "distribute_saved_activations"),

@@ -7,6 +7,7 @@ layer without the option, which the other test files check against independent r
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -229,3 +230,73 @@ def test_gpu_deferred_wgrad_equals_immediate(recipe):
     lazy.backward_dw()
     lazy.backward_dw()
     same([w.grad for w in lazy.weights()], [w.grad for w in plain.weights()], "wgrad")
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases found in review
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+@pytest.mark.parametrize("kw", [dict(delay_wgrad_compute=True), dict(fuse_wgrad_accumulation=True)],
+                         ids=["deferred", "main_grad"])
+def test_backward_without_the_weights_computes_no_wgrad(kw, how):
+    """A backward asked for the input gradient only: autograd drops a returned weight gradient,
+    but main_grad written or a wgrad queued would stay; neither happens (the weights'
+    AccumulateGrad nodes are not executed). The input gradient is unchanged."""
+    layer, plain = make_layer(**kw), make_layer()
+    for w in layer.weights():
+        w.main_grad = torch.zeros_like(w)
+    x, dy = data(1)[0]
+    grads = []
+    for lay in (layer, plain):
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPES["current"]):
+            y = lay(xi, SPLITS)
+        if how == "autograd.grad":
+            grads.append(torch.autograd.grad(y, xi, dy)[0])
+        else:
+            y.backward(dy, inputs=[xi])
+            grads.append(xi.grad)
+    same(grads[0], grads[1], "dx")
+    assert all(w.grad is None and not w.main_grad.any() for w in layer.weights())
+    if layer.delay_wgrad_compute:
+        assert not layer.wgrad_store
+    step(layer, x, dy, RECIPES["current"], False)      # a full backward still does the wgrad
+    layer.backward_dw()
+    assert all(w.main_grad.any() if layer.fuse_wgrad_accumulation else w.grad is not None
+               for w in layer.weights()[::2])
+
+
+@pytest.mark.parametrize("recipe", ["none", "current"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_frozen_first_expert(recipe, delay):
+    """Weights that do not all require grad (expert 0 frozen): the others get their gradients
+    (deferred or not), the frozen one none."""
+    rec = RECIPES[recipe]
+    plain, layer = make_layer(), make_layer(delay_wgrad_compute=delay)
+    for lay in (plain, layer):
+        lay.weight0.requires_grad_(False)
+    x, dy = data(1)[0]
+    same(step(layer, x, dy, rec, False), step(plain, x, dy, rec, False))
+    layer.backward_dw()
+    assert layer.weight0.grad is None
+    same([w.grad for w in layer.weights()], [w.grad for w in plain.weights()])
+
+
+def test_backward_dw_gives_plain_tensors_and_follows_the_meta_flow():
+    """backward_dw() runs without autograd (its grads have no grad_fn, as autograd's), the
+    option can be switched on after construction, and the meta-device flow
+    (to_empty + reset_parameters) keeps the skip_backward_post_hook marks."""
+    layer = make_layer()
+    layer.delay_wgrad_compute = True
+    x, dy = data(1)[0]
+    step(layer, x, dy, None, False)
+    assert all(w.grad is None for w in layer.weights())
+    layer.backward_dw()
+    assert all(w.grad is not None and w.grad.grad_fn is None and not w.grad.requires_grad
+               for w in layer.weights()[::2])
+    for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):   # after use
+        same([w for w in copied.weights()], [w for w in layer.weights()])
+    meta = GroupedLinear(3, 32, 48, device="meta", delay_wgrad_compute=True)
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    assert all(getattr(p, "skip_backward_post_hook", False) for p in meta.parameters())

@@ -62,6 +62,24 @@ class _Phase:
         return restore.__exit__(*exc)
 
 
+class _Both:
+    """Enter ``outer`` then ``inner`` (re-enterable when both are)."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+        self._stacks: list = []
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.outer)
+            stack.enter_context(self.inner)
+            self._stacks.append(stack.pop_all())
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
+
+
 def _copy_states(states: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
 
@@ -103,7 +121,10 @@ def checkpoint(function, *args, use_reentrant: bool = False,
     * ``distribute_saved_activations``, ``tp_group``: no effect without reentrant
       checkpointing, as in TransformerEngine.
 
-    Other keyword arguments go to ``function``.
+    torch's own options (``preserve_rng_state``, ``determinism_check``, ``debug``) go to
+    torch's checkpoint; a ``context_fn`` of the caller's is entered too (outside ours). Other
+    keyword arguments go to ``function``. Not under ``torch.compile`` (torch's compiled
+    checkpoint takes no ``context_fn``).
     """
     if use_reentrant:
         raise ValueError("use_reentrant: only the non-reentrant checkpoint can recompute under "
@@ -113,6 +134,15 @@ def checkpoint(function, *args, use_reentrant: bool = False,
                         f"{distribute_saved_activations!r}")
     if not callable(function):
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("checkpoint: not under torch.compile (the recomputation's FP8 state "
+                           "needs a context_fn, which compiled checkpoints do not take); "
+                           "compile inside the checkpointed function, or checkpoint outside "
+                           "the compiled region")
+    user_contexts = kwargs.pop("context_fn", None)
+    if user_contexts is not None and not callable(user_contexts):
+        raise TypeError(f"context_fn: expected a callable returning two context managers, got "
+                        f"{type(user_contexts).__name__}")
     tracker = rng_states = None
     if get_rng_state_tracker is not None:
         if not callable(get_rng_state_tracker):
@@ -127,8 +157,11 @@ def checkpoint(function, *args, use_reentrant: bool = False,
     record: dict = {}
 
     def contexts():
-        return (_Phase("forward", record),
-                _Phase("recompute", record, state, tracker, rng_states))
+        ours = (_Phase("forward", record), _Phase("recompute", record, state, tracker, rng_states))
+        if user_contexts is None:
+            return ours
+        theirs = user_contexts()
+        return _Both(theirs[0], ours[0]), _Both(theirs[1], ours[1])
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, **kwargs)

@@ -91,6 +91,7 @@ class _Config:
     wgrad_store: object = None      # a _WgradStore: backward queues wgrad for backward_dw()
     bwd_mode: str = "fp8"           # or "hp_wgrad", "high_precision", "dequantized" (recipes)
     save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
+    grad_accs: tuple = ()           # the weights' AccumulateGrad nodes (fused / deferred wgrad)
 
     def unpack(self, flat):
         E = self.num_experts
@@ -134,6 +135,9 @@ class _WgradStore:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
 
 class _GroupedLinearFn(torch.autograd.Function):
     """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads)."""
@@ -145,7 +149,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
         nx = len(xs)
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
-        need_wgrad = ctx.needs_input_grad[2 + nx]
+        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
         ctx.cfg, ctx.m_splits = cfg, m_splits
         ctx.x_dtype, ctx.w_dtype = xs[0].dtype, ws[0].dtype
         ctx.b_dtype = bs[0].dtype if bs else None
@@ -191,7 +195,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         else:
             x_saved = {"orig": xs, "rows": (x_data, x_si), "t": (x_t, x_si)}[x_kind]
         # the weights: "t" (transposed FP8, for the FP8 dgrad), "rows" (dequantized), "orig"
-        w_saved = {"high_precision": ws, "dequantized": (w_data, w_si)}.get(mode, (w_t, w_si))
+        w_saved = (w_t, w_si) if mode in ("fp8", "hp_wgrad") else () if not need_dgrad else \
+            ws if mode == "high_precision" else (w_data, w_si)
         ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
         ctx.save_for_backward(*x_saved, *w_saved)
         return y
@@ -204,6 +209,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
         need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
         need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
+        if need_wgrad and cfg.grad_accs and not any(map(_engine_will_execute, cfg.grad_accs)):
+            # torch.autograd.grad(y, x) or backward(inputs=...) without the weights: autograd
+            # would drop a returned wgrad, but not main_grad written or a wgrad queued
+            need_wgrad = False
         dy = dy.contiguous()
         dy_list = _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
@@ -225,6 +234,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
             elif cfg.bwd_mode == "high_precision":
                 xs, ws = saved[:ctx.nx_saved], [w.to(x_dtype) for w in saved[ctx.nx_saved:]]
+                # (empty without dgrad: forward kept no weights)
             else:
                 xs, ws = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
                 if need_dgrad:
@@ -310,6 +320,10 @@ class _GroupedLinearFn(torch.autograd.Function):
             grads += dbs if dbs is not None else [None] * E
         grads += [None] * (len(ctx.needs_input_grad) - len(grads))
         return tuple(grads)
+
+
+def _engine_will_execute(node) -> bool:
+    return torch._C._will_engine_execute_node(node)
 
 
 def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, rows, dtype) -> list:
@@ -420,12 +434,9 @@ class GroupedLinear(torch.nn.Module):
             self.register_buffer(f"fp8_{name}", None, persistent=False)
         self._fp8_recipe: DelayedScaling | None = None
         self._fp8_weight_cache: tuple | None = None
+        self._grad_acc_cache: tuple | None = None
         self.reset_parameters(defer_init=self.weight0.is_meta)
-        if self.delay_wgrad_compute:
-            # Megatron's DDP skips its grad-ready hook for these; backward_dw() runs the hooks
-            # registered with register_wgrad_accumulation_and_reduce_hooks instead
-            for p in (*self.weights(), *self.biases()):
-                p.skip_backward_post_hook = True
+        self._mark_parameters()
 
     @staticmethod
     def _tensor_parallel_size(tp_group, tp_size) -> int:
@@ -473,11 +484,22 @@ class GroupedLinear(torch.nn.Module):
                     init(w)
             for b in self.biases():
                 b.zero_()
-        for w in self.weights():   # TransformerEngine's tensor-parallel attributes (size 1 here)
+        self._mark_parameters()
+        self._fp8_weight_cache = None
+
+    def _mark_parameters(self) -> None:
+        """The attributes TransformerEngine sets on the parameters (again after ``to_empty``,
+        which makes new ones): tensor-parallel ones (size 1 here), and with
+        ``delay_wgrad_compute`` ``skip_backward_post_hook`` (Megatron's DDP then skips its
+        grad-ready hook for them and registers it with
+        :meth:`register_wgrad_accumulation_and_reduce_hooks`, which backward_dw() runs)."""
+        for w in self.weights():
             w.tensor_model_parallel = True
             w.partition_dim = 1 if self.parallel_mode == "row" else 0
             w.partition_stride = 1
-        self._fp8_weight_cache = None
+        if self.delay_wgrad_compute:
+            for p in (*self.weights(), *self.biases()):
+                p.skip_backward_post_hook = True
 
     # -- parameters ---------------------------------------------------------------------------
     def weights(self) -> list[torch.Tensor]:
@@ -703,7 +725,8 @@ class GroupedLinear(torch.nn.Module):
         ws, all_bs = self.weights(), self.biases()
         xs = tuple(inp) if list_mode else (inp,)
         main_grads = ()
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and ws[0].requires_grad:
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and \
+                any(w.requires_grad for w in ws):
             main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
         act_dtype = self._autocast_dtype(first.device)
         if act_dtype is not None:
@@ -725,7 +748,8 @@ class GroupedLinear(torch.nn.Module):
         if recipe is None:
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate,
-                          wgrad_store=self.wgrad_store)
+                          wgrad_store=self._wgrad_queue(),
+                          grad_accs=self._grad_accumulators(ws))
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
@@ -745,6 +769,39 @@ class GroupedLinear(torch.nn.Module):
         """Whether backward leaves the weight gradients to :meth:`backward_dw`."""
         return self.delay_wgrad_compute
 
+    def __getstate__(self):
+        # copy.deepcopy / pickle: autograd nodes cannot be copied; the cache is rebuilt on use
+        state = super().__getstate__()
+        return {**state, "_grad_acc_cache": None}
+
+    def _grad_accumulators(self, ws) -> tuple:
+        """The trainable weights' AccumulateGrad nodes (cached per parameter set), with which
+        backward skips a fused or deferred wgrad that autograd was not asked for; () when
+        neither is on, under torch.compile, or for weights that are not leaves."""
+        if not (self.fuse_wgrad_accumulation or self.delay_wgrad_compute) or \
+                not torch.is_grad_enabled() or torch.compiler.is_compiling() or \
+                not hasattr(torch._C, "_will_engine_execute_node"):
+            return ()
+        key = tuple((w, w.requires_grad) for w in ws)
+        cache = self._grad_acc_cache
+        if cache is None or len(cache[0]) != len(key) or any(
+                a is not b or ra != rb for (a, ra), (b, rb) in zip(cache[0], key)):
+            if any(w.grad_fn is not None for w in ws):
+                return ()
+            accs = tuple(w.expand_as(w).grad_fn.next_functions[0][0] for w in ws
+                         if w.requires_grad)
+            self._grad_acc_cache = cache = (key, accs)
+        return cache[1]
+
+    def _wgrad_queue(self):
+        """The queue backward puts deferred wgrads in, or None (made here when
+        ``delay_wgrad_compute`` was switched on after construction)."""
+        if not self.delay_wgrad_compute:
+            return None
+        if self.wgrad_store is None:
+            self.wgrad_store = _WgradStore()
+        return self.wgrad_store
+
     def backward_dw(self) -> None:
         """Compute the weight gradients that the oldest not yet completed backward deferred
         (``delay_wgrad_compute=True``; a no-op otherwise or when none is pending), e.g. while
@@ -756,12 +813,14 @@ class GroupedLinear(torch.nn.Module):
         (TransformerEngine assigns it instead). Bias gradients are not deferred: backward
         produces them. Then the hooks given to
         :meth:`register_wgrad_accumulation_and_reduce_hooks` run, in order."""
-        if not self.delay_wgrad_compute or not len(self.wgrad_store):
+        if not self.delay_wgrad_compute or not self.wgrad_store:
             return
-        dws = self.wgrad_store.pop()()
-        if dws is not None:
-            with torch.no_grad():
+        with torch.no_grad():      # grads are plain tensors, as autograd's
+            dws = self.wgrad_store.pop()()
+            if dws is not None:
                 for w, dw in zip(self.weights(), dws):
+                    if not w.requires_grad:         # a frozen expert: no grad, as in backward
+                        continue
                     if w.grad is None:
                         w.grad = dw
                     else:
@@ -799,7 +858,8 @@ class GroupedLinear(torch.nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         state = ()
         scale = amax = None
-        if delayed and self.save_original_input:
+        if delayed and self.save_original_input and torch.is_grad_enabled() and \
+                any(w.requires_grad for w in ws):
             raise ValueError("save_original_input: not with DelayedScaling (the scale may change "
                              "between forward and backward, so a second cast would not "
                              "reproduce the forward's); use Float8CurrentScaling or leave it "
@@ -832,6 +892,6 @@ class GroupedLinear(torch.nn.Module):
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
                       bool(main_grads), accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
-                      torch.is_grad_enabled() and not recompute, self.wgrad_store, mode,
-                      self.save_original_input)
+                      torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
+                      self.save_original_input, self._grad_accumulators(ws))
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
