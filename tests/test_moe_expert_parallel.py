@@ -75,6 +75,7 @@ class Case:
     cold_expert: int = 2             # rank 0's tokens never pick it; the other ranks' often do
     empty_experts: tuple[int, ...] = (5,)   # no token picks them
     ranks: tuple[int, ...] | None = None    # pool ranks forming the group (None: all of them)
+    recompute: bool = False          # the ranks run the block under cugrouped's checkpoint
 
     def block(self, group=None) -> MoEFeedForward:
         return MoEFeedForward(self.hidden, self.ffn, self.num_experts, self.top_k,
@@ -102,13 +103,17 @@ def make_global(case: Case):
     return block, x, dy
 
 
-def run_steps(block, x, dy, recipe, steps):
-    """forward + backward ``steps`` times; the last step's output and input gradient."""
+def run_steps(block, x, dy, recipe, steps, recompute=False):
+    """forward + backward ``steps`` times (the block's activations recomputed in backward with
+    ``recompute``: its all-to-alls run again there); the last step's output and input
+    gradient."""
+    from cugrouped.pytorch import checkpoint
+
     for _ in range(steps):
         block.zero_grad(set_to_none=True)
         xi = x.detach().clone().requires_grad_()
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            y = block(xi)
+            y = checkpoint(block, xi) if recompute else block(xi)
         y.backward(dy)
     return y.detach(), xi.grad
 
@@ -165,7 +170,7 @@ def _ep_case(group, case: Case, state, x, dy) -> dict:
     block.load_global_state_dict(state)
     lo = sum(case.tokens[:rank])
     xs, dys = x[lo:lo + case.tokens[rank]], dy[lo:lo + case.tokens[rank]]
-    y, dx = run_steps(block, xs, dys, RECIPES[case.recipe], case.steps)
+    y, dx = run_steps(block, xs, dys, RECIPES[case.recipe], case.steps, case.recompute)
     router = {n: p.grad.clone() for n, p in block.router.named_parameters()}
     for g in router.values():
         dist.all_reduce(g, group=group)       # the replicated router: sum of the ranks' parts
@@ -359,6 +364,11 @@ CASES = {
     "w2_fp8_current": Case(2, (11, 6), "current", "float32", ranks=(1, 3)),
     "w4_fp8_delayed": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2),
     "w2_fp8_delayed_geglu": Case(2, (12, 9), "delayed", "float32", activation="geglu", steps=2),
+    # the ranks recompute the block in backward (cugrouped.pytorch.checkpoint), the reference
+    # does not: same bits
+    "w4_fp8_delayed_recompute": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2,
+                                     recompute=True),
+    "w2_float64_recompute": Case(2, (11, 6), recompute=True, ranks=(1, 3)),
 }
 
 
