@@ -307,6 +307,37 @@ def test_fused_wgrad_megatron_contract(recipe):
         assert w.grad_added_to_main_grad and w.grad.shape == w.shape
 
 
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_fused_wgrad_megatron_fsdp_lazy_main_grad(recipe, delay):
+    """Megatron-FSDP's parameters (``__fsdp_param__``) allocate main_grad only before backward
+    and hand it out through ``get_main_grad()``: forward does not ask for it, backward does
+    (also when the wgrad itself is deferred), and the wgrad lands in it."""
+    sp = [6, 0, 11]
+    plain = make_layer(3)
+    fsdp = make_layer(3, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    asked = []
+    for i, w in enumerate(fsdp.weights()):
+        w.__fsdp_param__ = True
+
+        def get_main_grad(w=w, i=i):
+            asked.append(i)
+            if not hasattr(w, "main_grad"):
+                w.main_grad = torch.zeros_like(w)
+            return w.main_grad
+        w.get_main_grad = get_main_grad
+    x, dy = torch.randn(17, 32), torch.randn(17, 48)
+    want = run(plain, x, sp, RECIPES[recipe], False, dy)[2]
+    with _autocast(RECIPES[recipe]):
+        y = fsdp(x, sp)
+    assert asked == [] and not any(hasattr(w, "main_grad") for w in fsdp.weights())
+    y.backward(dy)
+    assert asked == [0, 1, 2]
+    fsdp.backward_dw()
+    for w, g in zip(fsdp.weights(), want):
+        torch.testing.assert_close(w.main_grad, g, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("recipe", ["none", "delayed", "current"])
 @pytest.mark.parametrize("how", ["first_microbatch", "overwrite_main_grad"])
 def test_fused_wgrad_overwrites_on_the_first_microbatch(recipe, how):

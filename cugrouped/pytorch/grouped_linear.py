@@ -92,6 +92,7 @@ class _Config:
     bwd_mode: str = "fp8"           # or "hp_wgrad", "high_precision", "dequantized" (recipes)
     save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
     grad_accs: tuple = ()           # the weights' AccumulateGrad nodes (fused / deferred wgrad)
+    lazy_main_grad: bool = False    # fused wgrad: main_grad from weight.get_main_grad() in backward
 
     def unpack(self, flat):
         E = self.num_experts
@@ -217,6 +218,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         dy_list = _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
         main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
+        if cfg.lazy_main_grad and need_wgrad:     # Megatron-FSDP allocates it before backward
+            main_grads = [_check_main_grad(i, w, w.get_main_grad()) for i, w in enumerate(ctx.ws)]
         x_dtype = ctx.x_dtype
 
         def hp_wgrad(x_list):
@@ -322,6 +325,15 @@ class _GroupedLinearFn(torch.autograd.Function):
         return tuple(grads)
 
 
+def _check_main_grad(i: int, w: torch.Tensor, g) -> torch.Tensor:
+    if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.shape != w.shape \
+            or g.device != w.device:
+        raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32 "
+                         f"tensor of shape {tuple(w.shape)} on {w.device} (got "
+                         f"{None if g is None else (g.dtype, tuple(g.shape))})")
+    return g
+
+
 def _engine_will_execute(node) -> bool:
     return torch._C._will_engine_execute_node(node)
 
@@ -352,7 +364,9 @@ class GroupedLinear(torch.nn.Module):
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
         ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
         that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
-        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``.
+        ``grad`` (so grad-accumulation hooks fire), any other weight ``grad = None``. A
+        Megatron-FSDP parameter (``__fsdp_param__``) is asked for it in backward, through
+        ``get_main_grad()``.
     init_method : callable(weight) initialising each weight (default: normal, std 0.023, as
         TransformerEngine); biases start at zero.
 
@@ -724,10 +738,7 @@ class GroupedLinear(torch.nn.Module):
         recipe = get_fp8_recipe()
         ws, all_bs = self.weights(), self.biases()
         xs = tuple(inp) if list_mode else (inp,)
-        main_grads = ()
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and \
-                any(w.requires_grad for w in ws):
-            main_grads = tuple(self._main_grad(i, w) for i, w in enumerate(ws))
+        fuse, lazy, main_grads = self._main_grads(ws)
         act_dtype = self._autocast_dtype(first.device)
         if act_dtype is not None:
             # torch.autocast: compute in its dtype, as TransformerEngine. Inputs and biases are
@@ -747,13 +758,13 @@ class GroupedLinear(torch.nn.Module):
             not getattr(ws[0], "overwrite_main_grad", False)
         if recipe is None:
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
-                          fuse_wgrad=bool(main_grads), accumulate_main_grad=accumulate,
+                          fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
-                          grad_accs=self._grad_accumulators(ws))
+                          grad_accs=self._grad_accumulators(ws), lazy_main_grad=lazy)
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
-            y = self._forward_fp8(recipe, splits, xs, ws, bs, main_grads, list_mode,
-                                  is_first_microbatch, first, accumulate)
+            y = self._forward_fp8(recipe, splits, xs, ws, bs, (fuse, lazy, main_grads),
+                                  list_mode, is_first_microbatch, first, accumulate)
         if list_mode:
             out = list(torch.split(y, list(splits)))
         else:
@@ -836,18 +847,27 @@ class GroupedLinear(torch.nn.Module):
             raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
-    def _main_grad(self, i, w):
-        g = getattr(w, "main_grad", None)
-        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.shape != w.shape \
-                or g.device != w.device:
-            raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32 "
-                             f"tensor of shape {tuple(w.shape)} on {w.device} (got "
-                             f"{None if g is None else (g.dtype, tuple(g.shape))})")
-        return g
+    def _main_grads(self, ws) -> tuple[bool, bool, tuple]:
+        """(fused wgrad, main_grad looked up in backward, the main_grads known now).
 
-    def _forward_fp8(self, recipe, splits, xs, ws, bs, main_grads, list_mode, is_first_microbatch,
+        Megatron-FSDP's parameters (``__fsdp_param__``) allocate ``main_grad`` lazily before
+        backward: as TransformerEngine, backward asks ``weight.get_main_grad()`` for it (eager
+        mode only: torch.compile must see the tensors a backward mutates, as inputs)."""
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled()
+                and any(w.requires_grad for w in ws)):
+            return False, False, ()
+        if hasattr(ws[0], "__fsdp_param__"):
+            if torch.compiler.is_compiling():
+                raise RuntimeError("fuse_wgrad_accumulation: Megatron-FSDP's lazily allocated "
+                                   "main_grad is not supported under torch.compile")
+            return True, True, ()
+        return True, False, tuple(_check_main_grad(i, w, getattr(w, "main_grad", None))
+                                  for i, w in enumerate(ws))
+
+    def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
                      first, accumulate_main_grad):
         E, k, n = self.num_gemms, self.in_features, self.out_features
+        fuse, lazy, main_grads = fused
         if k % 16:
             raise ValueError(f"in_features: FP8 GEMMs need a multiple of 16, got {k}")
         if n % 16:
@@ -890,8 +910,8 @@ class GroupedLinear(torch.nn.Module):
         cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
-                      bool(main_grads), accumulate_main_grad, cast_backend,
+                      fuse, accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
-                      self.save_original_input, self._grad_accumulators(ws))
+                      self.save_original_input, self._grad_accumulators(ws), lazy)
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
