@@ -620,6 +620,23 @@ def test_autocast_is_fp8_autocast_under_te_names():
                 pass
 
 
+def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
+    """TransformerEngine's GroupedLinear has the same parameter names; without FP8 its extra
+    state is an empty uint8 tensor: such a checkpoint loads. Its serialized FP8 state does not,
+    with an error that says what to do."""
+    src = make_layer(3, seed=4)
+    te_style = {**{k: v for k, v in src.state_dict().items() if not k.endswith("_extra_state")},
+                "_extra_state": torch.empty(0, dtype=torch.uint8)}
+    dst = make_layer(3)
+    dst.init_fp8_state(DelayedScaling())
+    dst.load_state_dict(te_style)
+    assert dst.fp8_state() is None
+    assert all(torch.equal(a, b) for a, b in zip(dst.parameters(), src.parameters()))
+    te_style["_extra_state"] = torch.ones(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="TransformerEngine's serialized format.*_extra_state"):
+        dst.load_state_dict(te_style)
+
+
 def test_megatron_recipe_arguments_are_accepted():
     """Megatron-LM builds TransformerEngine recipes with these arguments (fp8_wgrad on)."""
     rec = DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max",

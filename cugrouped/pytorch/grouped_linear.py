@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import numbers
 from collections.abc import Sequence
 
@@ -586,9 +587,16 @@ class GroupedLinear(torch.nn.Module):
         return None if st is None else st.to_dict()
 
     def set_extra_state(self, state) -> None:
-        if state is None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            # None, or TransformerEngine's "no FP8 state" (an empty uint8 tensor): a checkpoint
+            # of a TE GroupedLinear trained without FP8 loads as it is (same parameter names)
             self._set_state(None)
             return
+        if isinstance(state, (torch.Tensor, io.BytesIO)):
+            raise ValueError("state_dict: this FP8 extra state is TransformerEngine's serialized "
+                             "format, which cugrouped does not read; drop the '_extra_state' "
+                             "entries to start delayed scaling afresh (the weights and biases "
+                             "load as they are)")
         if not isinstance(state, dict):
             raise TypeError(f"state_dict: expected the FP8 extra state as a dict, got "
                             f"{type(state).__name__}")
