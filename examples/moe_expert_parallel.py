@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--fp8", default="delayed", choices=["none", "delayed", "current"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--all-to-all", default="per_expert", choices=["per_expert", "single"],
+                   help="one all-to-all per local expert, or one for all (regrouped by a copy)")
     p.add_argument("--check", action="store_true",
                    help="compare this rank's outputs with the unsharded block")
     return p.parse_args()
@@ -73,7 +75,7 @@ def main():
     def build(group):
         return MoEFeedForward(args.hidden, args.ffn, experts, args.top_k,
                               activation=args.activation, group=group, params_dtype=dtype,
-                              device=device)
+                              device=device, all_to_all=args.all_to_all)
 
     # The unsharded block (all experts) from one seed, then this rank's shard of it.
     # (new_group is collective: every rank creates every one-rank group, and keeps its own)
@@ -87,7 +89,7 @@ def main():
     if rank == 0:
         print(f"{world} ranks, {experts} experts ({moe.num_local_experts} per rank), top-{args.top_k}, "
               f"hidden {args.hidden}, ffn {args.ffn}, {tokens} tokens per rank, {dtype}, "
-              f"fp8={args.fp8}, backend {args.backend}", flush=True)
+              f"fp8={args.fp8}, all_to_all={args.all_to_all}, backend {args.backend}", flush=True)
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     all_x = torch.randn(world, tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)

@@ -76,11 +76,13 @@ class Case:
     empty_experts: tuple[int, ...] = (5,)   # no token picks them
     ranks: tuple[int, ...] | None = None    # pool ranks forming the group (None: all of them)
     recompute: bool = False          # the ranks run the block under cugrouped's checkpoint
+    all_to_all: str = "per_expert"   # MoEFeedForward's all_to_all (the ranks' blocks)
 
     def block(self, group=None) -> MoEFeedForward:
         return MoEFeedForward(self.hidden, self.ffn, self.num_experts, self.top_k,
                               activation=self.activation, bias=self.bias, router_bias=True,
-                              group=group, params_dtype=getattr(torch, self.dtype), device="cpu")
+                              group=group, params_dtype=getattr(torch, self.dtype), device="cpu",
+                              all_to_all=self.all_to_all)
 
 
 def make_global(case: Case):
@@ -369,6 +371,13 @@ CASES = {
     "w4_fp8_delayed_recompute": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2,
                                      recompute=True),
     "w2_float64_recompute": Case(2, (11, 6), recompute=True, ranks=(1, 3)),
+    # one all-to-all for all local experts, regrouped by expert: the same bits
+    "w2_float64_single_a2a": Case(2, (11, 6), all_to_all="single"),
+    "w4_fp8_delayed_single_a2a": Case(4, (9, 5, 13, 0), "delayed", "float32", steps=2,
+                                      all_to_all="single"),
+    "w2_fp8_current_single_a2a_recompute": Case(2, (12, 9), "current", "float32",
+                                                all_to_all="single", recompute=True,
+                                                ranks=(1, 3)),
 }
 
 
@@ -393,6 +402,35 @@ def _a2a_case(group, world_size: int) -> dict:
     out = all_to_all_chunks(chunks, send, recv, group)
     out.backward(torch.arange(out.shape[0], dtype=torch.float64)[:, None].expand(-1, 2))
     return {"out": out.detach(), **{f"grad{l}": c.grad for l, c in enumerate(chunks)}}
+
+
+def _collectives_case(group, all_to_all: str) -> dict:
+    """all_to_all_single calls in one forward of a 2-rank block with 4 local experts."""
+    import torch.distributed as dist
+
+    calls = []
+    real = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch.manual_seed(0)
+    block = MoEFeedForward(16, 32, 8, 2, group=group, device="cpu", all_to_all=all_to_all)
+    dist.all_to_all_single = counting
+    try:
+        block(torch.randn(10, 16))
+    finally:
+        dist.all_to_all_single = real
+    return {"calls": len(calls)}
+
+
+@pytest.mark.parametrize("all_to_all, calls", [("per_expert", 1 + 4 + 4), ("single", 1 + 1 + 1)])
+def test_collectives_per_forward(all_to_all, calls, pool):
+    """The token counts, then dispatch and combine: one all-to-all per local expert each way,
+    or one for all of them."""
+    res = pool().run("_collectives_case", (0, 1), all_to_all)
+    assert [r["calls"] for r in res] == [calls, calls]
 
 
 def test_all_to_all_chunks_forward_and_backward(pool):
@@ -483,6 +521,9 @@ def test_plan_routing_sorts_stably_by_local_expert_then_rank():
     assert plan.send_counts(plan.tokens_per_expert.tolist()) == [[2, 2], [3, 3]]
     one = plan_routing(ids, 4)
     assert flat[one.sort_idx].tolist() == sorted(flat.tolist())
+    rank_major = plan_routing(ids, 4, ep_size=2, order="rank_major")   # by e = r·L + l
+    assert torch.equal(rank_major.sort_idx, torch.argsort(flat, stable=True))
+    assert rank_major.tokens_per_expert.tolist() == [2, 3, 2, 3]
 
 
 @pytest.mark.parametrize("E, W, T, k", [(8, 1, 50, 2), (8, 2, 37, 3), (12, 4, 29, 2),
@@ -562,6 +603,10 @@ def test_errors_name_the_argument():
         MoEFeedForward(16, 32, 4, top_k=5, device="cpu")
     with pytest.raises(ValueError, match="num_experts"):
         plan_routing(torch.zeros(3, 2, dtype=torch.int64), 6, ep_size=4)
+    with pytest.raises(ValueError, match="order: expected"):
+        plan_routing(torch.zeros(3, 2, dtype=torch.int64), 4, ep_size=2, order="random")
+    with pytest.raises(ValueError, match="all_to_all: expected 'per_expert' or 'single'"):
+        MoEFeedForward(16, 32, 4, device="cpu", all_to_all="many")
     block = MoEFeedForward(16, 32, 4, device="cpu")
     with pytest.raises(ValueError, match="hidden_size=16"):
         block(torch.randn(3, 8))
@@ -575,7 +620,7 @@ def test_example_runs_under_torchrun_on_cpu():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "examples" / "moe_expert_parallel.py"), "--backend", "gloo", "--device",
            "cpu", "--steps", "2", "--fp8", "current", "--check", "--hidden", "32", "--ffn", "64",
-           "--tokens", "16"]
+           "--tokens", "16", "--all-to-all", "single"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
@@ -583,4 +628,4 @@ def test_example_runs_under_torchrun_on_cpu():
         pytest.fail(f"example did not finish in 120 s:\n{exc.stdout}\n{exc.stderr}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2/2 ranks' outputs match the single-process block bit for bit" in res.stdout, res.stdout
-    assert "step 1" in res.stdout, res.stdout
+    assert "step 1" in res.stdout and "all_to_all=single" in res.stdout, res.stdout

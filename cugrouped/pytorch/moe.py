@@ -21,16 +21,21 @@ experts; rank ``r`` owns global experts ``r·L .. r·L + L - 1``):
    ``r``) of their global expert ``e = r·L + l`` (:func:`plan_routing`, :func:`permute_tokens`);
 3. exchange the token counts: one ``all_to_all_single`` of E int64 counts, then one host sync
    (``tolist()``: the collectives' split sizes and the grouped GEMMs need host counts);
-4. dispatch: for each local expert ``l`` one ``all_to_all_single`` whose input is the
+4. dispatch (``all_to_all="per_expert"``, the default; ``"single"`` is below): for each local
+   expert ``l`` one ``all_to_all_single`` whose input is the
    (contiguous) rows for slot ``l`` of every rank and whose output is a slice of one receive
    buffer. Expert ``l``'s rows from all source ranks therefore arrive contiguous, in source-rank
    order, and the per-expert list handed to ``GroupedLinear`` is ``recv.split(m_splits)``: views,
-   no regrouping copy. (One collective for all experts would leave the rows ordered by source
-   rank and need a permuting copy; with ``L = 1`` this is that one collective);
+   no regrouping copy (with ``L = 1`` this is one collective);
 5. experts: ``GroupedLinear`` (fc1) -> activation -> ``GroupedLinear`` (fc2) on the list;
 6. combine: the reverse all-to-alls (fc2's per-expert outputs are their inputs);
 7. unpermute: back to (token, slot) order by the inverse permutation, weighted by the router
    probabilities and summed over the k slots (a gather and a sum: deterministic, no atomics).
+
+With ``all_to_all="single"`` steps 4 and 6 are one collective each (rows permuted by (rank,
+local expert) in step 2), and the received rows are regrouped by expert with one copy (and the
+outputs back by source rank), as Megatron-LM's dispatcher does: fewer collectives for more
+copying, the same bits.
 
 With ``W = 1`` (no process group, or a group of one) steps 3, 4 and 6 are plain splits.
 
@@ -107,7 +112,9 @@ class RoutingPlan:
     ``sort_idx[i]``: the slot held by row ``i`` of the permuted buffer; ``inverse[s]``: the row of
     the permuted buffer holding slot ``s``; ``tokens_per_expert``: ``(E,)`` int64 counts in global
     expert order. Rows are sorted stably by ``(e % L, e // L)`` (local expert, owner rank) for
-    ``L = E / ep_size`` local experts; with ``ep_size = 1`` simply by expert.
+    ``L = E / ep_size`` local experts (``order="expert_major"``), or by ``e`` itself (owner
+    rank, local expert: ``order="rank_major"``, one all-to-all's send order); with
+    ``ep_size = 1`` both are simply by expert.
     """
 
     sort_idx: torch.Tensor
@@ -125,8 +132,12 @@ class RoutingPlan:
         return [[counts[r * L + l] for r in range(W)] for l in range(L)]
 
 
-def plan_routing(expert_ids: torch.Tensor, num_experts: int, ep_size: int = 1) -> RoutingPlan:
-    """The permutation of the ``(T, k)`` routed slots into per-(local expert, rank) blocks."""
+def plan_routing(expert_ids: torch.Tensor, num_experts: int, ep_size: int = 1,
+                 order: str = "expert_major") -> RoutingPlan:
+    """The permutation of the ``(T, k)`` routed slots into per-(local expert, rank) blocks
+    (``order="expert_major"``) or per-(rank, local expert) blocks (``"rank_major"``)."""
+    if order not in ("expert_major", "rank_major"):
+        raise ValueError(f"order: expected 'expert_major' or 'rank_major', got {order!r}")
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids: expected (tokens, top_k), got shape {tuple(expert_ids.shape)}")
     if num_experts % ep_size:
@@ -134,15 +145,17 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, ep_size: int = 1) -
     T, k = expert_ids.shape
     L = num_experts // ep_size
     flat = expert_ids.reshape(-1)
-    key = (flat % L) * ep_size + flat // L
+    rank_major = order == "rank_major" or ep_size == 1
+    key = flat if rank_major else (flat % L) * ep_size + flat // L
     sort_idx = torch.argsort(key, stable=True)
     inverse = torch.empty_like(sort_idx)
     inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)
     # Counts from the sorted keys (run boundaries by searchsorted), not torch.bincount: on CUDA
     # bincount reads the input's min and max back to the host (two syncs per forward).
-    # Key l·W + r holds expert e = r·L + l.
+    # Key l·W + r holds expert e = r·L + l (expert-major), key e does (rank-major).
     bounds = torch.searchsorted(key[sort_idx], torch.arange(num_experts + 1, device=key.device))
-    tokens_per_expert = (bounds[1:] - bounds[:-1]).view(L, ep_size).t().reshape(-1)
+    counts = bounds[1:] - bounds[:-1]
+    tokens_per_expert = counts if rank_major else counts.view(L, ep_size).t().reshape(-1)
     return RoutingPlan(sort_idx, inverse, tokens_per_expert, T, k, ep_size)
 
 
@@ -303,6 +316,13 @@ class MoEFeedForward(torch.nn.Module):
     group : the expert-parallel ``torch.distributed`` process group; None: the world if
         torch.distributed is initialized, else a single process.
     params_dtype, device : of all parameters (default ``torch.get_default_dtype()``, ``"cuda"``).
+    all_to_all : how tokens move with ``W > 1`` ranks and ``L > 1`` local experts.
+        ``"per_expert"``: one all-to-all per local expert, each received straight into its
+        expert's rows (``L`` collectives per exchange, no copy). ``"single"``: one all-to-all
+        for all experts, whose received rows (ordered by source rank) are regrouped by expert
+        with one copy, and the reverse before the combine (as Megatron-LM's dispatcher). Many
+        local experts with few tokens each favour ``"single"`` (each collective has a fixed
+        latency); measure on your interconnect. Both give the same bits.
     delay_wgrad_compute : backward leaves the experts' weight gradients to :meth:`backward_dw`
         (``GroupedLinear``'s option, on fc1 and fc2), e.g. to run them while the next layer's
         all-to-all is in flight. The router's gradients are not deferred.
@@ -316,10 +336,14 @@ class MoEFeedForward(torch.nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
                  *, activation: str = "swiglu", normalize_topk: bool = True, bias: bool = False,
                  router_bias: bool = False, group=None, params_dtype: torch.dtype | None = None,
-                 device="cuda", delay_wgrad_compute: bool = False):
+                 device="cuda", delay_wgrad_compute: bool = False,
+                 all_to_all: str = "per_expert"):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        if all_to_all not in ("per_expert", "single"):
+            raise ValueError(f"all_to_all: expected 'per_expert' or 'single', got {all_to_all!r}")
+        self.all_to_all = all_to_all
         rank, size = _group_rank_size(group)
         if num_experts % size:
             raise ValueError(f"num_experts: expected a multiple of the expert-parallel group size "
@@ -376,9 +400,11 @@ class MoEFeedForward(torch.nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         probs, expert_ids = self.router(x)
-        plan = plan_routing(expert_ids, self.num_experts, self.ep_size)
-        x_sorted = permute_tokens(x, plan)
         W, L = self.ep_size, self.num_local_experts
+        single = self.all_to_all == "single" and W > 1 and L > 1
+        plan = plan_routing(expert_ids, self.num_experts, self.ep_size,
+                            "rank_major" if single else "expert_major")
+        x_sorted = permute_tokens(x, plan)
         if W == 1:
             m_splits = plan.tokens_per_expert.tolist()           # host sync
             y = self._experts(list(x_sorted.split(m_splits)))
@@ -390,15 +416,38 @@ class MoEFeedForward(torch.nn.Module):
             recv = torch.empty_like(counts)   # recv[s·L + l]: rows rank s sends to my expert l
             dist.all_to_all_single(recv, counts, group=self.group)
             host = torch.cat([counts, recv]).tolist()             # host sync
-            send_splits = plan.send_counts(host[:self.num_experts])             # [l][r]
-            recv_splits = [[host[self.num_experts + s * L + l] for s in range(W)] for l in range(L)]
-            chunks = x_sorted.split([sum(s) for s in send_splits])
-            received = all_to_all_chunks(chunks, send_splits, recv_splits, self.group)
-            m_splits = [sum(s) for s in recv_splits]
-            y = self._experts(list(received.split(m_splits)))
-            y_sorted = all_to_all_chunks(y, recv_splits, send_splits, self.group)
+            if single:
+                y_sorted = self._single_exchange(x_sorted, host[:self.num_experts],
+                                                 host[self.num_experts:])
+            else:
+                send_splits = plan.send_counts(host[:self.num_experts])             # [l][r]
+                recv_splits = [[host[self.num_experts + s * L + l] for s in range(W)]
+                               for l in range(L)]
+                chunks = x_sorted.split([sum(s) for s in send_splits])
+                received = all_to_all_chunks(chunks, send_splits, recv_splits, self.group)
+                m_splits = [sum(s) for s in recv_splits]
+                y = self._experts(list(received.split(m_splits)))
+                y_sorted = all_to_all_chunks(y, recv_splits, send_splits, self.group)
         out = unpermute_tokens(y_sorted, plan, probs)
         return out.reshape(shape)
+
+    def _single_exchange(self, x_sorted, send, recv) -> torch.Tensor:
+        """One all-to-all each way for all local experts (``all_to_all="single"``). ``send[e]``:
+        my rows for global expert ``e`` (rank-major ``x_sorted``); ``recv[s·L + l]``: rank
+        ``s``'s rows for my expert ``l``. The received rows, by source rank, are regrouped by
+        expert (one copy), each expert seeing its rows in source-rank order as with
+        ``"per_expert"``; the outputs go back the same way."""
+        W, L = self.ep_size, self.num_local_experts
+        send_r = [sum(send[r * L:(r + 1) * L]) for r in range(W)]
+        recv_s = [sum(recv[s * L:(s + 1) * L]) for s in range(W)]
+        received = all_to_all_chunks([x_sorted], [send_r], [recv_s], self.group)
+        by_source = received.split(recv)                        # [s·L + l]
+        m_splits = [sum(recv[s * L + l] for s in range(W)) for l in range(L)]
+        grouped = torch.cat([by_source[s * L + l] for l in range(L) for s in range(W)])
+        y = self._experts(list(grouped.split(m_splits)))
+        y_parts = [p for l in range(L) for p in y[l].split([recv[s * L + l] for s in range(W)])]
+        back = torch.cat([y_parts[l * W + s] for s in range(W) for l in range(L)])
+        return all_to_all_chunks([back], [recv_s], [send_r], self.group)
 
     def _experts(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """fc1 -> activation -> fc2 on the list of this rank's per-expert rows."""
