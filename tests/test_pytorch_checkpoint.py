@@ -179,6 +179,22 @@ def test_rng_state_tracker_replays_dropout(recipe):
     assert not torch.equal(results[2][0][0], results[0][0][0])
 
 
+def test_calibration_is_not_recorded_twice():
+    """Calibrating (FP8 off, calibrating=True) under checkpoint: the recomputation does not
+    record the amaxes and roll the history a second time."""
+    plain, ckpt = layer_pair()
+    rec = RECIPES["delayed"]
+    for layer, use in ((plain, False), (ckpt, True)):
+        for x, dy in batches(steps=1)[0]:
+            x = x.clone().requires_grad_()
+            with fp8_autocast(enabled=False, fp8_recipe=rec, calibrating=True):
+                y = checkpoint(layer, x, SPLITS) if use else layer(x, SPLITS)
+            y.backward(dy)
+    for name in ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv"):
+        same(getattr(ckpt, name), getattr(plain, name), name)
+    same([p.grad for p in ckpt.parameters()], [p.grad for p in plain.parameters()])
+
+
 def test_callers_context_fn_is_entered_too():
     """A context_fn of the caller's (TransformerEngine composes one) runs in the forward and in
     the recomputation, around ours; the gradients stay those of the plain run."""

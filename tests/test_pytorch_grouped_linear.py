@@ -614,10 +614,42 @@ def test_autocast_is_fp8_autocast_under_te_names():
     assert_bits_equal(a.fp8_scale, b.fp8_scale)
     with autocast(enabled=False, recipe=rec):
         assert get_fp8_recipe() is None
-    for ctx in (autocast(calibrating=True), fp8_autocast(calibrating=True)):
-        with pytest.raises(ValueError, match="calibrating: collecting amaxes"):
-            with ctx:
-                pass
+    with pytest.raises(TypeError, match="calibrating: expected a bool"):
+        with fp8_autocast(calibrating=1):
+            pass
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_calibration_records_forward_scales_in_high_precision(grad):
+    """fp8_autocast(enabled=False, calibrating=True): outputs of the plain layer, and the
+    delayed-scaling state an FP8 forward without backward leaves (input and weight amaxes
+    merged, their scales updated), under no_grad too; FP8 inference afterwards then gives the
+    same bits as after those FP8 forwards. Current scaling has nothing to record."""
+    from cugrouped.pytorch import autocast
+
+    rec = DelayedScaling(amax_history_len=4)
+    sp = [5, 0, 9]
+    plain, cal, fp8 = make_layer(3), make_layer(3), make_layer(3)
+    for p in fp8.parameters():
+        p.requires_grad_(False)          # an FP8 forward that no backward follows
+    for step in range(3):
+        x = torch.randn(14, 32) * (step + 1)
+        with torch.set_grad_enabled(grad), autocast(enabled=False, calibrating=True, recipe=rec):
+            y = cal(x, sp)
+        assert_bits_equal(y, plain(x, sp))
+        with fp8_autocast(fp8_recipe=rec):
+            fp8(x, sp)
+    for name in ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv"):
+        assert_bits_equal(getattr(cal, name), getattr(fp8, name), name)
+    # inputs (expert 1 has no rows: its scale stays 1) and weights updated; grads untouched
+    assert cal.fp8_scale[[0, 2, 3, 4, 5]].ne(1).all() and cal.fp8_scale[[1, 6, 7, 8]].eq(1).all()
+    x = torch.randn(14, 32)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=rec):
+        assert_bits_equal(cal(x, sp), fp8(x, sp))
+    fresh = make_layer(3)
+    with fp8_autocast(enabled=False, fp8_recipe=Float8CurrentScaling(), calibrating=True):
+        assert_bits_equal(fresh(x, sp), plain(x, sp))
+    assert fresh.fp8_state() is None
 
 
 def test_loads_a_transformer_engine_checkpoint_without_fp8_state():

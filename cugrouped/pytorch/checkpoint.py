@@ -43,8 +43,8 @@ class _Phase:
     def __enter__(self):
         restore = contextlib.nullcontext()
         if self.autocast_state is not None:
-            enabled, rec, group = self.autocast_state or (False, None, None)
-            restore = _recipe.fp8_autocast(enabled, rec, group)
+            enabled, rec, group, calibrating = self.autocast_state or (False, None, None, False)
+            restore = _recipe.fp8_autocast(enabled, rec, group, calibrating=calibrating)
         outer_rng = None
         if self.tracker is not None:
             outer_rng = _copy_states(self.tracker.get_states())
@@ -82,6 +82,11 @@ class _Both:
 
 def _copy_states(states: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
+
+
+def recomputing() -> bool:
+    """Whether this runs inside a checkpoint's recomputation."""
+    return bool(_PHASE) and _PHASE[-1][0] == "recompute"
 
 
 def delayed_scale_for(module, scale: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from . import _custom_ops as cops
-from .checkpoint import delayed_scale_for
+from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScalingState
-from .recipe import DelayedScaling, Float8CurrentScaling, get_fp8_group, get_fp8_recipe
+from .recipe import (DelayedScaling, Float8CurrentScaling, get_calibration_recipe, get_fp8_group,
+                     get_fp8_recipe)
 
 __all__ = ["GroupedLinear", "set_cpu_cast_backend", "cpu_cast_backend"]
 
@@ -765,6 +766,9 @@ class GroupedLinear(torch.nn.Module):
         accumulate = is_first_microbatch is not True and \
             not getattr(ws[0], "overwrite_main_grad", False)
         if recipe is None:
+            calibration = get_calibration_recipe()
+            if calibration is not None and not recomputing():
+                self._calibrate(calibration, xs, splits, list_mode)
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
@@ -855,6 +859,37 @@ class GroupedLinear(torch.nn.Module):
             raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
+    def _delayed_state(self, recipe: DelayedScaling) -> None:
+        """Make (or adopt) the delayed-scaling state for ``recipe``."""
+        st = self.fp8_state()
+        if st is None or not st.matches(recipe, self.num_gemms):
+            self.init_fp8_state(recipe)
+        else:
+            self._fp8_recipe = recipe
+
+    def _calibrate(self, recipe: DelayedScaling, xs, splits, list_mode) -> None:
+        """``fp8_autocast(enabled=False, calibrating=True)``: the amaxes of the input and the
+        weights max-merged into the pending amax and the scale update of those 2E tensors, as an
+        FP8 forward without backward does (the casts' FP8 bytes are discarded)."""
+        if xs[0].dtype not in FP8_DTYPES:
+            raise TypeError(f"inp: FP8 calibration needs float32, bfloat16 or float16 inputs, "
+                            f"got {xs[0].dtype}")
+        E = self.num_gemms
+        self._delayed_state(recipe)
+        fmt, backend = recipe.fp8_format.forward, _CPU_CAST_BACKEND[0]
+        x_list = [x.detach() for x in xs] if list_mode else _split(xs[0].detach(), splits)
+        with torch.no_grad():
+            for tensors, offset in ((x_list, INPUT * E),
+                                    ([w.detach() for w in self.weights()], WEIGHT * E)):
+                cops.eager.fp8_quantize(tensors, fmt, recipe.margin, 1, True, False, False,
+                                        self.fp8_scale, self.fp8_amax, offset, backend, True)
+            _reduce_amax(self.fp8_amax, 2 * E, get_fp8_group() if recipe.reduce_amax else None)
+            num_e4m3 = 3 * E if recipe.fp8_format.backward == "e4m3" else 2 * E
+            cops.eager.scale_update(self.fp8_amax_history, self.fp8_amax, self.fp8_scale,
+                                    self.fp8_scale_inv, num_e4m3, recipe.amax_compute_algo,
+                                    recipe.margin, 2 * E, backend)
+        self._fp8_weight_cache = None
+
     def _main_grads(self, ws) -> tuple[bool, bool, tuple]:
         """(fused wgrad, main_grad looked up in backward, the main_grads known now).
 
@@ -893,11 +928,7 @@ class GroupedLinear(torch.nn.Module):
                              "reproduce the forward's); use Float8CurrentScaling or leave it "
                              "False, as in TransformerEngine")
         if delayed:
-            st = self.fp8_state()
-            if st is None or not st.matches(recipe, E):
-                st = self.init_fp8_state(recipe)
-            else:
-                self._fp8_recipe = recipe
+            self._delayed_state(recipe)
             # inside checkpoint(): the forward keeps a copy of its scales, the recomputation
             # casts with that copy and leaves the state alone
             scale, recompute = delayed_scale_for(self, self.fp8_scale)

@@ -155,7 +155,7 @@ Recipe = DelayedScaling | Float8CurrentScaling
 
 # The active autocast state. A plain module global (as in TransformerEngine): torch.compile guards
 # on it, a ContextVar it would not trace.
-_STACK: list[tuple[bool, Recipe | None, object]] = []
+_STACK: list[tuple[bool, Recipe | None, object, bool]] = []   # enabled, recipe, group, calibrating
 
 
 @contextlib.contextmanager
@@ -174,16 +174,21 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
     the expert-parallel group. Current scaling takes each cast's own amax (no reduction).
     Unlike TransformerEngine, ``fp8_group=None`` means no reduction even when torch.distributed
     is initialized (TE reduces over the world by default): over an expert-parallel world that
-    would mix the amaxes of different experts, so the group is left to the caller."""
-    if calibrating:
-        raise ValueError("calibrating: collecting amaxes without FP8 is not supported; leave it "
-                         "False")
+    would mix the amaxes of different experts, so the group is left to the caller.
+
+    ``calibrating=True`` with ``enabled=False`` and delayed scaling (TransformerEngine's
+    calibration): the layers compute in high precision but record their inputs' and weights'
+    amaxes and update those scales, as an FP8 forward would, so that a model trained in high
+    precision can be saved with FP8 scales ready for inference. (Nothing to record for current
+    scaling; with ``enabled=True`` FP8 runs as usual.)"""
+    if not isinstance(calibrating, bool):
+        raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got "
                         f"{type(fp8_recipe).__name__}")
-    _STACK.append((bool(enabled), fp8_recipe, fp8_group))
+    _STACK.append((bool(enabled), fp8_recipe, fp8_group, calibrating))
     try:
         yield
     finally:
@@ -193,8 +198,7 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
              amax_reduction_group=None):
     """TransformerEngine's current name for :func:`fp8_autocast`, with its argument names:
-    ``recipe`` is ``fp8_recipe``, ``amax_reduction_group`` is ``fp8_group``; ``calibrating``
-    must be False."""
+    ``recipe`` is ``fp8_recipe``, ``amax_reduction_group`` is ``fp8_group``."""
     return fp8_autocast(enabled, recipe, amax_reduction_group, calibrating=calibrating)
 
 
@@ -208,5 +212,15 @@ def get_fp8_recipe() -> Recipe | None:
 
 
 def get_fp8_group():
-    """The amax-reduction group of the innermost enabled ``fp8_autocast``, or None."""
-    return _STACK[-1][2] if is_fp8_enabled() else None
+    """The amax-reduction group of the innermost enabled (or calibrating) ``fp8_autocast``, or
+    None."""
+    return _STACK[-1][2] if is_fp8_enabled() or get_calibration_recipe() is not None else None
+
+
+def get_calibration_recipe() -> DelayedScaling | None:
+    """The delayed-scaling recipe of the innermost ``fp8_autocast`` when it calibrates (FP8 off,
+    ``calibrating=True``), else None."""
+    if not _STACK:
+        return None
+    enabled, recipe, _, calibrating = _STACK[-1]
+    return recipe if calibrating and not enabled and isinstance(recipe, DelayedScaling) else None
