@@ -1,0 +1,44 @@
+"""The README's Python examples, run as they are (in order, in one namespace, as a reader would
+paste them), and checked for what their comments promise."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def test_readme_has_the_examples():
+    blocks = python_blocks()
+    assert len(blocks) >= 3
+    assert any("multi_pad_cast_transpose" in b for b in blocks)
+    assert any("grouped_fprop" in b for b in blocks)
+    assert any("GroupedLinear" in b for b in blocks)
+
+
+def test_readme_examples_run():
+    pytest.importorskip("torch")
+    ns: dict = {"__name__": "readme"}
+    seen = []
+    for i, block in enumerate(python_blocks()):
+        exec(compile(block, f"README.md python block {i}", "exec"), ns)
+        seen.append(dict(ns))
+    ops, gemms, layer = seen[0], seen[1], seen[2]
+    # the cast op: the middle expert is empty, its transposed block (k, 0)
+    res, k, n = ops["res"], ops["k"], ops["n"]
+    assert res.data.shape == (589, k) and res.columnwise(1).shape == (k, 0)
+    assert res.columnwise(2).shape == (k, 80)                  # 77 rows padded to 80
+    # the GEMMs: shapes as the comments say, main_grad accumulated
+    assert gemms["y"].shape == (589, n) and gemms["dx"].shape == (589, k)
+    assert gemms["dw"].shape == (3, n, k) and np.array_equal(gemms["main_grads"], gemms["dw"])
+    # the layer: list in, list out; gradients reached the parameters
+    assert [tuple(t.shape) for t in layer["ys"]] == [(96, 128), (0, 128), (33, 128), (7, 128)]
+    assert layer["x"].grad is not None and layer["layer"].weight0.grad is not None
