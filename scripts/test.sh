@@ -5,5 +5,6 @@
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m exhaustive` for the 2^32 FP8 sweep.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 python -m cugrouped compile-check
-# The notebooks run top to bottom as tests too (GPU-only cells say why they skip).
-python -m pytest tests notebooks --nbmake --nbmake-kernel=python3 "$@"
+# tests/test_notebooks.py runs the notebooks top to bottom too (GPU-only cells say why they skip)
+# and saves their figures under build/notebook-figures/.
+python -m pytest tests "$@"
