@@ -300,3 +300,72 @@ def test_backward_dw_gives_plain_tensors_and_follows_the_meta_flow():
     meta.to_empty(device="cpu")
     meta.reset_parameters()
     assert all(getattr(p, "skip_backward_post_hook", False) for p in meta.parameters())
+
+
+@pytest.mark.parametrize("kw", [dict(delay_wgrad_compute=True), dict(fuse_wgrad_accumulation=True)],
+                         ids=["deferred", "main_grad"])
+def test_wgrad_only_for_the_weights_autograd_asks_for(kw):
+    """backward(inputs=[weight0]) and autograd.grad(y, [weight0, x]): expert 0's weight gradient
+    only (main_grad written or grad set for it alone), no error; the input gradient unchanged."""
+    x, dy = data(1)[0]
+    for how in ("inputs", "autograd.grad"):
+        layer, plain = make_layer(**kw), make_layer()
+        for w in layer.weights():
+            w.main_grad = torch.zeros_like(w)
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPES["current"]):
+            y = layer(xi, SPLITS)
+        if how == "inputs":
+            y.backward(dy, inputs=[layer.weight0])
+        else:
+            dx = torch.autograd.grad(y, [layer.weight0, xi], dy, allow_unused=True)[1]
+            with fp8_autocast(fp8_recipe=RECIPES["current"]):
+                want = torch.autograd.grad(plain(xi, SPLITS), xi, dy)[0]
+            same(dx, want, "dx")
+        layer.backward_dw()
+        got = [w.main_grad.any().item() if layer.fuse_wgrad_accumulation else w.grad is not None
+               for w in layer.weights()]
+        assert got == [True, False, False], (how, got)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_frozen_expert_needs_no_main_grad(delay):
+    """Megatron gives main_grad to trainable parameters only: a frozen expert has none and gets
+    nothing written; the others get theirs, as the plain layer's gradients."""
+    plain = make_layer()
+    layer = make_layer(fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    for lay in (plain, layer):
+        lay.weight1.requires_grad_(False)
+    for w in (layer.weight0, layer.weight2):
+        w.main_grad = torch.zeros_like(w)
+        w.grad_added_to_main_grad = False
+    layer.weight1.grad_added_to_main_grad = False
+    x, dy = data(1)[0]
+    step(layer, x, dy, RECIPES["current"], False)
+    step(plain, x, dy, RECIPES["current"], False)
+    layer.backward_dw()
+    assert not hasattr(layer.weight1, "main_grad") and layer.weight1.grad is None
+    assert layer.weight1.grad_added_to_main_grad is False
+    for i in (0, 2):
+        w = layer.weights()[i]
+        torch.testing.assert_close(w.main_grad, plain.weights()[i].grad, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(delay_wgrad_compute=True), dict(fuse_wgrad_accumulation=True)],
+                         ids=["deferred", "main_grad"])
+def test_parameters_cast_after_a_forward_still_get_gradients(kw):
+    """.double() after a forward gives the parameters new gradient accumulators: the layer's
+    cached ones must not make backward skip the wgrad."""
+    layer = make_layer(**kw)
+    x, dy = data(1)[0]
+    for w in layer.weights():
+        w.main_grad = torch.zeros_like(w)
+    step(layer, x, dy, None, False)
+    layer.backward_dw()
+    layer.double()
+    for w in layer.weights():
+        w.main_grad, w.grad = torch.zeros_like(w, dtype=torch.float32), None
+    step(layer, x.double(), dy.double(), None, False)
+    layer.backward_dw()
+    w = layer.weight0
+    assert (w.main_grad if layer.fuse_wgrad_accumulation else w.grad).abs().sum() > 0

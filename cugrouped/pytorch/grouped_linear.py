@@ -210,18 +210,27 @@ class _GroupedLinearFn(torch.autograd.Function):
         E, k, n = cfg.num_experts, cfg.k, cfg.n
         nx = E if cfg.list_mode else 1
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
-        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        # the experts whose weight gradient this backward produces: those that need one and,
+        # with side effects (main_grad written, a wgrad queued), whose AccumulateGrad the engine
+        # runs (torch.autograd.grad(y, x) or backward(inputs=...) may leave some or all out)
+        wanted = list(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        if cfg.grad_accs:
+            wanted = [w and (a is None or _engine_will_execute(a))
+                      for w, a in zip(wanted, cfg.grad_accs)]
+        need_wgrad = any(wanted)
         need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
-        if need_wgrad and cfg.grad_accs and not any(map(_engine_will_execute, cfg.grad_accs)):
-            # torch.autograd.grad(y, x) or backward(inputs=...) without the weights: autograd
-            # would drop a returned wgrad, but not main_grad written or a wgrad queued
-            need_wgrad = False
         dy = dy.contiguous()
         dy_list = _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
         main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
-        if cfg.lazy_main_grad and need_wgrad:     # Megatron-FSDP allocates it before backward
-            main_grads = [_check_main_grad(i, w, w.get_main_grad()) for i, w in enumerate(ctx.ws)]
+        if cfg.fuse_wgrad and need_wgrad:
+            # Megatron-FSDP allocates main_grad before backward (lazy); an expert without a
+            # wgrad here (frozen, or left out by autograd) gets a scratch output instead
+            main_grads = [
+                (_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
+                 else main_grads[i]) if wanted[i]
+                else torch.empty(w.shape, dtype=torch.float32, device=w.device)
+                for i, w in enumerate(ctx.ws)]
         x_dtype = ctx.x_dtype
 
         def hp_wgrad(x_list):
@@ -302,9 +311,11 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))
         if wgrad_fn is not None:
             if cfg.wgrad_store is not None:
-                cfg.wgrad_store.put(wgrad_fn)   # GroupedLinear.backward_dw() runs it
+                cfg.wgrad_store.put((wgrad_fn, wanted))   # GroupedLinear.backward_dw() runs it
             else:
                 dws = wgrad_fn()
+                if dws is not None:
+                    dws = [g if want else None for g, want in zip(dws, wanted)]
         if cfg.fuse_wgrad and need_wgrad:
             # TransformerEngine's contract with Megatron: a weight that carries the
             # grad_added_to_main_grad attribute gets it set and an (uninitialised) dummy gradient,
@@ -312,7 +323,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             # tensor per weight: AccumulateGrad steals it (a shared one would be copied).
             dws = [None] * E
             for i, w in enumerate(ctx.ws):
-                if hasattr(w, "grad_added_to_main_grad"):
+                if wanted[i] and hasattr(w, "grad_added_to_main_grad"):
                     w.grad_added_to_main_grad = True
                     # zeros where Megatron adds the dummy into main_grad anyway
                     dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
@@ -337,7 +348,12 @@ def _check_main_grad(i: int, w: torch.Tensor, g) -> torch.Tensor:
 
 
 def _engine_will_execute(node) -> bool:
-    return torch._C._will_engine_execute_node(node)
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        # torch.autograd.grad() asked for this leaf itself ("not supported" for leaves it
+        # captures): it does want the gradient
+        return True
 
 
 def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, rows, dtype) -> list:
@@ -574,7 +590,7 @@ class GroupedLinear(torch.nn.Module):
                         moved = t.to(device=moved.device)
                     t = moved
                 self._buffers[f"fp8_{n}"] = t
-        self._fp8_weight_cache = None
+        self._fp8_weight_cache = self._grad_acc_cache = None
         return self
 
     def _set_state(self, st: DelayedScalingState | None) -> None:
@@ -798,21 +814,22 @@ class GroupedLinear(torch.nn.Module):
         return {**state, "_grad_acc_cache": None}
 
     def _grad_accumulators(self, ws) -> tuple:
-        """The trainable weights' AccumulateGrad nodes (cached per parameter set), with which
-        backward skips a fused or deferred wgrad that autograd was not asked for; () when
-        neither is on, under torch.compile, or for weights that are not leaves."""
+        """The weights' AccumulateGrad nodes (None for a frozen one; cached per parameter set),
+        with which backward skips a fused or deferred wgrad that autograd was not asked for; ()
+        when neither is on, under torch.compile, or for weights that are not leaves."""
         if not (self.fuse_wgrad_accumulation or self.delay_wgrad_compute) or \
                 not torch.is_grad_enabled() or torch.compiler.is_compiling() or \
                 not hasattr(torch._C, "_will_engine_execute_node"):
             return ()
-        key = tuple((w, w.requires_grad) for w in ws)
+        # torch makes a parameter a new accumulator when its data changes dtype or device
+        key = tuple((w, w.requires_grad, w.dtype, w.device) for w in ws)
         cache = self._grad_acc_cache
         if cache is None or len(cache[0]) != len(key) or any(
-                a is not b or ra != rb for (a, ra), (b, rb) in zip(cache[0], key)):
+                a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(cache[0], key)):
             if any(w.grad_fn is not None for w in ws):
                 return ()
-            accs = tuple(w.expand_as(w).grad_fn.next_functions[0][0] for w in ws
-                         if w.requires_grad)
+            accs = tuple(w.expand_as(w).grad_fn.next_functions[0][0] if w.requires_grad else None
+                         for w in ws)
             self._grad_acc_cache = cache = (key, accs)
         return cache[1]
 
@@ -839,10 +856,11 @@ class GroupedLinear(torch.nn.Module):
         if not self.delay_wgrad_compute or not self.wgrad_store:
             return
         with torch.no_grad():      # grads are plain tensors, as autograd's
-            dws = self.wgrad_store.pop()()
+            fn, wanted = self.wgrad_store.pop()
+            dws = fn()
             if dws is not None:
-                for w, dw in zip(self.weights(), dws):
-                    if not w.requires_grad:         # a frozen expert: no grad, as in backward
+                for w, dw, want in zip(self.weights(), dws, wanted):
+                    if not want:       # frozen, or not asked for by that backward
                         continue
                     if w.grad is None:
                         w.grad = dw
@@ -904,8 +922,9 @@ class GroupedLinear(torch.nn.Module):
                 raise RuntimeError("fuse_wgrad_accumulation: Megatron-FSDP's lazily allocated "
                                    "main_grad is not supported under torch.compile")
             return True, True, ()
+        # a frozen expert needs none (Megatron gives main_grad to trainable parameters only)
         return True, False, tuple(_check_main_grad(i, w, getattr(w, "main_grad", None))
-                                  for i, w in enumerate(ws))
+                                  if w.requires_grad else None for i, w in enumerate(ws))
 
     def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
                      first, accumulate_main_grad):
