@@ -1,0 +1,311 @@
+"""The autograd function behind :class:`~cugrouped.pytorch.GroupedLinear` (one forward and one
+backward for all experts; see grouped_linear.py's docstring for the launches), its hashable
+configuration, and the queue of deferred weight gradients."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from . import _custom_ops as cops
+from .fp8_state import GRAD_OUTPUT, INPUT
+
+FP8_ALIGN = 16          # token padding of the transposed copies (the wgrad GEMM reduces over it)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything the autograd function needs that is not a tensor (hashable, for torch.compile)."""
+
+    list_mode: bool
+    num_experts: int
+    k: int
+    n: int
+    has_bias: bool
+    fp8: bool
+    fmt_fwd: str = "e4m3"
+    fmt_bwd: str = "e5m2"
+    margin: int = 0
+    delayed: bool = False
+    amax_compute_algo: str = "max"
+    num_e4m3: int = 0
+    fuse_bias: bool = False
+    fuse_wgrad: bool = False
+    accumulate_main_grad: bool = True   # False: overwrite main_grad (first micro-batch, FSDP)
+    cast_backend: str = "emulate"
+    amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
+    grad_enabled: bool = True       # False (no_grad): the delayed-scaling state is left alone
+    wgrad_store: object = None      # a _WgradStore: backward queues wgrad for backward_dw()
+    bwd_mode: str = "fp8"           # or "hp_wgrad", "high_precision", "dequantized" (recipes)
+    save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
+    grad_accs: tuple = ()           # the weights' AccumulateGrad nodes (fused / deferred wgrad)
+    lazy_main_grad: bool = False    # fused wgrad: main_grad from weight.get_main_grad() in backward
+
+    def unpack(self, flat):
+        E = self.num_experts
+        nx = E if self.list_mode else 1
+        xs, flat = flat[:nx], flat[nx:]
+        ws, flat = flat[:E], flat[E:]
+        bs, flat = (flat[:E], flat[E:]) if self.has_bias else ((), flat)
+        wq, flat = (flat[:3], flat[3:]) if self.fp8 else ((), flat)
+        state, flat = (flat[:4], flat[4:]) if self.delayed else ((), flat)
+        main_grads = flat[:E] if self.fuse_wgrad else ()
+        return xs, ws, bs, wq, state, main_grads
+
+
+def _reduce_amax(amax: torch.Tensor, count: int, group) -> None:
+    """This step's amaxes of the first ``count`` tensors, all-reduced (max) over ``group``."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amax[:count], op=dist.ReduceOp.MAX, group=group)
+
+
+def _split(t: torch.Tensor, m_splits) -> list[torch.Tensor]:
+    return list(torch.split(t, list(m_splits)))
+
+
+class _WgradStore:
+    """The weight-gradient computations that backward deferred (``delay_wgrad_compute``), oldest
+    first. Compared and hashed by identity (it sits in the hashable :class:`_Config`)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self):
+        self._pending = collections.deque()
+
+    def put(self, fn) -> None:
+        self._pending.append(fn)
+
+    def pop(self):
+        return self._pending.popleft()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads)."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, m_splits: tuple, *flat):
+        xs, ws, bs, wq, state, main_grads = cfg.unpack(flat)
+        E = cfg.num_experts
+        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+        nx = len(xs)
+        need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
+        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        ctx.cfg, ctx.m_splits = cfg, m_splits
+        ctx.x_dtype, ctx.w_dtype = xs[0].dtype, ws[0].dtype
+        ctx.b_dtype = bs[0].dtype if bs else None
+        ctx.main_grads = main_grads
+        ctx.ws = ws if cfg.fuse_wgrad else ()
+        if not cfg.fp8:
+            # weights in another dtype than the input (torch.autocast): computed in the input's
+            # dtype, their grads returned in their own
+            wc = [w if w.dtype == xs[0].dtype else w.to(xs[0].dtype) for w in ws]
+            ys = [torch.addmm(b, x, w.t()) if bs else x @ w.t()
+                  for x, w, b in zip(x_list, wc, bs if bs else [None] * E)]
+            y = torch.cat(ys) if E > 1 else ys[0]
+            ctx.save_for_backward(*(xs if need_wgrad else ()), *wc)
+            ctx.saved_x = need_wgrad
+            return y
+        history, amax, scale, scale_inv = state if state else (None,) * 4
+        mode = cfg.bwd_mode
+        # what backward gets of the input: "orig" (the input itself: save_original_input, or a
+        # wgrad in high precision), "rows" (the row-wise FP8 copy fprop used: "dequantized"), or
+        # "t" (the transposed FP8 copy wgrad reads: the default)
+        x_kind = "rows" if mode == "dequantized" else "orig" if (
+            cfg.save_original_input or mode in ("hp_wgrad", "high_precision")) else "t"
+        # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
+        # the next scale update rolls in (forwards may run ahead of their backwards)
+        x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
+            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
+            False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
+        w_data, w_t, w_si = wq
+        y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
+                                 list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
+        if bs and not cfg.fuse_bias:
+            for part, b in zip(_split(y, m_splits), bs):
+                part.add_(b)
+        if cfg.delayed and cfg.grad_enabled and not (
+                need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
+            # no backward will run: fold this step's input and weight amaxes in now (under
+            # no_grad nothing is: evaluation leaves the scales alone, as in TransformerEngine)
+            _reduce_amax(amax, 2 * E, cfg.amax_group)
+            cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                                    cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
+        if not need_wgrad:
+            x_kind, x_saved = "t", (x_t, x_si)                 # empty: nothing kept
+        else:
+            x_saved = {"orig": xs, "rows": (x_data, x_si), "t": (x_t, x_si)}[x_kind]
+        # the weights: "t" (transposed FP8, for the FP8 dgrad), "rows" (dequantized), "orig"
+        w_saved = (w_t, w_si) if mode in ("fp8", "hp_wgrad") else () if not need_dgrad else \
+            ws if mode == "high_precision" else (w_data, w_si)
+        ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg, m_splits = ctx.cfg, ctx.m_splits
+        E, k, n = cfg.num_experts, cfg.k, cfg.n
+        nx = E if cfg.list_mode else 1
+        need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
+        # the experts whose weight gradient this backward produces: those that need one and,
+        # with side effects (main_grad written, a wgrad queued), whose AccumulateGrad the engine
+        # runs (torch.autograd.grad(y, x) or backward(inputs=...) may leave some or all out)
+        wanted = list(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        if cfg.grad_accs:
+            wanted = [w and (a is None or _engine_will_execute(a))
+                      for w, a in zip(wanted, cfg.grad_accs)]
+        need_wgrad = any(wanted)
+        need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
+        dy = dy.contiguous()
+        dy_list = _split(dy, m_splits)
+        dx = dws = dbs = wgrad_fn = None
+        main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
+        if cfg.fuse_wgrad and need_wgrad:
+            # Megatron-FSDP allocates main_grad before backward (lazy); an expert without a
+            # wgrad here (frozen, or left out by autograd) gets a scratch output instead
+            main_grads = [
+                (_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
+                 else main_grads[i]) if wanted[i]
+                else torch.empty(w.shape, dtype=torch.float32, device=w.device)
+                for i, w in enumerate(ctx.ws)]
+        x_dtype = ctx.x_dtype
+
+        def hp_wgrad(x_list):
+            """wgrad from high-precision operands (no FP8, or a backward override)."""
+            if cfg.fuse_wgrad:
+                cops.eager.wgrad_main_grad(x_list, dy_list, main_grads, acc)
+                return None
+            return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
+
+        saved = ctx.saved_tensors
+        if not cfg.fp8 or cfg.bwd_mode in ("high_precision", "dequantized"):
+            # everything in the activation dtype: the plain path, or current scaling's backward
+            # overrides (the original operands, or the forward's FP8 operands dequantized)
+            if not cfg.fp8:
+                xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
+            elif cfg.bwd_mode == "high_precision":
+                xs, ws = saved[:ctx.nx_saved], [w.to(x_dtype) for w in saved[ctx.nx_saved:]]
+                # (empty without dgrad: forward kept no weights)
+            else:
+                xs, ws = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
+                if need_dgrad:
+                    ws = _dequantize(ws[0], ws[1], cfg.fmt_fwd, [n] * E, x_dtype)
+            if need_dgrad:
+                parts = [d @ w for d, w in zip(dy_list, ws)]
+                dx = torch.cat(parts) if E > 1 else parts[0]
+            if need_wgrad:
+                if cfg.fp8 and cfg.bwd_mode == "dequantized":
+                    x_list = _dequantize(xs[0], xs[1], cfg.fmt_fwd, m_splits, x_dtype)
+                else:
+                    x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+
+                def _wgrad():
+                    return hp_wgrad(x_list)
+                wgrad_fn = _wgrad
+            if need_dbias:
+                dbs = [d.sum(0) for d in dy_list]
+        else:
+            xs, (w_t, w_si) = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
+            x_kind = ctx.x_kind
+            fp8_wgrad = need_wgrad and cfg.bwd_mode == "fp8"
+            history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
+            dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
+                dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
+            if cfg.delayed:   # one launch: every tensor of every expert
+                _reduce_amax(amax, 3 * E, cfg.amax_group)
+                cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
+                                        cfg.amax_compute_algo, cfg.margin, 3 * E,
+                                        cfg.cast_backend)
+            if need_dgrad:
+                dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
+                                          k, list(m_splits), x_dtype)
+            if need_wgrad and not fp8_wgrad:        # override_linear_precision: wgrad in high
+                def _wgrad():                       # precision, from the saved input
+                    return hp_wgrad(list(xs) if cfg.list_mode else _split(xs[0], m_splits))
+                wgrad_fn = _wgrad
+            elif need_wgrad:
+                def _wgrad():
+                    if x_kind == "orig":
+                        # save_original_input (current scaling only): the same amax, scale and
+                        # bits as the forward's cast would have given
+                        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+                        _, xt, xsi, _ = cops.eager.fp8_quantize(
+                            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, False, True, False, None,
+                            None, 0, cfg.cast_backend)
+                    else:
+                        xt, xsi = xs
+                    if cfg.fuse_wgrad:
+                        cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                                                       cfg.fmt_bwd, k, n, list(m_splits),
+                                                       main_grads, acc)
+                        return None
+                    return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                                                     cfg.fmt_bwd, k, n, list(m_splits),
+                                                     w_dtype).unbind(0))
+                wgrad_fn = _wgrad
+            if need_dbias:
+                dbs = list(colsum.to(ctx.b_dtype).unbind(0))
+        if wgrad_fn is not None:
+            if cfg.wgrad_store is not None:
+                cfg.wgrad_store.put((wgrad_fn, wanted))   # GroupedLinear.backward_dw() runs it
+            else:
+                dws = wgrad_fn()
+                if dws is not None:
+                    dws = [g if want else None for g, want in zip(dws, wanted)]
+        if cfg.fuse_wgrad and need_wgrad:
+            # TransformerEngine's contract with Megatron: a weight that carries the
+            # grad_added_to_main_grad attribute gets it set and an (uninitialised) dummy gradient,
+            # so that its grad-accumulation hook fires; any other weight gets None. A fresh
+            # tensor per weight: AccumulateGrad steals it (a shared one would be copied).
+            dws = [None] * E
+            for i, w in enumerate(ctx.ws):
+                if wanted[i] and hasattr(w, "grad_added_to_main_grad"):
+                    w.grad_added_to_main_grad = True
+                    # zeros where Megatron adds the dummy into main_grad anyway
+                    dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
+                              else torch.empty_like)(w)
+        dxs = [None] * nx
+        if dx is not None:
+            dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
+        grads = [None, None, *dxs, *(dws if dws is not None else [None] * E)]
+        if cfg.has_bias:
+            grads += dbs if dbs is not None else [None] * E
+        grads += [None] * (len(ctx.needs_input_grad) - len(grads))
+        return tuple(grads)
+
+
+def _check_main_grad(i: int, w: torch.Tensor, g) -> torch.Tensor:
+    if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.shape != w.shape \
+            or g.device != w.device:
+        raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32 "
+                         f"tensor of shape {tuple(w.shape)} on {w.device} (got "
+                         f"{None if g is None else (g.dtype, tuple(g.shape))})")
+    return g
+
+
+def _engine_will_execute(node) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        # torch.autograd.grad() asked for this leaf itself ("not supported" for leaves it
+        # captures): it does want the gradient
+        return True
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, rows, dtype) -> list:
+    """Row-wise FP8 bytes ``(Σ rows, k)`` with one ``scale_inv`` per block of rows -> the blocks
+    in ``dtype`` (float32 products, rounded once, as TransformerEngine's dequantize)."""
+    f8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    return [(part.view(f8).float() * si).to(dtype)
+            for part, si in zip(_split(data, rows), scale_inv.unbind(0))]
