@@ -452,6 +452,50 @@ def test_all_to_all_chunks_forward_and_backward(pool):
             assert res[r][f"grad{l}"][:, 0].tolist() == g
 
 
+def _fsdp2_case(group, recipe: str) -> dict:
+    """GroupedLinear under FSDP2 (``fully_shard``) on the ranks of ``group``, each rank its own
+    input: the full (all-gathered) gradients, and the per-rank inputs."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from cugrouped.pytorch import GroupedLinear
+
+    torch.manual_seed(0)
+    layer = GroupedLinear(4, 32, 48, device="cpu")
+    fully_shard(layer, mesh=None if group is None else
+                torch.distributed.device_mesh.DeviceMesh.from_group(group, "cpu"))
+    rank = dist.get_rank(group)
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(5 + r)) for r in range(2)]
+    rec = RECIPES[recipe]
+    for _ in range(2):                    # twice: FSDP2 frees and re-gathers the parameters
+        for p in layer.parameters():
+            p.grad = None
+        with fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
+            y = layer(xs[rank], [5, 0, 9, 2])
+        y.sum().backward()
+    return {n: p.grad.full_tensor() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_grouped_linear_under_fsdp2(recipe, pool):
+    """FSDP2 frees the unsharded parameters after backward with ``storage.resize_(0)``: the
+    layer's CPU path must leave their storage resizable (``Tensor.numpy()`` does not), and the
+    reduced gradients equal the mean of the per-rank gradients of the plain layer."""
+    from cugrouped.pytorch import GroupedLinear
+
+    res = pool().run("_fsdp2_case", (0, 1), recipe)
+    torch.manual_seed(0)
+    ref = GroupedLinear(4, 32, 48, device="cpu")
+    rec = RECIPES[recipe]
+    for r in range(2):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(5 + r))
+        with fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
+            ref(x, [5, 0, 9, 2]).sum().backward()
+    for name, p in ref.named_parameters():
+        for r in range(2):
+            assert torch.allclose(res[r][name], p.grad / 2, rtol=1e-5, atol=1e-6), (name, r)
+
+
 def _amax_reduction_case(group, reduce):
     """One delayed-scaling step of a GroupedLinear replicated on every rank (same weights), each
     rank with its own input scaled by (rank + 1); ``fp8_group`` = the world when ``reduce``

@@ -34,6 +34,16 @@ def test_writes_through_the_view_reach_the_tensor():
     assert t[2].item() == 1.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_views_leave_the_storage_resizable(dtype):
+    """FSDP2 frees unsharded parameters with storage.resize_(0): a view made for an op must not
+    mark the storage non-resizable (Tensor.numpy() does, for good)."""
+    t = torch.zeros(4, 8).to(dtype)
+    to_array(t)
+    assert t.untyped_storage().resizable()
+    t.untyped_storage().resize_(0)
+
+
 def test_launch_context_is_a_no_op_on_cpu():
     with launch_context(torch.device("cpu")):
         pass

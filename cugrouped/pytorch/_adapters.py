@@ -1,6 +1,7 @@
 """torch <-> NumPy / CuPy with zero copies, and the stream the ops launch on.
 
-* CPU tensors become NumPy views (``Tensor.numpy()`` on the detached tensor: same memory).
+* CPU tensors become NumPy views (``np.from_dlpack`` of the detached tensor: same memory, and
+  the tensor's storage stays resizable, unlike after ``Tensor.numpy()``).
   bfloat16 and float8 tensors go through an integer view of the same bytes and come out with
   ml_dtypes' ``bfloat16`` / ``float8_e4m3fn`` / ``float8_e5m2`` dtypes, which the ops read directly.
 * CUDA tensors become CuPy arrays through DLPack (same device pointer). CuPy has no bfloat16 or
@@ -45,9 +46,11 @@ def to_array(t: torch.Tensor) -> tuple[Any, str | None]:
     t = t.detach()
     carrier = _CARRIER.get(t.dtype)
     if t.device.type == "cpu":
+        # np.from_dlpack, not Tensor.numpy(): .numpy() marks the storage non-resizable for
+        # good, which breaks FSDP2 (it frees unsharded parameters with storage.resize_(0))
         if carrier is None:
-            return t.numpy(), None
-        return t.view(carrier[0]).numpy().view(carrier[1]), None
+            return np.from_dlpack(t), None
+        return np.from_dlpack(t.view(carrier[0])).view(carrier[1]), None
     if t.device.type != "cuda":
         raise ValueError(f"tensors on {t.device} are not supported (expected cuda or cpu)")
     import cupy
