@@ -669,6 +669,23 @@ def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
         dst.load_state_dict(te_style)
 
 
+def test_inference_mode_then_training():
+    """torch.inference_mode first (the FP8 state made there, a weight copy cached with
+    is_first_microbatch=True), then training that reuses the cache: autograd may not save
+    inference tensors, so neither the state nor a copy used for training is one; the training
+    step equals that of a layer that never ran in inference mode."""
+    rec, sp = DelayedScaling(amax_history_len=4), [5, 0, 9]
+    x = torch.randn(14, 32)
+    a, b = make_layer(3), make_layer(3)
+    with torch.inference_mode(), fp8_autocast(fp8_recipe=rec):
+        a(x, sp, is_first_microbatch=True)
+    assert not a.fp8_scale.is_inference()
+    with torch.no_grad(), fp8_autocast(fp8_recipe=rec):
+        b(x, sp, is_first_microbatch=True)
+    assert_bits_equal(run(a, x, sp, rec, False, is_first_microbatch=False),
+                      run(b, x, sp, rec, False, is_first_microbatch=False))
+
+
 def test_megatron_recipe_arguments_are_accepted():
     """Megatron-LM builds TransformerEngine recipes with these arguments (fp8_wgrad on)."""
     rec = DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max",

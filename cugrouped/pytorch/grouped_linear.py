@@ -270,10 +270,11 @@ class GroupedLinear(torch.nn.Module):
         if st is not None and st.matches(recipe, self.num_gemms):
             self._fp8_recipe = recipe
             return self.fp8_state()
-        if st is not None and st.compatible(recipe, self.num_gemms):
-            st = st.with_history_len(recipe)
-        else:
-            st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
+        with torch.inference_mode(False):        # not inference tensors: training updates them
+            if st is not None and st.compatible(recipe, self.num_gemms):
+                st = st.with_history_len(recipe)
+            else:
+                st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
         self._set_state(st)
         return st
 
@@ -417,7 +418,9 @@ class GroupedLinear(torch.nn.Module):
                      recompute=False):
         """(w_data, w_t, w_scale_inv): cast now, or reused with ``is_first_microbatch=False``
         (a checkpoint's recomputation reads the cache but does not write it)."""
-        key = (recipe, cast_backend)
+        # a copy cast under torch.inference_mode is an inference tensor, which autograd may not
+        # save: it is used only under inference_mode again
+        key = (recipe, cast_backend, torch.is_inference_mode_enabled())
         cache = self._fp8_weight_cache
         if is_first_microbatch is False and cache is not None and cache[0] == key:
             return cache[1]
