@@ -270,7 +270,8 @@ class GroupedLinear(torch.nn.Module):
         if st is not None and st.matches(recipe, self.num_gemms):
             self._fp8_recipe = recipe
             return self.fp8_state()
-        with torch.inference_mode(False):        # not inference tensors: training updates them
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else \
+                torch.inference_mode(False):      # not inference tensors: training updates them
             if st is not None and st.compatible(recipe, self.num_gemms):
                 st = st.with_history_len(recipe)
             else:
@@ -420,7 +421,8 @@ class GroupedLinear(torch.nn.Module):
         (a checkpoint's recomputation reads the cache but does not write it)."""
         # a copy cast under torch.inference_mode is an inference tensor, which autograd may not
         # save: it is used only under inference_mode again
-        key = (recipe, cast_backend, torch.is_inference_mode_enabled())
+        key = (recipe, cast_backend,
+               not torch.compiler.is_compiling() and torch.is_inference_mode_enabled())
         cache = self._fp8_weight_cache
         if is_first_microbatch is False and cache is not None and cache[0] == key:
             return cache[1]
