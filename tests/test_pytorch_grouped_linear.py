@@ -669,6 +669,25 @@ def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
         dst.load_state_dict(te_style)
 
 
+def test_distributed_checkpoint_round_trip(tmp_path):
+    """torch.distributed.checkpoint (single process): weights and the delayed-scaling state come
+    back bit for bit into a fresh layer whose FP8 state was created first."""
+    import torch.distributed.checkpoint as dcp
+
+    rec, sp = DelayedScaling(amax_history_len=4), [4, 0, 6]
+    src = make_layer(3)
+    for _ in range(2):
+        run(src, torch.randn(10, 32), sp, rec, False)
+    dcp.save(src.state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    dst = make_layer(3, seed=1)
+    dst.init_fp8_state(rec)
+    sd = dst.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path), no_dist=True)
+    dst.load_state_dict(sd)
+    for name in ("weight0", "bias2", "fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv"):
+        assert_bits_equal(getattr(dst, name).detach(), getattr(src, name).detach(), name)
+
+
 def test_inference_mode_then_training():
     """torch.inference_mode first (the FP8 state made there, a weight copy cached with
     is_first_microbatch=True), then training that reuses the cache: autograd may not save

@@ -305,6 +305,10 @@ class GroupedLinear(torch.nn.Module):
         self._fp8_weight_cache = None
 
     def get_extra_state(self):
+        """The delayed-scaling state as a dict of tensors (None without one). Its structure
+        depends on whether a state exists: before ``torch.distributed.checkpoint.load`` into a
+        fresh layer, create it with :meth:`init_fp8_state` (DCP loads into the keys the target
+        has)."""
         st = self.fp8_state()
         return None if st is None else st.to_dict()
 
