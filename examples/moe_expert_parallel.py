@@ -16,8 +16,12 @@ also runs that unsharded block on every rank's tokens and verifies that this ran
 bit-identical to it. That holds on CPUs, and on one GPU; with several GPU ranks it is not promised:
 the unsharded block's router multiplies W times more rows than a rank's, and cuBLAS may pick
 another kernel for that shape (other last bits in the logits, so a near-tie can route a token to
-another expert); the check then reports the largest difference. The training loop sums the replicated router's gradient over the ranks (DDP
-would do it) and leaves each expert's gradient on its owner.
+another expert); the check then reports the largest difference. The training loop sums the
+replicated router's gradient over the ranks (DDP would do it) and leaves each expert's gradient on
+its owner. ``--all-to-all single`` sends one all-to-all for all local experts (the default sends
+one per expert); ``--recompute`` recomputes the block in backward (``cugrouped.pytorch.checkpoint``);
+``--delay-wgrad`` computes the experts' weight gradients after backward (``backward_dw()``).
+Compare the per-step times of these choices on a multi-GPU machine.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cugrouped.pytorch import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from cugrouped.pytorch import DelayedScaling, Float8CurrentScaling, checkpoint, fp8_autocast
 from cugrouped.pytorch.moe import MoEFeedForward
 
 
@@ -49,6 +53,10 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--all-to-all", default="per_expert", choices=["per_expert", "single"],
                    help="one all-to-all per local expert, or one for all (regrouped by a copy)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute the block in backward (cugrouped.pytorch.checkpoint)")
+    p.add_argument("--delay-wgrad", action="store_true",
+                   help="experts' weight gradients after backward, through backward_dw()")
     p.add_argument("--check", action="store_true",
                    help="compare this rank's outputs with the unsharded block")
     return p.parse_args()
@@ -75,7 +83,8 @@ def main():
     def build(group):
         return MoEFeedForward(args.hidden, args.ffn, experts, args.top_k,
                               activation=args.activation, group=group, params_dtype=dtype,
-                              device=device, all_to_all=args.all_to_all)
+                              device=device, all_to_all=args.all_to_all,
+                              delay_wgrad_compute=args.delay_wgrad)
 
     # The unsharded block (all experts) from one seed, then this rank's shard of it.
     # (new_group is collective: every rank creates every one-rank group, and keeps its own)
@@ -89,7 +98,8 @@ def main():
     if rank == 0:
         print(f"{world} ranks, {experts} experts ({moe.num_local_experts} per rank), top-{args.top_k}, "
               f"hidden {args.hidden}, ffn {args.ffn}, {tokens} tokens per rank, {dtype}, "
-              f"fp8={args.fp8}, all_to_all={args.all_to_all}, backend {args.backend}", flush=True)
+              f"fp8={args.fp8}, all_to_all={args.all_to_all}, recompute={args.recompute}, "
+              f"delay_wgrad={args.delay_wgrad}, backend {args.backend}", flush=True)
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     all_x = torch.randn(world, tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)
@@ -120,9 +130,10 @@ def main():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            y = moe(x)
+            y = checkpoint(moe, x) if args.recompute else moe(x)
         loss = torch.nn.functional.mse_loss(y.float(), target.float())
         loss.backward()
+        moe.backward_dw()                         # no-op without --delay-wgrad
         for p in moe.router.parameters():         # the replicated router: average over ranks
             dist.all_reduce(p.grad)
             p.grad /= world

@@ -664,7 +664,7 @@ def test_example_runs_under_torchrun_on_cpu():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "examples" / "moe_expert_parallel.py"), "--backend", "gloo", "--device",
            "cpu", "--steps", "2", "--fp8", "current", "--check", "--hidden", "32", "--ffn", "64",
-           "--tokens", "16", "--all-to-all", "single"]
+           "--tokens", "16", "--all-to-all", "single", "--recompute", "--delay-wgrad"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
@@ -672,4 +672,5 @@ def test_example_runs_under_torchrun_on_cpu():
         pytest.fail(f"example did not finish in 120 s:\n{exc.stdout}\n{exc.stderr}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2/2 ranks' outputs match the single-process block bit for bit" in res.stdout, res.stdout
-    assert "step 1" in res.stdout and "all_to_all=single" in res.stdout, res.stdout
+    assert "step 1" in res.stdout and "all_to_all=single, recompute=True, delay_wgrad=True" \
+        in res.stdout, res.stdout
