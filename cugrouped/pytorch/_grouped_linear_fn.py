@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import torch
 
@@ -54,13 +55,28 @@ class _Config:
         main_grads = flat[:E] if self.fuse_wgrad else ()
         return xs, ws, bs, wq, state, main_grads
 
+    def expert_rows(self, xs, m_splits) -> list:
+        """The per-expert inputs: the list as given, or the one tensor split by ``m_splits``."""
+        return list(xs) if self.list_mode else _split(xs[0], m_splits)
 
-def _reduce_amax(amax: torch.Tensor, count: int, group) -> None:
-    """This step's amaxes of the first ``count`` tensors, all-reduced (max) over ``group``."""
+
+def num_e4m3(recipe, num_experts: int) -> int:
+    """How many of the 3 E scaling slots (inputs, weights, grad outputs) are E4M3."""
+    return (3 if recipe.fp8_format.backward == "e4m3" else 2) * num_experts
+
+
+def update_scales(state, count: int, group, num_e4m3: int, amax_compute_algo: str, margin: int,
+                  cast_backend: str) -> None:
+    """The delayed-scaling update of the first ``count`` tensors of ``state`` (history, amax,
+    scale, scale_inv): their amaxes all-reduced (max) over ``group`` when one is given, then one
+    launch for all of them."""
+    history, amax, scale, scale_inv = state
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(amax[:count], op=dist.ReduceOp.MAX, group=group)
+    cops.eager.scale_update(history, amax, scale, scale_inv, num_e4m3, amax_compute_algo, margin,
+                            count, cast_backend)
 
 
 def _split(t: torch.Tensor, m_splits) -> list[torch.Tensor]:
@@ -85,9 +101,6 @@ class _WgradStore:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def __bool__(self) -> bool:
-        return bool(self._pending)
-
 
 class _GroupedLinearFn(torch.autograd.Function):
     """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads)."""
@@ -96,7 +109,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, cfg: _Config, m_splits: tuple, *flat):
         xs, ws, bs, wq, state, main_grads = cfg.unpack(flat)
         E = cfg.num_experts
-        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
+        x_list = cfg.expert_rows(xs, m_splits)
         nx = len(xs)
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
         need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
@@ -112,10 +125,10 @@ class _GroupedLinearFn(torch.autograd.Function):
             ys = [torch.addmm(b, x, w.t()) if bs else x @ w.t()
                   for x, w, b in zip(x_list, wc, bs if bs else [None] * E)]
             y = torch.cat(ys) if E > 1 else ys[0]
+            ctx.nx_saved = len(xs) if need_wgrad else 0
             ctx.save_for_backward(*(xs if need_wgrad else ()), *wc)
-            ctx.saved_x = need_wgrad
             return y
-        history, amax, scale, scale_inv = state if state else (None,) * 4
+        _, amax, scale, _ = state if state else (None,) * 4
         mode = cfg.bwd_mode
         # what backward gets of the input: "orig" (the input itself: save_original_input, or a
         # wgrad in high precision), "rows" (the row-wise FP8 copy fprop used: "dequantized"), or
@@ -137,9 +150,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                 need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
             # no backward will run: fold this step's input and weight amaxes in now (under
             # no_grad nothing is: evaluation leaves the scales alone, as in TransformerEngine)
-            _reduce_amax(amax, 2 * E, cfg.amax_group)
-            cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
-                                    cfg.amax_compute_algo, cfg.margin, 2 * E, cfg.cast_backend)
+            update_scales(state, 2 * E, cfg.amax_group, cfg.num_e4m3, cfg.amax_compute_algo,
+                          cfg.margin, cfg.cast_backend)
         if not need_wgrad:
             x_kind, x_saved = "t", (x_t, x_si)                 # empty: nothing kept
         else:
@@ -191,15 +203,12 @@ class _GroupedLinearFn(torch.autograd.Function):
         if not cfg.fp8 or cfg.bwd_mode in ("high_precision", "dequantized"):
             # everything in the activation dtype: the plain path, or current scaling's backward
             # overrides (the original operands, or the forward's FP8 operands dequantized)
-            if not cfg.fp8:
-                xs, ws = (saved[:nx], saved[nx:]) if ctx.saved_x else ((), saved)
-            elif cfg.bwd_mode == "high_precision":
-                xs, ws = saved[:ctx.nx_saved], [w.to(x_dtype) for w in saved[ctx.nx_saved:]]
-                # (empty without dgrad: forward kept no weights)
-            else:
-                xs, ws = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
-                if need_dgrad:
-                    ws = _dequantize(ws[0], ws[1], cfg.fmt_fwd, [n] * E, x_dtype)
+            xs, ws = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
+            # (without dgrad the overrides' forward kept no weights)
+            if cfg.fp8 and cfg.bwd_mode == "high_precision":
+                ws = [w.to(x_dtype) for w in ws]
+            elif cfg.fp8 and need_dgrad:                   # "dequantized"
+                ws = _dequantize(ws[0], ws[1], cfg.fmt_fwd, [n] * E, x_dtype)
             if need_dgrad:
                 parts = [d @ w for d, w in zip(dy_list, ws)]
                 dx = torch.cat(parts) if E > 1 else parts[0]
@@ -207,42 +216,34 @@ class _GroupedLinearFn(torch.autograd.Function):
                 if cfg.fp8 and cfg.bwd_mode == "dequantized":
                     x_list = _dequantize(xs[0], xs[1], cfg.fmt_fwd, m_splits, x_dtype)
                 else:
-                    x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
-
-                def _wgrad():
-                    return hp_wgrad(x_list)
-                wgrad_fn = _wgrad
+                    x_list = cfg.expert_rows(xs, m_splits)
+                wgrad_fn = functools.partial(hp_wgrad, x_list)
             if need_dbias:
                 dbs = [d.sum(0) for d in dy_list]
         else:
             xs, (w_t, w_si) = saved[:ctx.nx_saved], saved[ctx.nx_saved:]
             x_kind = ctx.x_kind
             fp8_wgrad = need_wgrad and cfg.bwd_mode == "fp8"
-            history, amax, scale, scale_inv = ctx.state if ctx.state else (None,) * 4
+            _, amax, scale, _ = ctx.state if ctx.state else (None,) * 4
             dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
                 dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
                 fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
             if cfg.delayed:   # one launch: every tensor of every expert
-                _reduce_amax(amax, 3 * E, cfg.amax_group)
-                cops.eager.scale_update(history, amax, scale, scale_inv, cfg.num_e4m3,
-                                        cfg.amax_compute_algo, cfg.margin, 3 * E,
-                                        cfg.cast_backend)
+                update_scales(ctx.state, 3 * E, cfg.amax_group, cfg.num_e4m3,
+                              cfg.amax_compute_algo, cfg.margin, cfg.cast_backend)
             if need_dgrad:
                 dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
                                           k, list(m_splits), x_dtype)
             if need_wgrad and not fp8_wgrad:        # override_linear_precision: wgrad in high
-                def _wgrad():                       # precision, from the saved input
-                    return hp_wgrad(list(xs) if cfg.list_mode else _split(xs[0], m_splits))
-                wgrad_fn = _wgrad
+                wgrad_fn = functools.partial(hp_wgrad, cfg.expert_rows(xs, m_splits))  # precision
             elif need_wgrad:
                 def _wgrad():
                     if x_kind == "orig":
                         # save_original_input (current scaling only): the same amax, scale and
                         # bits as the forward's cast would have given
-                        x_list = list(xs) if cfg.list_mode else _split(xs[0], m_splits)
                         _, xt, xsi, _ = cops.eager.fp8_quantize(
-                            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, False, True, False, None,
-                            None, 0, cfg.cast_backend)
+                            cfg.expert_rows(xs, m_splits), cfg.fmt_fwd, cfg.margin, FP8_ALIGN,
+                            False, True, False, None, None, 0, cfg.cast_backend)
                     else:
                         xt, xsi = xs
                     if cfg.fuse_wgrad:

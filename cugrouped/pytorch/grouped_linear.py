@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from . import _custom_ops as cops
-from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _reduce_amax, _split,
-                                 _WgradStore)
+from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _split, _WgradStore,
+                                 num_e4m3, update_scales)
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
 from .recipe import (DelayedScaling, Float8CurrentScaling, get_calibration_recipe, get_fp8_group,
@@ -613,11 +613,10 @@ class GroupedLinear(torch.nn.Module):
                                     ([w.detach() for w in self.weights()], WEIGHT * E)):
                 cops.eager.fp8_quantize(tensors, fmt, recipe.margin, 1, True, False, False,
                                         self.fp8_scale, self.fp8_amax, offset, backend, True)
-            _reduce_amax(self.fp8_amax, 2 * E, get_fp8_group() if recipe.reduce_amax else None)
-            num_e4m3 = 3 * E if recipe.fp8_format.backward == "e4m3" else 2 * E
-            cops.eager.scale_update(self.fp8_amax_history, self.fp8_amax, self.fp8_scale,
-                                    self.fp8_scale_inv, num_e4m3, recipe.amax_compute_algo,
-                                    recipe.margin, 2 * E, backend)
+            update_scales((self.fp8_amax_history, self.fp8_amax, self.fp8_scale,
+                           self.fp8_scale_inv), 2 * E,
+                          get_fp8_group() if recipe.reduce_amax else None, num_e4m3(recipe, E),
+                          recipe.amax_compute_algo, recipe.margin, backend)
         self._fp8_weight_cache = None
 
     def _main_grads(self, ws) -> tuple[bool, bool, tuple]:
@@ -665,10 +664,10 @@ class GroupedLinear(torch.nn.Module):
             scale, recompute = delayed_scale_for(self, self.fp8_scale)
             amax = None if recompute else self.fp8_amax
             state = (self.fp8_amax_history, self.fp8_amax, scale, self.fp8_scale_inv)
-            num_e4m3 = 3 * E if recipe.fp8_format.backward == "e4m3" else 2 * E
+            n_e4m3 = num_e4m3(recipe, E)
         else:
             assert isinstance(recipe, Float8CurrentScaling)
-            num_e4m3, recompute = 0, False
+            n_e4m3, recompute = 0, False
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
         # TransformerEngine's backward overrides: the wgrad GEMM (override_linear_precision), or
         # the whole backward (current scaling's backward_override), in the activation dtype
@@ -679,7 +678,7 @@ class GroupedLinear(torch.nn.Module):
         fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
         cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
-                      recipe.amax_compute_algo if delayed else "max", num_e4m3, fuse_bias,
+                      recipe.amax_compute_algo if delayed else "max", n_e4m3, fuse_bias,
                       fuse, accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
