@@ -205,8 +205,9 @@ CG_HOST_DEVICE bool amax_usable(float amax) {
 //   from the exact value, so there is no tininess-before/after-rounding ambiguity).
 // Every decision is taken on bits, so the GPU (FTZ comparisons) and the CPU agree by construction;
 // the only float operation is the division.
+
 template <Fp8Format F>
-CG_HOST_DEVICE float compute_scale(float amax, int margin) {
+CG_HOST_DEVICE float compute_scale_no_options(float amax, int margin) {
     if (!amax_usable(amax)) return 1.f;
     const u32 q = f32_bits(Fp8Traits<F>::max / amax);  // positive normal or +inf
     if (q >= 0x7F800000u) return bits_f32(kFltMaxBits);
@@ -215,6 +216,21 @@ CG_HOST_DEVICE float compute_scale(float amax, int margin) {
     if (e >= 255) return bits_f32(kFltMaxBits);
     if (e <= 0) return 0.f;
     return bits_f32((q & 0x007FFFFFu) | ((u32)e << 23));
+}
+
+// Two options of TransformerEngine's current scaling (its QParams), both off by default:
+// * amax_epsilon (0 or a positive normal float32, checked by the host): an amax below it (after
+//   FTZ: zero, denormal and negative included; NaN and inf are not below anything) is raised to
+//   it first, so an all-zero tensor gets fp8_max / amax_epsilon rather than 1. The comparison
+//   involves no denormal operand, so FTZ cannot change it.
+// * power_2: the final scale rounded down to a power of two by clearing its mantissa (exact;
+//   1 and 0 stay, FLT_MAX becomes 2^127), so that scaling and unscaling lose no bits.
+template <Fp8Format F>
+CG_HOST_DEVICE float compute_scale(float amax, int margin, float amax_epsilon = 0.f,
+                                   bool power_2 = false) {
+    if (amax_epsilon > 0.f && ftz(amax) < amax_epsilon) amax = amax_epsilon;
+    const float s = compute_scale_no_options<F>(amax, margin);
+    return power_2 ? bits_f32(f32_bits(s) & 0xFF800000u) : s;
 }
 
 // scale_inv = 1 / scale, float32, with the FTZ of the GPU on operand and result.

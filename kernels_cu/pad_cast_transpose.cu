@@ -17,8 +17,9 @@
 // writes its amax, scale_inv and (zero) column sums.
 //
 // Modes (template parameter MODE):
-//   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax) and
-//                  scale_inv, written by the last tile of each expert; nothing else is written;
+//   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax, margin,
+//                  amax_epsilon, power_2_scale) (fp8.cuh) and scale_inv, written by the last
+//                  tile of each expert; nothing else is written;
 //   PCT_CAST       second pass of current scaling: cast with the scale the first pass wrote;
 //   PCT_CAST_AMAX  delayed scaling (caller's scales): cast and amax fused, scale_inv written;
 //                  with amax_accumulate != 0 the amax is max-merged into amax[e] instead of
@@ -220,6 +221,8 @@ constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum) {
 template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false>
 __global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
+                          const float amax_epsilon,  // AMAX_ONLY: compute_scale's options
+                          const i32 power_2_scale,
                           float* __restrict__ scale,       // read (CAST, CAST_AMAX) or written (AMAX_ONLY)
                           float* __restrict__ amax,        // written (AMAX_ONLY, CAST_AMAX)
                           float* __restrict__ scale_inv,   // written (AMAX_ONLY, CAST_AMAX)
@@ -459,7 +462,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                     amax[e] = a;
                 }
                 if (MODE == PctMode::AMAX_ONLY) {
-                    const float sc = compute_scale<FMT>(a, margin);
+                    const float sc = compute_scale<FMT>(a, margin, amax_epsilon, power_2_scale != 0);
                     scale[e] = sc;
                     scale_inv[e] = scale_inverse(sc);
                 } else {

@@ -67,6 +67,13 @@ void compute_scale_array(const float* amax, u64 n, int fmt, int margin, float* o
                           : compute_scale<Fp8Format::E5M2>(amax[i], margin);
 }
 
+void compute_scale_options_array(const float* amax, u64 n, int fmt, int margin, float eps,
+                                 int power_2, float* out) {
+    for (u64 i = 0; i < n; ++i)
+        out[i] = fmt == 0 ? compute_scale<Fp8Format::E4M3>(amax[i], margin, eps, power_2 != 0)
+                          : compute_scale<Fp8Format::E5M2>(amax[i], margin, eps, power_2 != 0);
+}
+
 void scale_inverse_array(const float* s, u64 n, float* out) {
     for (u64 i = 0; i < n; ++i) out[i] = scale_inverse(s[i]);
 }

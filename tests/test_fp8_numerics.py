@@ -57,10 +57,14 @@ class Harness:
         lib.bf16_to_float_all.argtypes = [u32p]
         lib.half_to_float_all.argtypes = [u32p]
         lib.compute_scale_array.argtypes = [f32p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, f32p]
+        lib.compute_scale_options_array.argtypes = [f32p, ctypes.c_uint64, ctypes.c_int,
+                                                    ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                                    f32p]
         lib.scale_inverse_array.argtypes = [f32p, ctypes.c_uint64, f32p]
         lib.ftz_array.argtypes = [f32p, ctypes.c_uint64, f32p]
         for f in ("convert_range", "convert_bits", "convert_pairs", "fp8_to_float_all",
                   "bf16_to_float_all", "half_to_float_all", "compute_scale_array",
+                  "compute_scale_options_array",
                   "scale_inverse_array", "ftz_array"):
             getattr(lib, f).restype = None
         self.lib = lib
@@ -94,11 +98,19 @@ class Harness:
         getattr(self.lib, name)(_ptr(out, u32p))
         return out
 
-    def compute_scale(self, amax: np.ndarray, fmt: str, margin: int) -> np.ndarray:
+    def compute_scale(self, amax: np.ndarray, fmt: str, margin: int, amax_epsilon=None,
+                      power_2_scale=False) -> np.ndarray:
+        """``cg::compute_scale``; with ``amax_epsilon`` given (even 0), its four-argument form."""
         amax = np.ascontiguousarray(amax, dtype=np.float32)
         out = np.empty_like(amax)
-        self.lib.compute_scale_array(_ptr(amax, f32p), amax.size, ref.FP8_FORMAT_ID[fmt], margin,
-                                     _ptr(out, f32p))
+        if amax_epsilon is None and not power_2_scale:
+            self.lib.compute_scale_array(_ptr(amax, f32p), amax.size, ref.FP8_FORMAT_ID[fmt],
+                                         margin, _ptr(out, f32p))
+        else:
+            self.lib.compute_scale_options_array(_ptr(amax, f32p), amax.size,
+                                                 ref.FP8_FORMAT_ID[fmt], margin,
+                                                 float(amax_epsilon or 0.0), int(power_2_scale),
+                                                 _ptr(out, f32p))
         return out
 
     def scale_inverse(self, s: np.ndarray) -> np.ndarray:
@@ -355,6 +367,39 @@ def test_compute_scale_edges(harness, fmt, margin):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     inv = harness.scale_inverse(got)
     np.testing.assert_array_equal(inv.view(np.uint32), ref.scale_inverse(got).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 3, -1, 130])
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 1.1754944e-38, 0.5, 448.0, 3.4028235e38])
+@pytest.mark.parametrize("power_2", [False, True])
+def test_compute_scale_options_edges(harness, fmt, margin, eps, power_2):
+    """TransformerEngine's amax_epsilon / power_2_scale: the kernel's function and the reference
+    agree bit for bit on the edge amaxes (zeros, denormals, inf, NaN, huge) and random ones."""
+    amax = np.concatenate([EDGE_AMAX, np.abs(random_bits(4096, seed=7).view(np.float32)),
+                           np.array([eps, np.nextafter(np.float32(eps), np.float32(0))],
+                                    np.float32)])
+    got = harness.compute_scale(amax, fmt, margin, eps, power_2)
+    want = ref.compute_scale(amax, fmt, margin, eps, power_2)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if power_2:   # a power of two (or 0): the mantissa is empty
+        assert not (got.view(np.uint32) & np.uint32(0x007FFFFF)).any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compute_scale_options_semantics(harness, fmt):
+    mx = np.float32(ref.FP8_MAX[fmt])
+    s = lambda a, eps=0.0, p2=False, m=0: harness.compute_scale(  # noqa: E731
+        np.array([a], np.float32), fmt, m, eps, p2)[0]
+    assert s(0.0, 1e-4) == np.float32(mx / np.float32(1e-4))   # zero amax: fp8_max / epsilon
+    assert s(1e-40, 1e-4) == s(0.0, 1e-4) == s(-0.0, 1e-4) == s(1e-5, 1e-4)
+    assert s(2.0, 1e-4) == mx / 2                               # above epsilon: unchanged
+    assert s(np.nan, 1e-4) == 1.0 and s(np.inf, 1e-4) == 1.0    # NaN / inf: not below epsilon
+    assert s(0.0) == 1.0                                        # no epsilon: 1, as before
+    assert s(3.0, p2=True) == 128.0 if fmt == "e4m3" else s(3.0, p2=True) == 16384.0
+    assert s(1.0, p2=True) == (256.0 if fmt == "e4m3" else 32768.0)   # 448 -> 256, 57344 -> 2^15
+    assert s(0.0, p2=True) == 1.0 and s(1e-37, p2=True) == 2.0 ** 127  # FLT_MAX -> 2^127
+    assert s(1.0, p2=True, m=2) == (64.0 if fmt == "e4m3" else 8192.0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

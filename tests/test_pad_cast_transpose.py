@@ -383,6 +383,16 @@ def test_group_struct_layout_matches_on_host_and_device():
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=1),
      TypeError, "amax_accumulate"),
     (lambda x: reference.multi_pad_cast_transpose(x, amax_accumulate=True), ValueError, "amax_accumulate"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_epsilon=-1e-3), ValueError, "amax_epsilon"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_epsilon=1e-40), ValueError, "amax_epsilon"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_epsilon=1e39), ValueError, "amax_epsilon"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_epsilon=float("nan")), ValueError, "amax_epsilon"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_epsilon="1e-3"), TypeError, "amax_epsilon"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, power_2_scale=1), TypeError, "power_2_scale"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), power_2_scale=True),
+     ValueError, r"current scaling \(scale=None\)"),
+    (lambda x: reference.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_epsilon=1.0),
+     ValueError, "amax_epsilon"),
     (lambda x: reference.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=True),
      ValueError, "amax_accumulate"),
 ])
@@ -524,6 +534,60 @@ def test_cuda_amax_accumulate_matches_reference(split, form):
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})
     assert_same_bits(host, want, f"cuda accumulate {split}/{form}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Current scaling's options (TransformerEngine's QParams): amax_epsilon, power_2_scale.
+
+SCALE_OPTIONS = [(0.0, True), (1e-3, False), (0.5, True), (3e3, False)]
+
+
+@pytest.mark.parametrize("eps,power_2", SCALE_OPTIONS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_scale_options_emulated_match_reference(eps, power_2, fmt):
+    """The amax pass computes the scale with the options on the device: the emulated kernel and
+    the reference agree bit for bit (an empty expert, an all-zero one and one of tiny values
+    included: those are where amax_epsilon matters)."""
+    m_splits = [37, 0, 16, 70, 5]
+    xs = make_inputs(m_splits, 48, "bfloat16", seed=11)
+    xs[2] = np.zeros_like(xs[2])
+    xs[4] = (xs[4].astype(np.float32) * np.float32(2.0 ** -20)).astype(xs[4].dtype)
+    kw = dict(fp8_format=fmt, amax_epsilon=eps, power_2_scale=power_2, column_sums=True)
+    want = reference.multi_pad_cast_transpose(xs, **kw)
+    got = cugrouped.multi_pad_cast_transpose(xs, backend="emulate", **kw)
+    assert_same_bits(got, want, f"{eps}/{power_2}")
+    plain = reference.multi_pad_cast_transpose(xs, fp8_format=fmt)
+    fmax = np.float32(reference.fp8.FP8_MAX[fmt])
+    for e in range(len(m_splits)):
+        s = want.scale[e]
+        if power_2:
+            assert s == np.exp2(np.floor(np.log2(s))), (e, s)
+        below = plain.amax[e] < np.float32(eps)
+        if eps and below:     # empty, all-zero and tiny experts: fp8_max / epsilon
+            assert s == reference.fp8.compute_scale(np.float32(eps), fmt, 0, 0.0, power_2), e
+            assert s == (np.exp2(np.floor(np.log2(fmax / np.float32(eps)))) if power_2
+                         else np.float32(fmax / np.float32(eps)))
+        elif not power_2:     # otherwise the options change nothing
+            assert s == plain.scale[e], e
+    # power_2_scale: scale_inv is the exact reciprocal, so x * scale * scale_inv == x exactly
+    if power_2:
+        assert (want.scale * want.scale_inv == 1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eps,power_2", SCALE_OPTIONS)
+def test_cuda_scale_options_match_reference(eps, power_2):
+    import cupy
+
+    m_splits = [37, 0, 16, 70, 5]
+    xs = make_inputs(m_splits, 48, "float32", seed=11)
+    xs[2] = np.zeros_like(xs[2])
+    kw = dict(amax_epsilon=eps, power_2_scale=power_2, column_sums=True)
+    want = reference.multi_pad_cast_transpose(xs, **kw)
+    got = cugrouped.multi_pad_cast_transpose([cupy.asarray(x) for x in xs], **kw)
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_same_bits(host, want, f"cuda options {eps}/{power_2}")
 
 
 # ------------------------------------------------------------------------------------------------

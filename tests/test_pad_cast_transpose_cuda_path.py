@@ -86,10 +86,14 @@ def _fp8_view(res, fmt):
 
 
 @pytest.mark.parametrize("form", ["list", "tensor", "device"])
-@pytest.mark.parametrize("given", [True, False])
+@pytest.mark.parametrize("given", [True, False, "options"])
 @pytest.mark.parametrize("experts", [5, 70])          # one chunk; two chunks (sliced per chunk)
 def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, form, given, experts):
+    """``given="options"``: current scaling with amax_epsilon and power_2_scale (which reach the
+    kernel as its 5th and 6th arguments)."""
     calls, workspaces, scopes = fake_device
+    opts = dict(amax_epsilon=0.75, power_2_scale=True) if given == "options" else {}
+    given = given is True
     rng = np.random.default_rng(experts)
     m_splits = [int(v) for v in rng.integers(0, 40, experts)]
     m_splits[experts // 2] = 0
@@ -101,25 +105,28 @@ def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, f
             "device": (x, np.array(m_splits, np.int64))}[form]
     out = _out_buffers(m_splits, k, align, True, scale, device_splits=form == "device")
     got = on_device(pct.cast_arrays, *args, fp8_format=fmt, scale=scale, align=align,
-                    column_sums=True, out=out, splits_on_device=form == "device" or None)
+                    column_sums=True, out=out, splits_on_device=form == "device" or None, **opts)
     want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, scale=scale, align=align,
-                                              column_sums=True)
+                                              column_sums=True, **opts)
     assert_same_bits(_fp8_view(got, fmt), want, form)
     chunks = -(-experts // pct.MAX_EXPERTS_PER_LAUNCH)
     assert len(calls) == chunks * (1 if given else 2)
     assert scopes == [("cuda", 0)]
     for name, grid, block, a in calls:
         assert block == (pct.THREADS,)
-        # (PctGroup g, i64 k, i32 align, i32 margin, 7 pointers, i32 amax_accumulate)
+        # (PctGroup g, i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale,
+        #  7 pointers, i32 amax_accumulate)
         assert a[0].dtype == pct.group_dtype() and a[0].shape == ()
-        assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32] + [np.uint64] * 7 + [np.int32]
-        assert int(a[11]) == 0
+        assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32, np.float32, np.int32] \
+            + [np.uint64] * 7 + [np.int32]
+        assert int(a[13]) == 0
         assert (int(a[1]), int(a[2]), int(a[3])) == (k, align, 0)
-        assert int(a[7]) == workspaces["pad_cast_transpose"].ctypes.data
+        assert (float(a[4]), int(a[5])) == ((0.75, 1) if opts else (0.0, 0))
+        assert int(a[9]) == workspaces["pad_cast_transpose"].ctypes.data
         if "CAST>" in name:      # the second pass of current scaling takes no column sums
-            assert int(a[8]) == int(a[9]) == int(a[10]) == 0
+            assert int(a[10]) == int(a[11]) == int(a[12]) == 0
         else:
-            assert int(a[8]) != 0 and int(a[10]) == workspaces["pad_cast_transpose.colsum"].ctypes.data
+            assert int(a[10]) != 0 and int(a[12]) == workspaces["pad_cast_transpose.colsum"].ctypes.data
     for name, ws in workspaces.items():
         assert not ws.any(), f"{name} left non-zero"
 
@@ -142,7 +149,7 @@ def test_cuda_path_reads_torch_tensors_through_their_pointers(fake_device):
     assert_same_bits(_fp8_view(dataclasses.replace(out_np, m_splits=res.m_splits,
                                                    m_pad_splits=res.m_pad_splits), "e4m3"), want)
     [(_, _, _, a)] = calls
-    assert int(a[4]) == out.scale.data_ptr() and int(a[0]["in"][0]) == ts[0].data_ptr()
+    assert int(a[6]) == out.scale.data_ptr() and int(a[0]["in"][0]) == ts[0].data_ptr()
 
 
 def test_cuda_path_allocates_new_outputs_on_the_inputs_device(fake_device, monkeypatch):

@@ -58,6 +58,19 @@ def test_torch_cpu_tensors_in_torch_tensors_out(backend, form):
     assert torch.equal(got.columnwise(2).view(torch.uint8), torch.from_numpy(want.columnwise(2)))
 
 
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
+def test_torch_front_passes_the_scale_options(backend):
+    x = _inputs()
+    x[7:40] = 0                                       # expert 2 all zero: amax_epsilon decides
+    kw = dict(amax_epsilon=0.25, power_2_scale=True)
+    want = reference.multi_pad_cast_transpose(_np(x), SPLITS, **kw)
+    got = cugrouped.multi_pad_cast_transpose(x, SPLITS, backend=backend, **kw)
+    _same(got, want)
+    assert got.scale[2].item() == 1024.0              # 448 / 0.25 = 1792, rounded down to 2^10
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        cugrouped.multi_pad_cast_transpose(x, SPLITS, amax_epsilon=-1.0)
+
+
 def test_torch_front_checks_the_inputs_once(monkeypatch):
     """The front sizes its torch outputs from normalize_inputs and hands the result on, so the
     O(E) per-tensor checks are not repeated inside the op (host time per expert)."""

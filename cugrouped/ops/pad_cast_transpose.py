@@ -25,7 +25,8 @@ __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "chec
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE",
-           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate"]
+           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
+           "check_scale_options"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -305,6 +306,30 @@ def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True
         raise ValueError("rowwise, columnwise: at least one must be True")
 
 
+_FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+def check_scale_options(amax_epsilon, power_2_scale, scale) -> float:
+    """TransformerEngine's current-scaling options; returns ``amax_epsilon`` as the float32 value
+    the kernel compares with. They shape the scale computed from this call's amax, so they need
+    ``scale=None``; the epsilon must be 0 or a positive normal float32 (a denormal one would be
+    flushed to 0 by the GPU's comparison, not by the CPU's)."""
+    if not isinstance(power_2_scale, (bool, np.bool_)):
+        raise TypeError(f"power_2_scale: expected a bool, got {power_2_scale!r}")
+    if isinstance(amax_epsilon, (bool, np.bool_)) or \
+            not isinstance(amax_epsilon, (int, float, np.integer, np.floating)):
+        raise TypeError(f"amax_epsilon: expected a float, got {amax_epsilon!r}")
+    with np.errstate(over="ignore"):
+        eps = float(np.float32(amax_epsilon))
+    if not (eps == 0.0 or _FLT_MIN <= eps < float("inf")):
+        raise ValueError(f"amax_epsilon: expected 0 or a finite float32 >= {_FLT_MIN:.9g} (the "
+                         f"smallest normal), got {amax_epsilon!r}")
+    if scale is not None and (eps != 0.0 or power_2_scale):
+        raise ValueError("amax_epsilon, power_2_scale: options of current scaling (scale=None); "
+                         "a given scale is used as it is")
+    return eps
+
+
 def check_amax_accumulate(amax_accumulate, scale, out) -> None:
     """``amax_accumulate`` merges into ``out.amax``: delayed scaling only (a given ``scale``; the
     scale of current scaling comes from this call's amax alone), with an ``out`` to merge into."""
@@ -328,7 +353,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                              columnwise: bool = True, column_sums: bool = False, out=None,
                              dtype: str | None = None, splits_on_device: bool | None = None,
                              backend: str | None = None,
-                             amax_accumulate: bool = False) -> GroupedFP8:
+                             amax_accumulate: bool = False, amax_epsilon: float = 0.0,
+                             power_2_scale: bool = False) -> GroupedFP8:
     """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
 
     Parameters
@@ -351,6 +377,11 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         None (current scaling): ``scale = fp8_max / amax / 2^margin`` computed on the device
         (amax 0 or non-finite: 1); two launches. Never a host sync.
     margin : int in [0, 64]; current scaling divides the scale by ``2^margin`` (headroom).
+    amax_epsilon, power_2_scale : current scaling only (TransformerEngine's ``QParams``): an amax
+        below ``amax_epsilon`` (0, or a normal float32) is raised to it before the scale is
+        computed (an all-zero expert then gets ``fp8_max / amax_epsilon``, not 1);
+        ``power_2_scale`` rounds the scale down to a power of two (exact ``scale_inv``). Both are
+        applied on the device by the amax pass (``cg::compute_scale``).
     align : pad each expert's transposed copy to ``m_pad_i = ceil(m_i / align) * align`` columns
         (16 for activations and gradients, 1 for weights).
     rowwise, columnwise : which copies to write.
@@ -378,18 +409,21 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                         align=align, rowwise=rowwise, columnwise=columnwise,
                         column_sums=column_sums, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend,
-                        amax_accumulate=amax_accumulate)
+                        amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
+                        power_2_scale=power_2_scale)
     return cast_arrays(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                        align=align, rowwise=rowwise, columnwise=columnwise,
                        column_sums=column_sums, out=out, dtype=dtype,
                        splits_on_device=splits_on_device, backend=backend,
-                       amax_accumulate=amax_accumulate)
+                       amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
+                       power_2_scale=power_2_scale)
 
 
 def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
                 rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
                 splits_on_device=None, backend=None,
-                normalized: GroupedInput | None = None, amax_accumulate=False) -> GroupedFP8:
+                normalized: GroupedInput | None = None, amax_accumulate=False,
+                amax_epsilon=0.0, power_2_scale=False) -> GroupedFP8:
     """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
@@ -400,6 +434,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         check_options(fp8_format, margin, align, rowwise, columnwise)
         normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
     g = normalized
+    eps = check_scale_options(amax_epsilon, power_2_scale, scale)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
@@ -409,7 +444,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
             raise ValueError("splits_on_device: the reference backend takes host counts")
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
-                   out=out, dtype=dtype, amax_accumulate=amax_accumulate)
+                   out=out, dtype=dtype, amax_accumulate=amax_accumulate,
+                   amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
     xp = np if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
@@ -422,8 +458,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
         if g.m_dev is not None:
             res.m_splits, res.m_pad_splits = g.m_dev.owner, None
-        _launch_all(backend, g, res, plans, align, mode, fp8_format, margin, column_sums,
-                    bool(amax_accumulate))
+        _launch_all(backend, g, res, plans, align, mode, fp8_format,
+                    (margin, eps, bool(power_2_scale)), column_sums, bool(amax_accumulate))
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -441,8 +477,9 @@ def _device_scope(backend: str, device: int):
     return cupy.cuda.Device(device)
 
 
-def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format, margin,
-                column_sums, amax_accumulate=False) -> None:
+def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
+                rule: tuple, column_sums, amax_accumulate=False) -> None:
+    """``rule``: ``(margin, amax_epsilon, power_2_scale)``, how the amax pass computes scales."""
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
         if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
             ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
@@ -455,7 +492,7 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
             _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None), chunk, arg, g.k,
-                 align, margin, ptrs, cs, amax_accumulate)
+                 align, rule, ptrs, cs, amax_accumulate)
 
 
 def _contiguous(v: ArrayView) -> bool:
@@ -618,10 +655,18 @@ def _nullable(*arrays):
     return tuple(np.uint64(0) if a is None else a for a in arrays)
 
 
-def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptrs,
+def _scalars(k: int, align: int, rule) -> tuple:
+    """``i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale``; ``rule`` is
+    ``(margin, amax_epsilon, power_2_scale)`` or a bare margin."""
+    margin, eps, p2 = rule if isinstance(rule, tuple) else (rule, 0.0, False)
+    return (np.int64(k), np.int32(align), np.int32(margin), np.float32(eps), np.int32(p2))
+
+
+def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
                    colsum, amax_accumulate: bool = False) -> tuple:
     """The argument tuple of one CUDA launch, in the order and C widths of the kernel's signature
-    ``(PctGroup g, i64 k, i32 align, i32 margin, float* scale, float* amax, float* scale_inv,
+    ``(PctGroup g, i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale,
+    float* scale, float* amax, float* scale_inv,
     int* workspace, float* colsum, float* colsum_partial, int* colsum_count,
     i32 amax_accumulate)``: the argument
     block by value, every pointer as a ``uint64`` (so any device array kind works, torch
@@ -635,21 +680,21 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, margin: int, ptr
     else:
         count = partial = None
     pointers = tuple(ptrs) + (ws, colsum, partial, count)
-    return (arg, np.int64(k), np.int32(align), np.int32(margin)) + tuple(
+    return (arg,) + _scalars(k, align, rule) + tuple(
         np.uint64(_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
 
 
-def _run(backend, name, chunk: ChunkLaunch, arg, k, align, margin, ptrs, colsum,
+def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
          amax_accumulate=False) -> None:
     grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
     if backend == "cuda":
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, margin, ptrs, colsum,
+        kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, rule, ptrs, colsum,
                                                  amax_accumulate))
     else:   # host buffers, made per launch and checked after it
         scale, amax, scale_inv = ptrs
-        scalars = (np.int64(k), np.int32(align), np.int32(margin))
+        scalars = _scalars(k, align, rule)
         tiles_k = -(-k // TILE_K)
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None

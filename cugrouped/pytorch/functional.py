@@ -32,7 +32,8 @@ def _arr(t):
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, splits_on_device=None, backend=None,
-                             amax_accumulate=False) -> GroupedFP8:
+                             amax_accumulate=False, amax_epsilon=0.0,
+                             power_2_scale=False) -> GroupedFP8:
     """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes).
 
@@ -40,6 +41,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
+    _pct.check_scale_options(amax_epsilon, power_2_scale, scale)
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not tensors:
         raise ValueError("inputs: expected at least one expert, got an empty sequence")
@@ -80,7 +82,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
             splits_on_device=splits_on_device, backend=backend, normalized=g,
-            amax_accumulate=amax_accumulate)
+            amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
+            power_2_scale=power_2_scale)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

@@ -17,7 +17,9 @@ Rules
 * ``compute_scale(amax, fmt, margin)`` = ``fp8_max / amax / 2**margin``: amax that is 0, denormal,
   negative, inf or NaN -> 1; an infinite quotient -> FLT_MAX; the division by ``2**margin`` is exact
   (exponent arithmetic), overflow -> FLT_MAX, a result below FLT_MIN -> 0. ``margin`` is clamped to
-  [-512, 512].
+  [-512, 512]. Two options (TransformerEngine's QParams, off by default): ``amax_epsilon`` raises
+  an amax below it (after FTZ; not NaN or inf) to it first; ``power_2_scale`` rounds the final
+  scale down to a power of two (mantissa cleared).
 * ``amax_usable(amax)``: positive, normal and finite (what ``compute_scale`` derives a scale from;
   delayed scaling keeps the previous scale for any other amax).
 * ``scale_inverse(s)`` = ``ftz(1 / ftz(s))``.
@@ -161,9 +163,21 @@ def amax_usable(amax) -> np.ndarray:
     return ((u & np.uint32(0x80000000)) == 0) & (ex != 0) & (ex != np.uint32(0x7F800000))
 
 
-def compute_scale(amax, fmt, margin=0) -> np.ndarray:
-    """Current scaling, elementwise over ``amax`` (one per expert); mirrors ``cg::compute_scale``."""
+def compute_scale(amax, fmt, margin=0, amax_epsilon=0.0, power_2_scale=False) -> np.ndarray:
+    """Current scaling, elementwise over ``amax`` (one per expert); mirrors ``cg::compute_scale``.
+    ``amax_epsilon``: 0 or a positive normal float32 (the ops check it)."""
     a = np.asarray(amax, dtype=np.float32) if not isinstance(amax, np.ndarray) else _f32(amax)
+    eps = np.float32(amax_epsilon)
+    if eps > 0:
+        with np.errstate(invalid="ignore"):
+            a = np.where(ftz(a) < eps, eps, a).astype(np.float32)   # NaN compares False
+    s = _scale_from_amax(a, fmt, margin)
+    if power_2_scale:
+        s = (np.asarray(s).view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)
+    return np.asarray(s)
+
+
+def _scale_from_amax(a: np.ndarray, fmt, margin) -> np.ndarray:
     bad = ~amax_usable(a)
     fmax = np.float32(FP8_MAX[normalize_format(fmt)])
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):

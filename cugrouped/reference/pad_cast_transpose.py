@@ -72,14 +72,16 @@ def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
 
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
-                             dtype=None, backend=None, amax_accumulate=False) -> GroupedFP8:
+                             dtype=None, backend=None, amax_accumulate=False, amax_epsilon=0.0,
+                             power_2_scale=False) -> GroupedFP8:
     """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
-    from ..ops.pad_cast_transpose import (check_amax_accumulate, normalize_inputs,  # checks only
-                                          padded_splits)
+    from ..ops.pad_cast_transpose import (check_amax_accumulate, check_scale_options,  # checks
+                                          normalize_inputs, padded_splits)
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_amax_accumulate(amax_accumulate, scale, out)
+    eps = check_scale_options(amax_epsilon, power_2_scale, scale)
     g = normalize_inputs(inputs, m_splits, dtype)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
@@ -90,7 +92,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     if amax_accumulate:
         amax = merge_amax(np.asarray(out.amax), amax)
     if scale is None:
-        sc = rfp8.compute_scale(amax, fp8_format, margin).astype(np.float32)
+        sc = rfp8.compute_scale(amax, fp8_format, margin, eps, power_2_scale).astype(np.float32)
     else:
         sc = np.asarray(scale, dtype=np.float32).reshape(E)
     scale_inv = rfp8.scale_inverse(sc)
