@@ -157,12 +157,18 @@ def _saved_bytes(layer, x, dy, recipe, **fw):
     return out, sum(t.numel() for t in saved if t.dtype == torch.uint8), saved
 
 
+@pytest.mark.parametrize("qparams", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
-def test_save_original_input_same_bits_without_the_fp8_copy(delay):
+def test_save_original_input_same_bits_without_the_fp8_copy(delay, qparams):
     """Current scaling: backward casts the saved input again, with the same amax, scale and bits
     as the forward's cast, so everything equals the default layer; only the weights' transposed
-    FP8 copy is saved as bytes (not the input's). Without FP8 nothing changes."""
+    FP8 copy is saved as bytes (not the input's). Without FP8 nothing changes. ``qparams``: the
+    input's amax_epsilon / power_2_scale apply to the second cast too."""
     rec = RECIPES["current"]
+    if qparams:
+        from cugrouped.pytorch import QParams
+
+        rec = Float8CurrentScaling(fp8_quant_fwd_inp=QParams(amax_epsilon=50.0))
     E, k, n = 3, 32, 48
     plain = make_layer()
     lean = make_layer(save_original_input=True, delay_wgrad_compute=delay)

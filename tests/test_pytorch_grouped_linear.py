@@ -177,6 +177,49 @@ def test_fp8_equals_per_expert_loop_of_reference_steps(splits):
         assert np.array_equal(db[i].numpy().view(np.uint32), dq.column_sums[0].view(np.uint32))
 
 
+def test_current_scaling_qparams_reach_each_cast():
+    """TransformerEngine's QParams per tensor role (input, weight, grad output): each cast gets
+    its own amax_epsilon / power_2_scale. Options chosen so that every role's scale differs from
+    what any other role's options would give: the module equals the per-expert reference steps
+    with those options, bit for bit, and the scales are the ones the options imply."""
+    from cugrouped.pytorch import QParams
+
+    sp, k, n = [9, 0, 20], 32, 48
+    # (two power-of-2 scales would give the same bits unless something under- or overflows: only
+    # one role rounds to powers of two)
+    qi, qw, qg = QParams(power_2_scale=True), QParams(amax_epsilon=100.0), \
+        QParams(amax_epsilon=1e3)
+    recipe = Float8CurrentScaling(fp8_quant_fwd_inp=qi, fp8_quant_fwd_weight=qw,
+                                  fp8_quant_bwd_grad=qg)
+    layer = make_layer(len(sp), bias=False)
+    x = torch.randn(sum(sp), k)
+    dy = torch.randn(sum(sp), n)
+    y, dx, dw, _ = run(layer, x, sp, recipe, False, dy)
+    rows = np.cumsum([0] + sp)
+    opts = lambda q: dict(amax_epsilon=q.amax_epsilon, power_2_scale=q.power_2_scale)  # noqa: E731
+    for i, m in enumerate(sp):
+        xi, di = x[rows[i]:rows[i + 1]].numpy(), dy[rows[i]:rows[i + 1]].numpy()
+        wi = layer.weights()[i].detach().numpy()
+        xq = reference.multi_pad_cast_transpose([xi], fp8_format="e4m3", align=16, **opts(qi))
+        wq = reference.multi_pad_cast_transpose([wi], fp8_format="e4m3", align=1, **opts(qw))
+        dq = reference.multi_pad_cast_transpose([di], fp8_format="e5m2", align=16, **opts(qg))
+        assert wq.scale[0] == np.float32(448 / np.float32(100.0))     # weight amax < 100
+        assert dq.scale[0] == np.float32(57344 / np.float32(1000.0))  # grad amax < 1000
+        if m:
+            assert xq.scale[0] == np.exp2(np.floor(np.log2(448 / np.abs(xi).max())))
+        yi = reference.grouped_fprop(xq, wq, out_dtype="float32")
+        assert np.array_equal(y[rows[i]:rows[i + 1]].numpy().view(np.uint32), yi.view(np.uint32))
+        dxi = reference.grouped_dgrad(dq, wq, out_dtype="float32")
+        assert np.array_equal(dx[rows[i]:rows[i + 1]].numpy().view(np.uint32), dxi.view(np.uint32))
+        dwi = reference.grouped_wgrad(xq, dq, out_dtype="float32")[0]
+        assert np.array_equal(dw[i].numpy().view(np.uint32), dwi.view(np.uint32))
+    # use_power_2_scales (TransformerEngine's switch) fills every QParams left None
+    r = Float8CurrentScaling(use_power_2_scales=True, fp8_quant_bwd_grad=QParams())
+    assert r.fp8_quant_fwd_inp == r.fp8_quant_fwd_weight == QParams(power_2_scale=True)
+    assert r.fp8_quant_bwd_grad == QParams()
+    assert Float8CurrentScaling().fp8_quant_fwd_inp == QParams()
+
+
 def test_bf16_fp8_with_fused_bias_close_to_float64():
     sp = [9, 3, 0, 21]
     layer = make_layer(4, dtype=torch.bfloat16)
@@ -378,6 +421,52 @@ def test_fused_wgrad_in_bf16_is_not_rounded_to_bf16():
         want = di.double().t() @ xi.double()
         err = (w.main_grad.double() - want).abs().max()
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), err    # bf16 rounding: ~4e-3
+
+
+@pytest.mark.parametrize("dtype,recipe,g_dtype", [
+    (torch.bfloat16, "none", torch.bfloat16), (torch.bfloat16, "current", torch.bfloat16),
+    (torch.bfloat16, "delayed", torch.bfloat16), (torch.float16, "current", torch.float16),
+    (torch.float32, "none", torch.bfloat16), (torch.float32, "current", torch.bfloat16)])
+def test_fused_wgrad_into_16_bit_main_grad(dtype, recipe, g_dtype):
+    """Megatron keeps main_grad in the parameters' dtype when gradients are reduced in bf16
+    (``grad_reduce_in_fp32=False``): the wgrad GEMM adds into it with an fp32 accumulation and
+    one rounding of the sum. So the result is within half an ulp of the sum of the old value and
+    the exact product, which the unfused layer (same operands, its gradient rounded once to the
+    weights' dtype) gives to within another half ulp; and an expert without tokens keeps its
+    main_grad, as with fp32."""
+    sp = [40, 0, 24]
+    rec = RECIPES[recipe]
+    plain = make_layer(3, dtype=dtype, bias=False)
+    fused = make_layer(3, dtype=dtype, bias=False, fuse_wgrad_accumulation=True)
+    torch.manual_seed(5)
+    old = [torch.randn(48, 32).to(g_dtype) for _ in range(3)]
+    for w, o in zip(fused.weights(), old):
+        w.main_grad = o.clone()
+    x, dy = torch.randn(64, 32).to(dtype), torch.randn(64, 48).to(dtype)
+    want = run(plain, x, sp, rec, False, dy)[2]
+    run(fused, x, sp, rec, False, dy)
+    ulp = 2.0 ** -(8 if g_dtype == torch.bfloat16 else 11)        # half an ulp, relative
+    for i, (w, g, o) in enumerate(zip(fused.weights(), want, old)):
+        assert w.main_grad.dtype == g_dtype and w.grad is None
+        got, total = w.main_grad.double(), o.double() + g.double()
+        if sp[i] == 0:
+            assert torch.equal(w.main_grad, o)
+            continue
+        bound = ulp * (g.double().abs() + total.abs()) + 1e-30
+        assert ((got - total).abs() <= bound).all(), i
+        assert not torch.equal(got, o.double())          # it did add
+
+
+def test_main_grad_dtypes_are_checked():
+    layer = make_layer(3, fuse_wgrad_accumulation=True)
+    for w, dt in zip(layer.weights(), (torch.float32, torch.bfloat16, torch.float32)):
+        w.main_grad = torch.zeros(w.shape, dtype=dt)
+    with pytest.raises(ValueError, match="main_grad: every expert's main_grad must have the same"):
+        run(layer, torch.randn(17, 32), [6, 0, 11], None, False)
+    layer.weight1.main_grad = torch.zeros(48, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="weight1.main_grad: fuse_wgrad_accumulation=True needs a "
+                                         "float32, bfloat16 or float16"):
+        run(layer, torch.randn(17, 32), [6, 0, 11], None, False)
 
 
 def test_no_grad_forward_leaves_the_delayed_scaling_state_alone():
@@ -595,6 +684,17 @@ def test_constructor_and_recipe_errors():
         DelayedScaling(backward_override="high_precision")
     with pytest.raises(ValueError, match="backward_override: expected one of"):
         Float8CurrentScaling(backward_override="fp32")
+    from cugrouped.pytorch import QParams
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        QParams(amax_epsilon=-1.0)
+    with pytest.raises(TypeError, match="power_2_scale"):
+        QParams(power_2_scale="yes")
+    with pytest.raises(ValueError, match="stochastic_rounding: an FP4 option"):
+        QParams(stochastic_rounding=True)
+    with pytest.raises(TypeError, match="fp8_quant_bwd_grad: expected a cugrouped.pytorch.QParams"):
+        Float8CurrentScaling(fp8_quant_bwd_grad={"power_2_scale": True})
+    with pytest.raises(TypeError, match="use_power_2_scales"):
+        Float8CurrentScaling(use_power_2_scales=1)
 
 
 def test_autocast_is_fp8_autocast_under_te_names():
@@ -740,11 +840,13 @@ def test_gpu_list_and_tensor_identical_and_close_to_cpu(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", ["none", "delayed"])
-def test_gpu_fused_wgrad_overwrite_then_accumulate_matches_cpu(recipe):
+def test_gpu_fused_wgrad_overwrite_then_accumulate_matches_cpu(recipe, g_dtype):
     """fuse_wgrad_accumulation on CUDA (the non-FP8 path goes through grouped_wgrad into the
-    fp32 main_grad, the FP8 path through the FP8 wgrad with beta 0 / 1): the first micro-batch
-    overwrites, the second adds; close to the same steps on the CPU."""
+    main_grad, the FP8 path through the FP8 wgrad with beta 0 / 1; a bf16 main_grad is the
+    GEMM's bf16 C and D): the first micro-batch overwrites, the second adds; close to the same
+    steps on the CPU."""
     sp = [0, 37, 5, 64]
     base = make_layer(4, k=64, n=32, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
     x1, x2 = torch.randn(sum(sp), 64).bfloat16(), torch.randn(sum(sp), 64).bfloat16()
@@ -753,11 +855,12 @@ def test_gpu_fused_wgrad_overwrite_then_accumulate_matches_cpu(recipe):
     for dev in ("cuda", "cpu"):
         layer = copy.deepcopy(base).to(dev)
         for w in layer.weights():
-            w.main_grad = torch.full(w.shape, 7.0, device=dev)
+            w.main_grad = torch.full(w.shape, 7.0, device=dev, dtype=g_dtype)
             w.grad_added_to_main_grad = False
         run(layer, x1.to(dev), sp, RECIPES[recipe], False, dy.to(dev), is_first_microbatch=True)
         run(layer, x2.to(dev), sp, RECIPES[recipe], False, dy.to(dev), is_first_microbatch=False)
         assert all(w.grad_added_to_main_grad for w in layer.weights())
+        assert all(w.main_grad.dtype == g_dtype for w in layer.weights())
         grads.append([w.main_grad.cpu() for w in layer.weights()])
     for g, c in zip(*grads):
         torch.testing.assert_close(g, c, rtol=0.125, atol=0.25)

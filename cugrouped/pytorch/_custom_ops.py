@@ -124,7 +124,8 @@ def _quantize_shapes(xs, align, rowwise, columnwise, column_sums):
 def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: int, rowwise: bool,
                  columnwise: bool, column_sums: bool, scale: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor], offset: int, cast_backend: str,
-                 accumulate_amax: bool = False
+                 accumulate_amax: bool = False, amax_epsilon: float = 0.0,
+                 power_2_scale: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``multi_pad_cast_transpose`` of the experts ``xs`` (2-D, one dtype, one k).
 
@@ -133,7 +134,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     written to ``amax_out[offset:offset+E]``, or with ``accumulate_amax`` max-merged into it (the
     pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
     update zeroes it) by the cast kernel itself (``amax_accumulate``, no extra launch; delayed
-    scaling only). Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
+    scaling only). ``amax_epsilon``, ``power_2_scale``: current scaling's options (QParams).
+    Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
     E = len(xs)
@@ -159,13 +161,14 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     _functional.multi_pad_cast_transpose(
         list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
-        backend=_backend(xs[0], cast_backend), amax_accumulate=merge)
+        backend=_backend(xs[0], cast_backend), amax_accumulate=merge, amax_epsilon=amax_epsilon,
+        power_2_scale=power_2_scale)
     return data, data_t, scale_inv, colsum
 
 
 @fp8_quantize.register_fake
 def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, amax_out, offset,
-      cast_backend, accumulate_amax=False):
+      cast_backend, accumulate_amax=False, amax_epsilon=0.0, power_2_scale=False):
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
@@ -269,10 +272,12 @@ def fp8_wgrad_main_grad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: 
                         dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
                         n: int, m_splits: List[int], main_grads: List[torch.Tensor],
                         accumulate: bool) -> None:
-    """``main_grads[i] (+)= dy_iᵀ · x_i`` in fp32: ``accumulate`` adds (``beta = 1`` in the GEMM;
-    experts with no tokens leave theirs untouched), otherwise overwrites (no tokens: zeros)."""
+    """``main_grads[i] (+)= dy_iᵀ · x_i``, accumulated in fp32 and rounded once to the
+    ``main_grad`` dtype (float32, bfloat16 or float16, one for all experts): ``accumulate`` adds
+    (``beta = 1`` in the GEMM; experts with no tokens leave theirs untouched), otherwise
+    overwrites (no tokens: zeros)."""
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
-           list(main_grads), accumulate, "float32", _gemm_backend(x_t))
+           list(main_grads), accumulate, dtype_name(main_grads[0].dtype), _gemm_backend(x_t))
 
 
 @fp8_wgrad_main_grad.register_fake
@@ -284,22 +289,31 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 @_custom_op("wgrad_main_grad", mutates_args=("main_grads",))
 def wgrad_main_grad(xs: List[torch.Tensor], dys: List[torch.Tensor],
                     main_grads: List[torch.Tensor], accumulate: bool) -> None:
-    """Without FP8: ``main_grads[i] (+)= dys[i]ᵀ · xs[i]`` with the fp32 ``main_grad`` as the
+    """Without FP8: ``main_grads[i] (+)= dys[i]ᵀ · xs[i]`` with the ``main_grad`` as the
     GEMM's output (cuBLASLt on CUDA, the NumPy twin on CPU), so bf16 / fp16 operands are never
     rounded to their own dtype before the accumulation. Operands the grouped GEMM does not take
     (float64; CPU float64 is how the layer is gradchecked) go through torch's matmul in their
-    own precision; views with a non-unit column stride are made contiguous first."""
-    if xs[0].dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    own precision; views with a non-unit column stride are made contiguous first. A 16-bit
+    ``main_grad`` of the operands' dtype is the GEMM's output (fp32 accumulation, one rounding);
+    any other pairing cuBLASLt has no output type for (float32 operands and a 16-bit
+    ``main_grad``) gets the product in at least float32, added into it by torch (one rounding
+    of the sum)."""
+    g_dtype, x_dtype = main_grads[0].dtype, xs[0].dtype
+    if x_dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+            g_dtype not in (torch.float32, x_dtype):
+        acc = torch.promote_types(x_dtype, torch.float32)
         for g, d, x in zip(main_grads, dys, xs):
+            prod = d.t().to(acc) @ x.to(acc)
             if accumulate:
-                g.add_(d.t() @ x)
+                g.add_(prod)
             else:
-                g.copy_(d.t() @ x)
+                g.copy_(prod)
         return
     xs = [x if x.shape[0] == 0 or x.stride(-1) == 1 else x.contiguous() for x in xs]
     dys = [d if d.shape[0] == 0 or d.stride(-1) == 1 else d.contiguous() for d in dys]
     with launch_context(xs[0].device):
-        _ops.grouped_wgrad(list(xs), list(dys), out=list(main_grads), accumulate=accumulate)
+        _ops.grouped_wgrad(list(xs), list(dys), out=list(main_grads), accumulate=accumulate,
+                           out_dtype=dtype_name(g_dtype))
 
 
 @wgrad_main_grad.register_fake

@@ -43,6 +43,8 @@ class _Config:
     save_original_input: bool = False   # FP8: save the input itself, re-cast it in backward
     grad_accs: tuple = ()           # the weights' AccumulateGrad nodes (fused / deferred wgrad)
     lazy_main_grad: bool = False    # fused wgrad: main_grad from weight.get_main_grad() in backward
+    q_inp: tuple = (0.0, False)     # current scaling: (amax_epsilon, power_2_scale) of the input
+    q_grad: tuple = (0.0, False)    # ... and of the grad output (recipe QParams)
 
     def unpack(self, flat):
         E = self.num_experts
@@ -139,7 +141,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         # the next scale update rolls in (forwards may run ahead of their backwards)
         x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
             x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
-            False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True)
+            False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True,
+            *cfg.q_inp)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
@@ -185,11 +188,13 @@ class _GroupedLinearFn(torch.autograd.Function):
         if cfg.fuse_wgrad and need_wgrad:
             # Megatron-FSDP allocates main_grad before backward (lazy); an expert without a
             # wgrad here (frozen, or left out by autograd) gets a scratch output instead
-            main_grads = [
-                (_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
-                 else main_grads[i]) if wanted[i]
-                else torch.empty(w.shape, dtype=torch.float32, device=w.device)
-                for i, w in enumerate(ctx.ws)]
+            main_grads = [(_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
+                           else main_grads[i]) if wanted[i] else None
+                          for i, w in enumerate(ctx.ws)]
+            g_dtype = main_grad_dtype(main_grads)
+            main_grads = [g if g is not None else torch.empty(w.shape, dtype=g_dtype,
+                                                              device=w.device)
+                          for g, w in zip(main_grads, ctx.ws)]
         x_dtype = ctx.x_dtype
 
         def hp_wgrad(x_list):
@@ -227,7 +232,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             _, amax, scale, _ = ctx.state if ctx.state else (None,) * 4
             dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
                 dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
-                fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend)
+                fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend, False,
+                *cfg.q_grad)
             if cfg.delayed:   # one launch: every tensor of every expert
                 update_scales(ctx.state, 3 * E, cfg.amax_group, cfg.num_e4m3,
                               cfg.amax_compute_algo, cfg.margin, cfg.cast_backend)
@@ -243,7 +249,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                         # bits as the forward's cast would have given
                         _, xt, xsi, _ = cops.eager.fp8_quantize(
                             cfg.expert_rows(xs, m_splits), cfg.fmt_fwd, cfg.margin, FP8_ALIGN,
-                            False, True, False, None, None, 0, cfg.cast_backend)
+                            False, True, False, None, None, 0, cfg.cast_backend, False,
+                            *cfg.q_inp)
                     else:
                         xt, xsi = xs
                     if cfg.fuse_wgrad:
@@ -286,13 +293,28 @@ class _GroupedLinearFn(torch.autograd.Function):
         return tuple(grads)
 
 
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_main_grad(i: int, w: torch.Tensor, g) -> torch.Tensor:
-    if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.shape != w.shape \
+    """Megatron's ``main_grad``: float32, or 16-bit (``grad_reduce_in_fp32=False`` keeps it in
+    the parameters' dtype); the GEMM accumulates into it in float32 and rounds once."""
+    if not isinstance(g, torch.Tensor) or g.dtype not in MAIN_GRAD_DTYPES or g.shape != w.shape \
             or g.device != w.device:
-        raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32 "
-                         f"tensor of shape {tuple(w.shape)} on {w.device} (got "
-                         f"{None if g is None else (g.dtype, tuple(g.shape))})")
+        raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32, "
+                         f"bfloat16 or float16 tensor of shape {tuple(w.shape)} on {w.device} "
+                         f"(got {None if g is None else (g.dtype, tuple(g.shape))})")
     return g
+
+
+def main_grad_dtype(main_grads) -> torch.dtype:
+    """The one dtype of the experts' ``main_grad`` tensors (None entries skipped; float32 if
+    there are none): one grouped GEMM writes them all."""
+    dtypes = {g.dtype for g in main_grads if g is not None}
+    if len(dtypes) > 1:
+        raise ValueError(f"main_grad: every expert's main_grad must have the same dtype, got "
+                         f"{sorted(str(d) for d in dtypes)}")
+    return dtypes.pop() if dtypes else torch.float32
 
 
 def _engine_will_execute(node) -> bool:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import _custom_ops as cops
-from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _split, _WgradStore,
+from ._grouped_linear_fn import (_check_main_grad, main_grad_dtype, _Config, _GroupedLinearFn, _split, _WgradStore,
                                  num_e4m3, update_scales)
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
@@ -54,6 +54,13 @@ def set_cpu_cast_backend(name: str) -> None:
     if name not in ("emulate", "reference"):
         raise ValueError(f"name: expected 'emulate' or 'reference', got {name!r}")
     _CPU_CAST_BACKEND[0] = name
+
+
+def _qparams(recipe, name: str) -> tuple[float, bool]:
+    """Current scaling's ``(amax_epsilon, power_2_scale)`` for one tensor role; delayed scaling
+    (whose scales come from the history) has none."""
+    q = getattr(recipe, name, None)
+    return q.options() if q is not None else (0.0, False)
 
 
 @contextlib.contextmanager
@@ -81,7 +88,9 @@ class GroupedLinear(torch.nn.Module):
         ``"meta"`` nothing is initialised; materialise with ``to_empty(device=...)`` and then call
         :meth:`reset_parameters`.
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
-        which the caller allocates, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``.
+        or bf16 / fp16 as Megatron keeps it with ``grad_reduce_in_fp32=False``: one dtype for
+        all experts; the GEMM accumulates in fp32 and rounds the sum once; allocated by the
+        caller, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``.
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
         ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
         that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
@@ -434,7 +443,8 @@ class GroupedLinear(torch.nn.Module):
         w_data, w_t, w_si, _ = cops.eager.fp8_quantize(
             ws, recipe.fp8_format.forward, recipe.margin, 1, True,
             need_t or is_first_microbatch is not None, False, scale,
-            amax if torch.is_grad_enabled() else None, WEIGHT * self.num_gemms, cast_backend, True)
+            amax if torch.is_grad_enabled() else None, WEIGHT * self.num_gemms, cast_backend, True,
+            *_qparams(recipe, "fp8_quant_fwd_weight"))
         out = (w_data, w_t, w_si)
         if not recompute:
             self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
@@ -634,8 +644,10 @@ class GroupedLinear(torch.nn.Module):
                                    "main_grad is not supported under torch.compile")
             return True, True, ()
         # a frozen expert needs none (Megatron gives main_grad to trainable parameters only)
-        return True, False, tuple(_check_main_grad(i, w, getattr(w, "main_grad", None))
-                                  if w.requires_grad else None for i, w in enumerate(ws))
+        main_grads = tuple(_check_main_grad(i, w, getattr(w, "main_grad", None))
+                           if w.requires_grad else None for i, w in enumerate(ws))
+        main_grad_dtype(main_grads)          # one dtype for all: one grouped GEMM writes them
+        return True, False, main_grads
 
     def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
                      first, accumulate_main_grad):
@@ -682,5 +694,6 @@ class GroupedLinear(torch.nn.Module):
                       fuse, accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
-                      self.save_original_input, self._grad_accumulators(ws), lazy)
+                      self.save_original_input, self._grad_accumulators(ws), lazy,
+                      _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"))
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)

@@ -17,8 +17,8 @@ import contextlib
 import dataclasses
 import enum
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "fp8_autocast", "autocast",
-           "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "QParams", "fp8_autocast",
+           "autocast", "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
 
 
 class Format(enum.Enum):
@@ -124,6 +124,39 @@ class DelayedScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class QParams:
+    """How current scaling derives one tensor's scale from its amax (TransformerEngine's
+    ``QParams``): ``amax_epsilon`` (0, or a normal float32) is a floor under the amax, so an
+    all-zero expert gets ``fp8_max / amax_epsilon`` rather than 1; ``power_2_scale`` rounds the
+    scale down to a power of two, so that ``scale_inv`` is exact and scaling loses no mantissa
+    bits. Both are applied on the device by the cast kernel. TransformerEngine's FP4 fields
+    (``random_hadamard_transform``, ``stochastic_rounding``, ``fp4_2d_quantization``) are
+    accepted as False only."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __post_init__(self):
+        from ..ops.pad_cast_transpose import check_scale_options
+
+        check_scale_options(self.amax_epsilon, self.power_2_scale, None)
+        for name in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"):
+            if getattr(self, name) is not False:
+                raise ValueError(f"{name}: an FP4 option of TransformerEngine; FP8 per-tensor "
+                                 f"scaling supports only False, got {getattr(self, name)!r}")
+
+    def options(self) -> tuple[float, bool]:
+        """``(amax_epsilon, power_2_scale)`` as the cast op takes them."""
+        return float(self.amax_epsilon), bool(self.power_2_scale)
+
+
+_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+@dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling:
     """Scales from this step's amax of each expert's tensor: ``fp8_max / amax / 2^margin``
     (computed on the device by the cast kernel; two launches per cast, no state).
@@ -133,7 +166,11 @@ class Float8CurrentScaling:
     instead of FP8 copies), or ``"dequantized"`` (backward in the activation dtype from the
     forward's FP8 input and weights, dequantized: the gradients of the function forward
     computed). ``override_linear_precision=(False, False, True)``: only the wgrad GEMM in high
-    precision. ``fp8_dpa``, ``fp8_mha``: attention options, accepted with no effect here."""
+    precision. ``fp8_dpa``, ``fp8_mha``: attention options, accepted with no effect here.
+
+    ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight``, ``fp8_quant_bwd_grad``: :class:`QParams`
+    (``amax_epsilon``, ``power_2_scale``) of the input, weight and grad-output casts, as in
+    TransformerEngine; each left None is ``QParams(power_2_scale=use_power_2_scales)``."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
@@ -141,11 +178,24 @@ class Float8CurrentScaling:
     fp8_mha: bool = False
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     backward_override: str | None = None
+    use_power_2_scales: bool = False
+    fp8_quant_fwd_inp: QParams | None = None
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
 
     def __post_init__(self):
         _check_format(self.fp8_format)
         _check_margin(self.margin)
         _check_te_options(self)
+        if not isinstance(self.use_power_2_scales, bool):
+            raise TypeError(f"use_power_2_scales: expected a bool, got {self.use_power_2_scales!r}")
+        for name in _QPARAMS:
+            q = getattr(self, name)
+            if q is None:
+                object.__setattr__(self, name, QParams(power_2_scale=self.use_power_2_scales))
+            elif not isinstance(q, QParams):
+                raise TypeError(f"{name}: expected a cugrouped.pytorch.QParams or None, got "
+                                f"{type(q).__name__}")
 
     def delayed(self) -> bool:
         return False
