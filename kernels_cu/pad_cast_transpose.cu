@@ -12,6 +12,9 @@
 //               (template parameter COLSUM, in the modes that compute amax), in a fixed summation
 //               order (see "Column sums" below), so every run gives the same bits and the NumPy
 //               reference can reproduce them
+// With GATHER (template parameter; the fused MoE permute) X_e's rows are rows of one token matrix
+// picked by an index array (PctGroup::row_index), so the permuted high-precision copy a framework
+// would write first is never made; an index outside the matrix reads as a zero row.
 // The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1]),
 // row-major over (tile row, tile column), at least one tile row, so that an empty expert still
 // writes its amax, scale_inv and (zero) column sums.
@@ -54,7 +57,7 @@ static_assert(PCT_TILE_K * (PCT_TILE_M / PCT_COL_RUN) == PCT_THREADS, "one colum
 
 // Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
 // same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
-// layout on x86-64 and nvptx64. sizeof = 5*8*64 + 4*65 + 4 + 4 + 8 + 8 = 2848 bytes (< 4 KB).
+// layout on x86-64 and nvptx64. sizeof = 6*8*64 + 4*65 + 4 + 4 + (4 pad) + 4*8 = 3376 bytes (< 4 KB).
 //
 // Host splits: the host fills every per-expert field. Device splits (m_dev != null): the counts
 // live in device memory and the host knows only the total; it fills in[0], ld[0], out_row[0] and
@@ -71,6 +74,12 @@ struct PctGroup {
     i32 first_expert;        // device splits: index of this chunk's first expert in m_dev
     const i64* m_dev;        // device splits: counts of all experts, or null
     i64 total_rows;          // device splits: rows of the input; counts are clamped to it
+    // Gather (fused MoE permute), or null: row r of expert e is row row_index[row_first[e] + r]
+    // of the token matrix at in[e] (every in[e] is that matrix's base; device splits: in[0], and
+    // row_first comes from the counts); an index outside [0, src_rows) reads as a zero row.
+    const i64* row_index;
+    i64 src_rows;
+    i64 row_first[CG_PCT_MAX_EXPERTS];
 };
 
 // One expert of the chunk as a block sees it.
@@ -80,7 +89,26 @@ struct PctExpert {
     u8* out_col;
     i64 m, ld;
     i32 tile_begin, tile_end;
+    const i64* idx;          // gather: this expert's row indices (null: rows in place)
+    i64 src_rows;
 };
+
+// What a gathered zero row reads: one segment (16 float32) of zeros.
+__device__ __align__(16) const u8 kPctZeroSegment[PCT_SEG * 4] = {};
+
+// Where the segment at (row `grow`, column `gcol`) of the expert's input starts. GATHER (a
+// separate instantiation, so that the kernels without it keep their registers and their
+// full-tile loads in one basic block, tests/test_sass.py): row x.idx[grow] of the token matrix,
+// or kPctZeroSegment for an index outside [0, src_rows) -- a select, no branch.
+template <int BYTES, bool GATHER>
+CG_DEVICE const void* segment_src(const PctExpert& x, i64 grow, i64 gcol) {
+    if (!GATHER) return static_cast<const char*>(x.in) + (grow * x.ld + gcol) * BYTES;
+    const i64 r = x.idx[grow];
+    const bool in_range = static_cast<u64>(r) < static_cast<u64>(x.src_rows);   // r < 0 too
+    return in_range ? static_cast<const void*>(static_cast<const char*>(x.in) +
+                                               (r * x.ld + gcol) * BYTES)
+                    : static_cast<const void*>(kPctZeroSegment);
+}
 
 template <InDtype IN> struct InTraits;
 // Per input type: `words` 16-byte words hold one segment of PCT_SEG elements; load_raw reads them
@@ -201,6 +229,10 @@ CG_DEVICE float warp_max(float v) {
 //   4 (<= 64 registers) by default: 4 x 256 threads, the occupancy the bandwidth target assumes;
 //   6 (<= 40) for the amax-only pass without column sums, which converts and stores nothing: it
 //     fits in 36-40 registers on sm_80..sm_100 without spilling, so more of its loads are in flight;
+//   the gather (GATHER: a row index and a range check per segment) one step lower: 5 (<= 48)
+//     for the amax-only pass without column sums, 3 (<= 80) for float32 with column sums (2,
+//     <= 128, for its CAST_AMAX, which spilled 24 bytes at 80 on sm_89), else 4 (at 40, resp.
+//     64, the float32 variants spilled 8 bytes on sm_80..sm_90; NVRTC 13.0);
 //   3 (<= 80) for float32 CAST_AMAX with column sums on sm_80 and sm_100 only: with a full
 //     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
 // Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
@@ -210,16 +242,18 @@ constexpr bool kPctF32ColsumNeedsMore = true;
 #else
 constexpr bool kPctF32ColsumNeedsMore = false;
 #endif
-constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum) {
-    return mode == PctMode::AMAX_ONLY && !colsum ? 6
+constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather = false) {
+    return gather ? (mode == PctMode::AMAX_ONLY && !colsum ? 5
+                     : in == InDtype::F32 && colsum ? (mode == PctMode::CAST_AMAX ? 2 : 3) : 4)
+         : mode == PctMode::AMAX_ONLY && !colsum ? 6
          : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
          : 4;
 }
 
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
 // write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
-template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false>
-__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM))
+template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           const float amax_epsilon,  // AMAX_ONLY: compute_scale's options
                           const i32 power_2_scale,
@@ -252,16 +286,19 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     if (g.m_dev == nullptr) {
         e = expert_of_tile(g.tile_start, g.num_experts, t);
         x = PctExpert{g.in[e], g.out_row[e], g.out_col[e], g.m[e], g.ld[e], g.tile_start[e],
-                      g.tile_start[e + 1]};
+                      g.tile_start[e + 1],
+                      GATHER ? g.row_index + g.row_first[e] : nullptr, g.src_rows};
     } else {
         block_plan_from_device_counts(g, k, align, sh_m, sh_row, sh_col, sh_tile_start, warp_totals);
         if (t >= sh_tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
         e = expert_of_tile(sh_tile_start, g.num_experts, t);
         const i64 in_bytes = IN == InDtype::F32 ? 4 : 2;
-        x = PctExpert{static_cast<const char*>(g.in[0]) + sh_row[e] * g.ld[0] * in_bytes,
+        x = PctExpert{static_cast<const char*>(g.in[0]) +
+                          (GATHER ? 0 : sh_row[e] * g.ld[0] * in_bytes),
                       g.out_row[0] ? g.out_row[0] + sh_row[e] * k : nullptr,
                       g.out_col[0] ? g.out_col[0] + sh_col[e] : nullptr,
-                      sh_m[e], g.ld[0], sh_tile_start[e], sh_tile_start[e + 1]};
+                      sh_m[e], g.ld[0], sh_tile_start[e], sh_tile_start[e + 1],
+                      GATHER ? g.row_index + sh_row[e] : nullptr, g.src_rows};
     }
     const i64 m = x.m;
     const i64 m_pad = round_up(m, align);
@@ -294,8 +331,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             const int seg = threadIdx.x + it * PCT_THREADS;
             const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
             const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-            Traits::load_raw(static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes,
-                             raw[it]);
+            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
         }
     }
 #pragma unroll
@@ -309,8 +345,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (full_tile) {
             Traits::unpack(raw[it], v);
         } else if (grow < m && gcol < k) {
-            const void* src = static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes;
-            if (gcol + PCT_SEG <= k && aligned16(src)) {
+            const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);   // (a zero row: 64
+            if (gcol + PCT_SEG <= k && aligned16(src)) {                     // bytes of zeros)
                 uint4 w[Traits::words];
                 Traits::load_raw(src, w);
                 Traits::unpack(w, v);

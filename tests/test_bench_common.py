@@ -48,6 +48,24 @@ def test_cast_peer_eager_matches_the_reference_bits():
         assert float(amax) == float(ref.amax[i]), i
 
 
+def test_permute_benchmark_compares_like_with_like():
+    """The permute benchmark's router gives each token top_k distinct experts, rows grouped by
+    expert; the fused cast (row_index) and the index_select + cast peer give the same bits."""
+    torch = pytest.importorskip("torch")
+    import cugrouped
+    from cugrouped.bench.cast import routing
+
+    T, E, top_k, k = 50, 6, 2, 32
+    idx, m = routing(T, E, top_k, seed=3, device="cpu")
+    assert idx.dtype == torch.int64 and sum(m) == T * top_k and len(m) == E
+    assert torch.equal(torch.bincount(idx, minlength=T), torch.full((T,), top_k))
+    x = torch.randn((T, k), dtype=torch.bfloat16)
+    fused = cugrouped.multi_pad_cast_transpose(x, m, row_index=idx)
+    peer = cugrouped.multi_pad_cast_transpose(x.index_select(0, idx), m)
+    assert torch.equal(fused.data.view(torch.uint8), peer.data.view(torch.uint8))
+    assert torch.equal(fused.data_t, peer.data_t) and torch.equal(fused.scale, peer.scale)
+
+
 @pytest.mark.gpu
 def test_median_ms_measures_device_time_not_host_time():
     """A call that spends 5 ms on the host before launching 0.2 ms of GPU work measures ~0.2 ms

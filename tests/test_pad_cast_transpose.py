@@ -335,7 +335,8 @@ def test_group_struct_layout_matches_on_host_and_device():
     from cugrouped import _compile_check, emulate
 
     dt = pct.group_dtype()
-    assert dt.itemsize + 8 + 4 + 4 + 7 * 8 < 4096           # the 4 KB kernel parameter limit
+    # the 4 KB kernel parameter limit: the block, k, 4 x 4-byte scalars, 7 pointers, 1 flag
+    assert dt.itemsize + 8 + 4 * 4 + 7 * 8 + 4 < 4096
     probe = '#include "pad_cast_transpose.cu"\n{}\n__global__ void layout_probe() {{}}\n'
     spec = pct.KERNEL_SPEC
     opts = tuple(o for o in _compile_check.offline_options(spec, "90", verbose_ptxas=False))
@@ -534,6 +535,103 @@ def test_cuda_amax_accumulate_matches_reference(split, form):
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})
     assert_same_bits(host, want, f"cuda accumulate {split}/{form}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused MoE permute: row_index gathers the experts' rows from the token matrix.
+
+def _routing(tokens, m_splits, seed, dropped=3):
+    """Row indices as a top-k router gives them (tokens repeated across experts), with a few
+    negative entries (zero rows: capacity padding)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, tokens, sum(m_splits)).astype(np.int64)
+    idx[rng.choice(idx.size, min(dropped, idx.size), replace=False)] = -1
+    return idx
+
+
+def _permuted(tokens, idx):
+    """The permute a framework runs first (a gather copy), for comparison."""
+    t = np.asarray(tokens)
+    rows = np.where((idx >= 0)[:, None], t[np.maximum(idx, 0)].astype(np.float32), np.float32(0))
+    return rows.astype(t.dtype)
+
+
+GATHER_CASES = [(m, d, f, given, form)
+                for m in ([7, 0, 70, 13], [0, 0], [129, 64, 1])
+                for d in DTYPES for f in ("e4m3", "e5m2") for given in (True, False)
+                for form in ("host", "device")]
+
+
+@pytest.mark.parametrize("m_splits,dtype,fmt,given,form", GATHER_CASES,
+                         ids=["-".join(map(str, c)) for c in GATHER_CASES])
+def test_gather_equals_permute_then_cast(m_splits, dtype, fmt, given, form):
+    """``row_index``: the emulated kernel gathers each expert's rows from the token matrix and
+    gives the reference's bits, which are the bits of casting the permuted copy."""
+    T, k = 40, 144
+    tokens = make_inputs([T], k, dtype, seed=len(m_splits))[0]
+    idx = _routing(T, m_splits, seed=sum(m_splits))
+    scale = scales_for(m_splits, fmt, 2) if given else None
+    kw = dict(fp8_format=fmt, scale=scale, column_sums=True)
+    want = reference.multi_pad_cast_transpose(_permuted(tokens, idx), m_splits, **kw)
+    assert_same_bits(reference.multi_pad_cast_transpose(tokens, m_splits, row_index=idx, **kw),
+                     want, "reference")
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    got = cugrouped.multi_pad_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
+                                             splits_on_device=form == "device" or None, **kw)
+    assert_same_bits(got, want, form)
+
+
+def test_gather_over_several_launches_and_strided_tokens():
+    """More experts than one launch holds (two argument blocks, each with its row offsets), and a
+    token matrix whose row stride is larger than k."""
+    m_splits = [3, 0, 17] * 30
+    T, k = 33, 48
+    wide = make_inputs([T], 80, "bfloat16", seed=4)[0]
+    tokens = wide[:, 16:16 + k]
+    idx = _routing(T, m_splits, seed=5)
+    want = reference.multi_pad_cast_transpose(_permuted(tokens, idx), m_splits)
+    got = cugrouped.multi_pad_cast_transpose(tokens, m_splits, row_index=idx, backend="emulate")
+    assert_same_bits(got, want, "chunks")
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda t, i: cugrouped.multi_pad_cast_transpose([t], [5], row_index=i), ValueError,
+     "row_index: gathers rows of a single"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, None, row_index=i), ValueError, "m_splits"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [2, 2], row_index=i), ValueError,
+     "m_splits: counts sum to 4 but row_index has 5"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i.astype(np.int32)),
+     TypeError, "row_index: expected a contiguous 1-D int64"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i + 8), ValueError,
+     "row_index: indices must be below the 10 rows"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i[::-1]), TypeError,
+     "row_index: expected a contiguous"),
+])
+def test_gather_bad_input(call, exc, match):
+    tokens, idx = np.ones((10, 16), np.float32), np.arange(5, dtype=np.int64)
+    with pytest.raises(exc, match=match):
+        call(tokens, idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("given", [True, False])
+def test_cuda_gather_matches_reference(form, given):
+    import cupy
+
+    m_splits, T, k = [7, 0, 70, 13, 200], 150, 256
+    tokens = make_inputs([T], k, "bfloat16", seed=9)[0]
+    idx = _routing(T, m_splits, seed=10)
+    scale = scales_for(m_splits, "e4m3", 2) if given else None
+    want = reference.multi_pad_cast_transpose(tokens, m_splits, row_index=idx, scale=scale,
+                                              column_sums=True)
+    splits = cupy.asarray(np.array(m_splits, np.int64)) if form == "device" else m_splits
+    got = cugrouped.multi_pad_cast_transpose(
+        cupy.asarray(tokens.view(np.uint16)), splits, dtype="bfloat16", row_index=cupy.asarray(idx),
+        scale=cupy.asarray(scale) if given else None, column_sums=True)
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_same_bits(host, want, f"cuda gather {form}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -247,3 +247,23 @@ def test_workspace_allocation_inside_a_graph_capture_is_refused_clearly(monkeypa
     with pytest.raises(RuntimeError, match="capture"):
         _launch.device_scratch("partial", 1 << 20)
     assert _launch.device_workspace("count", 64) is ws
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_cuda_path_gather_reads_out_of_range_indices_as_zero_rows(fake_device, form):
+    """Device row indices cannot be checked without a sync: the kernel reads an index outside
+    ``[0, tokens)`` as a zero row (like a negative one), never memory past the token matrix."""
+    calls, _, _ = fake_device
+    m_splits, T, k = [5, 0, 21], 12, 32
+    tokens = make_inputs([T], k, "bfloat16", seed=2)[0]
+    idx = np.random.default_rng(3).integers(0, T, sum(m_splits)).astype(np.int64)
+    idx[[1, 7, 20]] = [T, T + 1000, -5]
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    out = _out_buffers(m_splits, k, 16, True, None, device_splits=form == "device")
+    got = on_device(pct.cast_arrays, tokens, splits, row_index=idx, out=out, column_sums=True,
+                    splits_on_device=form == "device" or None)
+    safe = np.where(idx >= T, -1, idx)
+    want = reference.multi_pad_cast_transpose(tokens, m_splits, row_index=safe, column_sums=True)
+    assert_same_bits(_fp8_view(got, "e4m3"), want, form)
+    block = calls[0][3][0]
+    assert int(block["row_index"]) == idx.ctypes.data and int(block["src_rows"]) == T

@@ -156,6 +156,23 @@ def test_torch_cuda_on_current_stream_without_sync(splits_kind):
     _same(got, want)
 
 
+@pytest.mark.gpu
+def test_torch_cuda_gather_without_sync():
+    """The fused permute from CUDA tensors (tokens, row_index): no host sync, reference bits."""
+    tokens = _inputs().cuda()
+    idx = torch.randint(0, tokens.shape[0], (sum(SPLITS),), dtype=torch.int64, device="cuda")
+    idx[3] = -1
+    want = reference.multi_pad_cast_transpose(_np(tokens.cpu()), SPLITS,
+                                              row_index=idx.cpu().numpy(), column_sums=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = cugrouped.multi_pad_cast_transpose(tokens, SPLITS, row_index=idx, column_sums=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _same(got, want)
+
+
 def test_dequantize_torch_result_matches_numpy_result():
     x = _inputs(torch.float32)
     got = cugrouped.multi_pad_cast_transpose(x, SPLITS)

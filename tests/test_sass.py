@@ -124,3 +124,30 @@ def test_memory_ops_counts_full_opcodes():
     """
     assert _sass.memory_ops(text) == {"LDG.E.128": 2, "STG.E.U8": 1,
                                       "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C": 1}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gather_sass(request):
+    arch = request.param
+    image, mapping, log = _compile_check.compile_offline(pct.GATHER_KERNEL_SPEC, arch)
+    resources = {r.name: r for r in _compile_check.parse_ptxas_log(log, arch, mapping)}
+    return arch, _sass.disassemble_image(image, mapping), resources
+
+
+@pytest.mark.parametrize("mode,colsum", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_keeps_wide_loads_issued_together(gather_sass, dtype, mode, colsum):
+    """The gather variants (row_index, a module of their own): the same 16-byte loads, a full
+    tile's all issued before any is used (the row index is a select, not a branch), no local
+    memory, and the registers of their launch bounds (one step below the plain kernels')."""
+    arch, by_name, resources = gather_sass
+    loads = 8 if dtype == "float32" else 4
+    for fmt in FORMATS:
+        name = pct.kernel_name(dtype, fmt, mode, colsum, gather=True)
+        ops = _sass.memory_ops(by_name[name])
+        assert ops["LDG.E.128"] == 2 * loads, ops
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        assert _sass.longest_load_run(by_name[name]) == loads
+        cap = 48 if (mode, colsum) == ("AMAX_ONLY", False) else \
+            (128 if mode == "CAST_AMAX" else 80) if (dtype, colsum) == ("float32", True) else 64
+        assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]

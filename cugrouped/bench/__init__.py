@@ -100,16 +100,17 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
         section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
-        skipped = {"cast": "cast vs torch eager/compile", "gemm": "gemm vs the torch peers",
+        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select", "gemm": "gemm vs the torch peers",
                    "layer": "layer forward+backward vs bf16 and torch"}
         names = "; ".join(v for k, v in skipped.items() if what in (k, "all"))
         print(f"bench {what}: no GPU here; skipped the device timings ({names}). Run "
               "scripts/gpu_check.sh on a GPU machine.")
     else:
         if what in ("cast", "all"):
-            from .cast import bench_cast
+            from .cast import bench_cast, bench_permute_cast
 
             section("cast", bench_cast, quick, rows)
+            section("permute-cast", bench_permute_cast, quick, rows)
         if what in ("gemm", "all"):
             from .gemm import bench_gemm
 

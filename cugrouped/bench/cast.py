@@ -116,3 +116,63 @@ def bench_cast(quick: bool, rows: list[dict]) -> None:
                   f"faster (host {hus:6.1f} us/call)")
 
 
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int, device: str = "cuda"):
+    """A top-k router's permutation as torch tensors: ``row_index`` (the token of each
+    expert-ordered row, int64) and the host counts per expert (one sync, at setup)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.randn((tokens, experts), device=device, generator=g)
+    chosen = scores.topk(top_k, dim=1).indices.reshape(-1)            # (tokens * top_k,)
+    order = torch.argsort(chosen, stable=True)
+    row_index = (order // top_k).to(torch.int64).contiguous()
+    m_splits = torch.bincount(chosen, minlength=experts).tolist()
+    return row_index, m_splits
+
+
+def bench_permute_cast(quick: bool, rows: list[dict]) -> None:
+    """The fused MoE permute (``row_index``): cast straight from the token matrix, against the
+    permute a framework runs first (``index_select``, the gather copy) followed by our cast or the
+    torch eager peer. Current scaling, bfloat16 tokens; a top-k router's indices."""
+    try:
+        import torch
+    except ImportError:
+        print("torch not installed: the permute benchmark is skipped")
+        return
+    configs = QUICK_CAST if quick else CAST_CONFIGS
+    bw = copy_bandwidth_gbs()
+    for cfg in configs:
+        top_k = 2 if cfg.experts <= 16 else 6
+        T = max(1, cfg.tokens // top_k)
+        copies = max(2, int(np.ceil(256e6 / (cfg.tokens * cfg.k * 2))))
+        xt = [torch.randn((T, cfg.k), device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        idx, m_splits = routing(T, cfg.experts, top_k, cfg.experts * 31 + cfg.k)
+        eager, _ = _torch_peers(cfg, xt[0], m_splits, compile_peer=False)
+        impls = {
+            "cugrouped-fused": lambda i: pct.multi_pad_cast_transpose(xt[i % copies], m_splits,
+                                                                      row_index=idx),
+            "index_select+cugrouped": lambda i: pct.multi_pad_cast_transpose(
+                xt[i % copies].index_select(0, idx), m_splits),
+            "index_select+torch-eager": lambda i: eager(xt[i % copies].index_select(0, idx)),
+        }
+        fused_ms = None
+        rows_read = sum(m_splits) * cfg.k * 2
+        writes = sum(m_splits) * cfg.k + sum(pct.padded_splits(m_splits, 16)) * cfg.k
+        for impl, fn in impls.items():
+            ms = median_ms(fn, 30)
+            hus = host_us(fn)
+            row = dict(op="permute-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
+                       host_us=hus, top_k=top_k)
+            if fused_ms is None:
+                fused_ms = ms
+                gbs = (2 * rows_read + writes) / ms / 1e6    # amax pass + cast pass read the rows
+                row.update(gbs=gbs, pct_copy_bw=100 * gbs / bw)
+                note = f"{gbs:7.0f} GB/s {row['pct_copy_bw']:5.1f}% of copy"
+            else:
+                row.update(speedup_of_cugrouped=ms / fused_ms)
+                note = f"fused is {ms / fused_ms:5.2f}x faster"
+            rows.append(row)
+            print(f"{cfg.name:<22} permute top-{top_k} {impl:<25} {ms:8.3f} ms {note} "
+                  f"(host {hus:6.1f} us/call)")

@@ -24,7 +24,8 @@ from . import _launch
 __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
-           "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "kernel_name", "GEMM_K_MULTIPLE",
+           "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "GATHER_KERNEL_SPEC", "kernel_name",
+           "GEMM_K_MULTIPLE",
            "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
            "check_scale_options"]
 
@@ -41,22 +42,31 @@ _MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
 _COLSUM_MODES = ("AMAX_ONLY", "CAST_AMAX")
 
 
-def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False) -> str:
-    """The instantiation for one launch. Column sums are a template parameter (``COLSUM``,
-    default false), so the common kernels carry no column-sum registers; the names of those keep
-    the three-argument spelling."""
+def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
+                gather: bool = False) -> str:
+    """The instantiation for one launch. Column sums and the gather (``row_index``) are template
+    parameters (``COLSUM``, ``GATHER``, default false), so the common kernels carry no registers
+    for them; the names of those keep the three-argument spelling."""
     if column_sums and mode not in _COLSUM_MODES:
         raise ValueError(f"mode: column sums are computed in {_COLSUM_MODES}, got {mode!r}")
+    tail = ", true, true" if column_sums and gather else ", false, true" if gather else \
+        ", true" if column_sums else ""
     return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
-            f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{', true' if column_sums else ''}>")
+            f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{tail}>")
 
 
-# 3 dtypes x 2 formats x (3 modes + 2 column-sum variants) = 30 instantiations
+def _instantiations(gather: bool) -> tuple[str, ...]:
+    # 3 dtypes x 2 formats x (3 modes + 2 column-sum variants) = 30 per spec
+    return tuple(kernel_name(d, f, m, cs, gather) for d in _IN for f in _FMT for m in _MODES
+                 for cs in (False, True) if not cs or m in _COLSUM_MODES)
+
+
 KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
-    source="pad_cast_transpose.cu",
-    name_expressions=tuple(kernel_name(d, f, m, cs) for d in _IN for f in _FMT for m in _MODES
-                           for cs in (False, True) if not cs or m in _COLSUM_MODES),
-))
+    source="pad_cast_transpose.cu", name_expressions=_instantiations(False)))
+# The gather (fused permute) in a module of its own: compiled (NVRTC, or g++ for the emulator)
+# only when a caller passes row_index.
+GATHER_KERNEL_SPEC = _jit.register("pad_cast_transpose_gather", _jit.KernelSpec(
+    source="pad_cast_transpose.cu", name_expressions=_instantiations(True)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +76,8 @@ def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
     return np.dtype([("in", "<u8", e), ("out_row", "<u8", e), ("out_col", "<u8", e),
                      ("m", "<i8", e), ("ld", "<i8", e), ("tile_start", "<i4", e + 1),
                      ("num_experts", "<i4"), ("first_expert", "<i4"), ("m_dev", "<u8"),
-                     ("total_rows", "<i8")], align=True)
+                     ("total_rows", "<i8"), ("row_index", "<u8"), ("src_rows", "<i8"),
+                     ("row_first", "<i8", e)], align=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +180,8 @@ class GroupedInput:
     ptrs: np.ndarray | None = None      # uint64 (E,): first element of each expert
     lds: np.ndarray | None = None       # int64 (E,): row stride of each expert, in elements
     m_dev: ArrayView | None = None
+    row_index: ArrayView | None = None  # gather: int64 (total_rows,) rows of ``base`` (tokens)
+    src_rows: int = 0                   # gather: rows of ``base``
 
 
 def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
@@ -210,12 +223,32 @@ def _row_stride(v: ArrayView) -> int:
     return v.strides[0] if v.shape[0] > 1 else v.shape[1]
 
 
+def _check_row_index(row_index: Any, view: ArrayView) -> ArrayView:
+    """The gather's row indices: a contiguous 1-D int64 array where ``inputs`` lives. Host
+    indices are checked against the token rows here; device ones cannot be without a sync (the
+    kernel reads an index outside ``[0, rows)`` as a zero row)."""
+    iv = as_view(row_index, arg="row_index")
+    if iv.dtype != "int64" or len(iv.shape) != 1 or (iv.shape[0] > 1 and iv.strides[0] != 1):
+        raise TypeError(f"row_index: expected a contiguous 1-D int64 array, got {iv.dtype} of "
+                        f"shape {iv.shape}")
+    if (iv.on_device, iv.device) != (view.on_device, view.device):
+        raise ValueError("row_index: must live where inputs lives")
+    if not iv.on_device and iv.shape[0]:
+        idx = np.asarray(row_index)
+        if int(idx.max()) >= view.shape[0]:
+            raise ValueError(f"row_index: indices must be below the {view.shape[0]} rows of "
+                             f"inputs (negative ones select a zero row), got {int(idx.max())}")
+    return iv
+
+
 def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None,
-                     splits_on_device: bool | None = None) -> GroupedInput:
-    """Check ``inputs`` / ``m_splits`` and describe them; raises TypeError/ValueError naming the
-    argument. Nothing is copied."""
+                     splits_on_device: bool | None = None, row_index: Any = None) -> GroupedInput:
+    """Check ``inputs`` / ``m_splits`` (/ ``row_index``) and describe them; raises
+    TypeError/ValueError naming the argument. Nothing is copied."""
     if splits_on_device is None:
         splits_on_device = m_splits is not None and array_is_device(m_splits)
+    if row_index is not None:
+        return _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index)
     if isinstance(inputs, (list, tuple)):
         if splits_on_device:
             raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
@@ -250,6 +283,37 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
     ptrs, lds = _split_pointers(splits, view.ptr, ld, view.itemsize)
     return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
                         view.device, view.shape[0], len(splits), ptrs, lds)
+
+
+def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> GroupedInput:
+    """Gather (fused MoE permute): ``inputs`` is the ``(tokens, k)`` matrix, and expert ``i``'s
+    rows are ``inputs[row_index[o_i : o_i + m_i]]`` with ``o_i`` the sum of the counts before."""
+    if isinstance(inputs, (list, tuple)):
+        raise ValueError("row_index: gathers rows of a single (tokens, k) inputs array, not a list")
+    view = as_view(inputs, dtype=dtype, arg="inputs")
+    if len(view.shape) != 2:
+        raise ValueError(f"inputs: expected a 2-D (tokens, k) array, got shape {view.shape}")
+    if m_splits is None:
+        raise ValueError("m_splits: required with row_index (the count of each expert's rows)")
+    _check_views([view], False)
+    iv = _check_row_index(row_index, view)
+    rows = iv.shape[0]
+    ld = _row_stride(view)
+    if splits_on_device:
+        mv = _device_splits(m_splits, view)
+        return GroupedInput(view, None, view.shape[1], view.dtype, view.on_device, view.kind,
+                            view.device, rows, mv.shape[0], m_dev=mv, row_index=iv,
+                            src_rows=view.shape[0])
+    try:
+        splits = _host_splits(m_splits, rows)
+    except ValueError as err:
+        raise ValueError(str(err).replace("but inputs has", "but row_index has")) from None
+    if len(splits) == 0:
+        raise ValueError("m_splits: expected at least one expert")
+    E = len(splits)
+    return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
+                        view.device, rows, E, np.full(E, view.ptr, dtype=np.uint64),
+                        np.full(E, ld, dtype=np.int64), row_index=iv, src_rows=view.shape[0])
 
 
 @functools.lru_cache(maxsize=64)   # same splits, same buffer: same pointers (arrays read-only)
@@ -354,7 +418,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                              dtype: str | None = None, splits_on_device: bool | None = None,
                              backend: str | None = None,
                              amax_accumulate: bool = False, amax_epsilon: float = 0.0,
-                             power_2_scale: bool = False) -> GroupedFP8:
+                             power_2_scale: bool = False, row_index=None) -> GroupedFP8:
     """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
 
     Parameters
@@ -371,6 +435,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         them to the rows there are.
     splits_on_device : None (decide by where ``m_splits`` lives) or True to make the kernel read a
         count array even on the emulator (where "device" memory is host memory; for tests).
+    row_index : None, or a contiguous 1-D int64 array (where ``inputs`` lives) that makes this a
+        fused MoE permute: ``inputs`` is then the ``(tokens, k)`` matrix and the experts' rows
+        are ``inputs[row_index]`` in order, ``m_splits`` of them each (a token routed to several
+        experts appears several times; ``sum(m_splits) == len(row_index)``). The permuted
+        high-precision copy is never written. A negative index gives a zero row (e.g. capacity
+        padding); indices ``>= tokens`` are refused for host arrays and read as zero rows on the
+        device (checking them there would need a sync).
     fp8_format : ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
     scale : float32 array ``(E,)`` on the data's device, or None
         Given (delayed scaling): ``q = fp8(x * scale[i])``, amax fused in the same pass, one launch.
@@ -410,20 +481,20 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                         column_sums=column_sums, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend,
                         amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-                        power_2_scale=power_2_scale)
+                        power_2_scale=power_2_scale, row_index=row_index)
     return cast_arrays(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                        align=align, rowwise=rowwise, columnwise=columnwise,
                        column_sums=column_sums, out=out, dtype=dtype,
                        splits_on_device=splits_on_device, backend=backend,
                        amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-                       power_2_scale=power_2_scale)
+                       power_2_scale=power_2_scale, row_index=row_index)
 
 
 def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
                 rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
                 splits_on_device=None, backend=None,
                 normalized: GroupedInput | None = None, amax_accumulate=False,
-                amax_epsilon=0.0, power_2_scale=False) -> GroupedFP8:
+                amax_epsilon=0.0, power_2_scale=False, row_index=None) -> GroupedFP8:
     """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
@@ -432,7 +503,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     ``normalized`` (the torch front does, to size its outputs): the O(E) checks run once."""
     if normalized is None:
         check_options(fp8_format, margin, align, rowwise, columnwise)
-        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
     g = normalized
     eps = check_scale_options(amax_epsilon, power_2_scale, scale)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate)
@@ -445,7 +516,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
                    out=out, dtype=dtype, amax_accumulate=amax_accumulate,
-                   amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
+                   amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, row_index=row_index)
     xp = np if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
@@ -491,8 +562,9 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
-            _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None), chunk, arg, g.k,
-                 align, rule, ptrs, cs, amax_accumulate)
+            gather = g.row_index is not None
+            _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None, gather), chunk, arg,
+                 g.k, align, rule, ptrs, cs, amax_accumulate, gather)
 
 
 def _contiguous(v: ArrayView) -> bool:
@@ -598,12 +670,13 @@ def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], a
     """:func:`_pack_groups`, remembered per argument values: a training step repeats the same
     splits with buffers the caching allocators hand out again, so the argument blocks repeat too.
     The key holds every value written into them (splits, k, align, every pointer and row stride)."""
+    gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     if g.m_dev is not None:
         key = ("dev", g.num_experts, g.k, align, g.base.ptr, _row_stride(g.base), g.m_dev.ptr,
-               g.total_rows, _ptr(res.data), _ptr(res.data_t))
+               g.total_rows, _ptr(res.data), _ptr(res.data_t), gather)
     else:
         key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), _ptr(res.data),
-               _ptr(res.data_t))
+               _ptr(res.data_t), gather)
     args = _PACKED.get(key)
     if args is None:
         args = _pack_groups(g, res, plans, align)
@@ -628,6 +701,8 @@ def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], ali
             arg["in"][0], arg["out_row"][0], arg["out_col"][0] = g.base.ptr, data_ptr, data_t_ptr
             arg["ld"][0] = _row_stride(g.base)
             arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
+            if g.row_index is not None:
+                arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
             args.append(arg)
         return args
     m = np.asarray(g.m_splits, dtype=np.int64)
@@ -646,6 +721,9 @@ def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], ali
         arg["out_col"][: chunk.count] = out_col[sl]
         arg["tile_start"][: chunk.count + 1] = chunk.tile_start
         arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
+        if g.row_index is not None:
+            arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
+            arg["row_first"][: chunk.count] = row_first[sl]
         args.append(arg)
     return args
 
@@ -685,11 +763,12 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
 
 
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
-         amax_accumulate=False) -> None:
+         amax_accumulate=False, gather=False) -> None:
+    spec = GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
     grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
     if backend == "cuda":
-        kern = _jit.get_function(KERNEL_SPEC, name)
+        kern = _jit.get_function(spec, name)
         kern((grid,), (THREADS,), cuda_arguments(chunk, arg, k, align, rule, ptrs, colsum,
                                                  amax_accumulate))
     else:   # host buffers, made per launch and checked after it
@@ -699,7 +778,7 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
         partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
-        kern = _jit.get_emulated_function(KERNEL_SPEC, name)
+        kern = _jit.get_emulated_function(spec, name)
         kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws)
              + _nullable(colsum, partial, count) + (np.int32(amax_accumulate),),
              order=_launch.current_emulation_order())

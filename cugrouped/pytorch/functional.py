@@ -33,7 +33,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, splits_on_device=None, backend=None,
                              amax_accumulate=False, amax_epsilon=0.0,
-                             power_2_scale=False) -> GroupedFP8:
+                             power_2_scale=False, row_index=None) -> GroupedFP8:
     """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes).
 
@@ -63,8 +63,10 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             splits = m_splits                               # read by the kernel: no host sync
         else:
             splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
+    if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
+        row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
     # Checks and sizes first: bad input raises before anything is allocated or launched.
-    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device)
+    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
     rows, col_bytes = _pct.output_sizes(g, align)
     E, k = g.num_experts, g.k
     if out is None:
@@ -83,7 +85,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
             splits_on_device=splits_on_device, backend=backend, normalized=g,
             amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-            power_2_scale=power_2_scale)
+            power_2_scale=power_2_scale, row_index=row_index)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

@@ -56,12 +56,17 @@ def merge_amax(old, new) -> np.ndarray:
 _CARRIED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
+def _retag(a, dtype) -> np.ndarray:
+    """An integer carrier (uint16 bits) viewed as the ``dtype`` it carries."""
+    a = np.asarray(a)
+    if dtype is not None and a.dtype.name != dtype:
+        a = a.view(_CARRIED[dtype])
+    return a
+
+
 def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
     def retag(a):
-        a = np.asarray(a)
-        if dtype is not None and a.dtype.name != dtype:
-            a = a.view(_CARRIED[dtype])
-        return a
+        return _retag(a, dtype)
 
     if isinstance(inputs, (list, tuple)):
         return [retag(a) for a in inputs]
@@ -73,7 +78,7 @@ def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, backend=None, amax_accumulate=False, amax_epsilon=0.0,
-                             power_2_scale=False) -> GroupedFP8:
+                             power_2_scale=False, row_index=None) -> GroupedFP8:
     """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
     from ..ops.pad_cast_transpose import (check_amax_accumulate, check_scale_options,  # checks
                                           normalize_inputs, padded_splits)
@@ -82,9 +87,14 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_amax_accumulate(amax_accumulate, scale, out)
     eps = check_scale_options(amax_epsilon, power_2_scale, scale)
-    g = normalize_inputs(inputs, m_splits, dtype)
+    g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
+    if row_index is not None:      # the permute: rows gathered, a negative index a zero row
+        tokens = rfp8.to_float32(_retag(inputs, dtype))
+        idx = np.asarray(row_index)
+        gathered = np.where((idx >= 0)[:, None], tokens[np.maximum(idx, 0)], np.float32(0))
+        inputs, m_splits, dtype = gathered.astype(np.float32), g.m_splits, None
     xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
     E, k = len(xs), g.k
     m_pad = padded_splits(g.m_splits, align)
