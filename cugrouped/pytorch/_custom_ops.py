@@ -112,12 +112,15 @@ def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv) -> GroupedF
 # ---------------------------------------------------------------------------------------------
 # Cast: pad + FP8 cast + transpose (+ amax, + column sums) of all experts, one op.
 
-def _quantize_shapes(xs, align, rowwise, columnwise, column_sums):
+def _quantize_shapes(xs, align, rowwise, columnwise, column_sums, m_splits=None):
+    """Output shapes; ``m_splits`` (a gather) gives the experts' rows instead of ``xs``."""
     k = xs[0].shape[1]
-    rows = sum(x.shape[0] for x in xs)
-    col_bytes = k * sum(padded(x.shape[0], align) for x in xs)
-    return ((rows if rowwise else 0, k), (col_bytes if columnwise else 0,), (len(xs),),
-            (len(xs) if column_sums else 0, k))
+    counts = list(m_splits) if m_splits is not None else [x.shape[0] for x in xs]
+    rows = sum(counts)
+    col_bytes = k * sum(padded(m, align) for m in counts)
+    E = len(counts)
+    return ((rows if rowwise else 0, k), (col_bytes if columnwise else 0,), (E,),
+            (E if column_sums else 0, k))
 
 
 @_custom_op("fp8_quantize", mutates_args=("amax_out",))
@@ -125,7 +128,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
                  columnwise: bool, column_sums: bool, scale: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor], offset: int, cast_backend: str,
                  accumulate_amax: bool = False, amax_epsilon: float = 0.0,
-                 power_2_scale: bool = False
+                 power_2_scale: bool = False, row_index: Optional[torch.Tensor] = None,
+                 m_splits: Optional[List[int]] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``multi_pad_cast_transpose`` of the experts ``xs`` (2-D, one dtype, one k).
 
@@ -135,12 +139,16 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
     update zeroes it) by the cast kernel itself (``amax_accumulate``, no extra launch; delayed
     scaling only). ``amax_epsilon``, ``power_2_scale``: current scaling's options (QParams).
+    ``row_index`` with ``m_splits`` (the fused permute): ``xs`` is ``[tokens]`` and the experts'
+    rows are ``tokens[row_index]``, ``m_splits`` each.
     Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
-    E = len(xs)
+    gather = row_index is not None
+    E = len(m_splits) if gather else len(xs)
     dev = xs[0].device
-    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
+    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
+                                              m_splits if gather else None)
     data = torch.empty(s_data, dtype=torch.uint8, device=dev)
     data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
@@ -159,17 +167,20 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
                      column_sums=colsum if column_sums else None)
     # the torch front of the op: zero-copy views of these buffers, torch's current stream
     _functional.multi_pad_cast_transpose(
-        list(xs), fp8_format=fp8_format, scale=sc, margin=margin, align=align, rowwise=rowwise,
+        xs[0] if gather else list(xs), list(m_splits) if gather else None, fp8_format=fp8_format,
+        scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
         backend=_backend(xs[0], cast_backend), amax_accumulate=merge, amax_epsilon=amax_epsilon,
-        power_2_scale=power_2_scale)
+        power_2_scale=power_2_scale, row_index=row_index)
     return data, data_t, scale_inv, colsum
 
 
 @fp8_quantize.register_fake
 def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, amax_out, offset,
-      cast_backend, accumulate_amax=False, amax_epsilon=0.0, power_2_scale=False):
-    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums)
+      cast_backend, accumulate_amax=False, amax_epsilon=0.0, power_2_scale=False, row_index=None,
+      m_splits=None):
+    s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
+                                              m_splits if row_index is not None else None)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
             torch.empty(s_e, dtype=torch.float32, device=dev),

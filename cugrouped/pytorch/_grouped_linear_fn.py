@@ -11,6 +11,7 @@ import functools
 import torch
 
 from . import _custom_ops as cops
+from ._gather import scatter_rows
 from .fp8_state import GRAD_OUTPUT, INPUT
 
 FP8_ALIGN = 16          # token padding of the transposed copies (the wgrad GEMM reduces over it)
@@ -45,6 +46,7 @@ class _Config:
     lazy_main_grad: bool = False    # fused wgrad: main_grad from weight.get_main_grad() in backward
     q_inp: tuple = (0.0, False)     # current scaling: (amax_epsilon, power_2_scale) of the input
     q_grad: tuple = (0.0, False)    # ... and of the grad output (recipe QParams)
+    gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
 
     def unpack(self, flat):
         E = self.num_experts
@@ -105,13 +107,16 @@ class _WgradStore:
 
 
 class _GroupedLinearFn(torch.autograd.Function):
-    """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads)."""
+    """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads
+    [, row_index])."""
 
     @staticmethod
     def forward(ctx, cfg: _Config, m_splits: tuple, *flat):
         xs, ws, bs, wq, state, main_grads = cfg.unpack(flat)
         E = cfg.num_experts
-        x_list = cfg.expert_rows(xs, m_splits)
+        # the fused permute (FP8, the default backward only): the cast gathers the rows itself
+        row_index = flat[-1] if cfg.gather else None
+        x_list = [xs[0]] if cfg.gather else cfg.expert_rows(xs, m_splits)
         nx = len(xs)
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
         need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
@@ -142,7 +147,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
             x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
             False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True,
-            *cfg.q_inp)
+            *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
@@ -163,7 +168,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         w_saved = (w_t, w_si) if mode in ("fp8", "hp_wgrad") else () if not need_dgrad else \
             ws if mode == "high_precision" else (w_data, w_si)
         ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
-        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.num_tokens = xs[0].shape[0]
+        ctx.save_for_backward(*x_saved, *w_saved, *((row_index,) if cfg.gather else ()))
         return y
 
     @staticmethod
@@ -205,6 +211,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
 
         saved = ctx.saved_tensors
+        if cfg.gather:
+            saved, row_index = saved[:-1], saved[-1]
         if not cfg.fp8 or cfg.bwd_mode in ("high_precision", "dequantized"):
             # everything in the activation dtype: the plain path, or current scaling's backward
             # overrides (the original operands, or the forward's FP8 operands dequantized)
@@ -284,7 +292,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                     dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
                               else torch.empty_like)(w)
         dxs = [None] * nx
-        if dx is not None:
+        if dx is not None and cfg.gather:      # back to the tokens: the permute's adjoint
+            dxs = [scatter_rows(dx, row_index, ctx.num_tokens)]
+        elif dx is not None:
             dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
         grads = [None, None, *dxs, *(dws if dws is not None else [None] * E)]
         if cfg.has_bias:

@@ -37,6 +37,7 @@ import torch
 from . import _custom_ops as cops
 from ._grouped_linear_fn import (_check_main_grad, main_grad_dtype, _Config, _GroupedLinearFn, _split, _WgradStore,
                                  num_e4m3, update_scales)
+from ._gather import check_row_index, gather_rows
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
 from .recipe import (DelayedScaling, Float8CurrentScaling, get_calibration_recipe, get_fp8_group,
@@ -341,7 +342,9 @@ class GroupedLinear(torch.nn.Module):
         self._set_state(DelayedScalingState.from_dict(state, self.weight0.device))
 
     # -- forward ------------------------------------------------------------------------------
-    def _check_input(self, inp, m_splits):
+    def _check_input(self, inp, m_splits, rows=None):
+        """(splits, first tensor); ``rows``: the rows ``m_splits`` must count when they are not
+        ``inp``'s (a gather)."""
         E, k = self.num_gemms, self.in_features
         w0 = self.weight0
         if isinstance(inp, (list, tuple)):
@@ -370,7 +373,7 @@ class GroupedLinear(torch.nn.Module):
                 raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}) or "
                                  f"(..., in_features={k}) with sum(m_splits) rows in all, got "
                                  f"{tuple(inp.shape)}")
-            rows = inp.numel() // k
+            rows = inp.numel() // k if rows is None else rows
             if m_splits is None:
                 raise ValueError("m_splits: required when inp is a single tensor")
             splits = tuple(self._host_splits(m_splits))
@@ -450,7 +453,8 @@ class GroupedLinear(torch.nn.Module):
             self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
         return out
 
-    def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None):
+    def forward(self, inp, m_splits=None, is_first_microbatch: bool | None = None,
+                row_index: torch.Tensor | None = None):
         """``inp``: list of E ``(m_i, in_features)`` tensors -> list of E ``(m_i, out_features)``
         outputs (views of one buffer); or one ``(Σ m_i, in_features)`` tensor with ``m_splits``
         (list of ints, or an integer tensor) -> one ``(Σ m_i, out_features)`` tensor. A single
@@ -470,12 +474,26 @@ class GroupedLinear(torch.nn.Module):
         the weights without FP8; with FP8 the weights are quantized from their own dtype. The
         output is in the activation dtype, grads come back in each parameter's own dtype.
         Outside autocast the input dtype must equal ``params_dtype``.
+
+        ``row_index`` (the MoE permute folded in): ``inp`` is the ``(tokens, in_features)``
+        matrix and the experts' rows are ``inp[row_index]`` (int64, ``sum(m_splits)`` entries,
+        expert by expert; a negative index is a zero row); the output is ``(sum(m_splits),
+        out_features)`` in that order and ``inp``'s gradient is summed back onto the tokens
+        (:func:`cugrouped.pytorch._gather.scatter_rows`; deterministic on CUDA under
+        ``torch.use_deterministic_algorithms``). With FP8 and the default backward the cast
+        kernel gathers the rows itself, so the permuted high-precision copy is never made;
+        otherwise (no FP8, backward overrides, ``save_original_input``) the rows are gathered
+        first, with the same results.
         """
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("delay_wgrad_compute: not under torch.compile (backward queues "
                                "the weight gradient for backward_dw(), a side effect a compiled "
                                "graph cannot hold); compile without it")
-        splits, first = self._check_input(inp, m_splits)
+        gather = False
+        if row_index is not None:
+            inp, gather = self._gather_input(inp, m_splits, row_index)
+        splits, first = self._check_input(inp, m_splits,
+                                          rows=row_index.shape[0] if gather else None)
         list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
         out_shape = None
@@ -514,7 +532,8 @@ class GroupedLinear(torch.nn.Module):
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, (fuse, lazy, main_grads),
-                                  list_mode, is_first_microbatch, first, accumulate)
+                                  list_mode, is_first_microbatch, first, accumulate,
+                                  row_index if gather else None)
         if list_mode:
             out = list(torch.split(y, list(splits)))
         else:
@@ -649,8 +668,23 @@ class GroupedLinear(torch.nn.Module):
         main_grad_dtype(main_grads)          # one dtype for all: one grouped GEMM writes them
         return True, False, main_grads
 
+    def _gather_input(self, inp, m_splits, row_index):
+        """(input, fused): the tokens as they are when the FP8 cast will gather the rows itself
+        (the default FP8 backward, which reads only the cast's transposed copy), else the
+        gathered rows (an autograd gather)."""
+        if isinstance(inp, (list, tuple)) or not isinstance(inp, torch.Tensor) or inp.dim() != 2:
+            raise ValueError("row_index: gathers rows of one 2-D (tokens, in_features) tensor inp")
+        if m_splits is None:
+            raise ValueError("m_splits: required with row_index (the rows of each expert)")
+        check_row_index(row_index, inp, sum(self._host_splits(m_splits)))
+        recipe = get_fp8_recipe()
+        fused = recipe is not None and not self.save_original_input and \
+            getattr(recipe, "backward_override", None) is None and \
+            not recipe.override_linear_precision[2]
+        return (inp, True) if fused else (gather_rows(inp, row_index), False)
+
     def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
-                     first, accumulate_main_grad):
+                     first, accumulate_main_grad, row_index=None):
         E, k, n = self.num_gemms, self.in_features, self.out_features
         fuse, lazy, main_grads = fused
         if k % 16:
@@ -695,5 +729,7 @@ class GroupedLinear(torch.nn.Module):
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
                       self.save_original_input, self._grad_accumulators(ws), lazy,
-                      _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"))
-        return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads)
+                      _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
+                      row_index is not None)
+        return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
+                                      *((row_index,) if row_index is not None else ()))
