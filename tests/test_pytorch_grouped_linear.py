@@ -220,6 +220,36 @@ def test_current_scaling_qparams_reach_each_cast():
     assert Float8CurrentScaling().fp8_quant_fwd_inp == QParams()
 
 
+@pytest.mark.parametrize("fuse_wgrad", [False, True])
+def test_mmparams_choose_each_gemms_accumulation(monkeypatch, fuse_wgrad):
+    """TransformerEngine's MMParams: use_split_accumulator=False is cuBLASLt's FP8 fast
+    accumulation, per GEMM; the defaults (and delayed scaling) use it in fprop only."""
+    from cugrouped.pytorch import MMParams
+    from cugrouped.pytorch import _custom_ops
+
+    seen = {}
+    for name in ("grouped_fprop", "grouped_dgrad", "grouped_wgrad"):
+        real = getattr(_custom_ops._ops, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen[_name] = kw["fast_accum"]
+            return _real(*a, **kw)
+        monkeypatch.setattr(_custom_ops._ops, name, spy)
+    sp = [6, 0, 11]
+    flipped = Float8CurrentScaling(fp8_gemm_fprop=MMParams(True), fp8_gemm_dgrad=MMParams(False),
+                                   fp8_gemm_wgrad=MMParams(False))
+    for rec, want in ((Float8CurrentScaling(), (True, False, False)),
+                      (DelayedScaling(), (True, False, False)), (flipped, (False, True, True))):
+        layer = make_layer(3, fuse_wgrad_accumulation=fuse_wgrad)
+        for w in layer.weights():
+            w.main_grad = torch.zeros_like(w)
+        seen.clear()
+        run(layer, torch.randn(17, 32), sp, rec, False)
+        assert (seen["grouped_fprop"], seen["grouped_dgrad"], seen["grouped_wgrad"]) == want, rec
+    with pytest.raises(TypeError, match="fp8_gemm_dgrad: expected a cugrouped.pytorch.MMParams"):
+        Float8CurrentScaling(fp8_gemm_dgrad=True)
+
+
 def test_bf16_fp8_with_fused_bias_close_to_float64():
     sp = [9, 3, 0, 21]
     layer = make_layer(4, dtype=torch.bfloat16)

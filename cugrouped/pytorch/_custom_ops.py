@@ -193,18 +193,20 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
 @_custom_op("fp8_fprop", mutates_args=())
 def fp8_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
               w_data: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str,
-              bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+              bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype,
+              fast_accum: bool = True) -> torch.Tensor:
     """``y_i = x_i · W_iᵀ (+ b_i)``: x row-wise ``(Σm, k)``, W row-wise ``(E·n, k)``; bias (one per
-    expert, of :func:`fused_bias_dtype`) or an empty list. Returns ``(Σm, n)``."""
+    expert, of :func:`fused_bias_dtype`) or an empty list. Returns ``(Σm, n)``. ``fast_accum``:
+    cuBLASLt's FP8 fast accumulation (TransformerEngine's ``use_split_accumulator=False``)."""
     n = w_data.shape[0] // len(m_splits)
     y = torch.empty((x_data.shape[0], n), dtype=out_dtype, device=x_data.device)
     _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
-                _gemm_backend(x_data))
+                _gemm_backend(x_data), fast_accum)
     return y
 
 
 def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
-                backend):
+                backend, fast_accum=True):
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
     conv = _gemm_view(backend)
@@ -212,43 +214,47 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
     wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1, conv)
     with launch_context(x_data.device):
         _ops.grouped_fprop(xg, wg, [conv(b) for b in bias] if bias else None, out=conv(y),
-                           out_dtype=dtype_name(y.dtype), fast_accum=True, backend=backend)
+                           out_dtype=dtype_name(y.dtype), fast_accum=fast_accum, backend=backend)
 
 
 @fp8_fprop.register_fake
-def _(x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits, out_dtype):
+def _(x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits, out_dtype,
+      fast_accum=True):
     return x_data.new_empty((x_data.shape[0], w_data.shape[0] // len(m_splits)), dtype=out_dtype)
 
 
 @_custom_op("fp8_dgrad", mutates_args=())
 def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
               w_t: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str, k: int,
-              m_splits: List[int], out_dtype: torch.dtype) -> torch.Tensor:
+              m_splits: List[int], out_dtype: torch.dtype, fast_accum: bool = False
+              ) -> torch.Tensor:
     """``dx_i = dy_i · W_i``: dy row-wise ``(Σm, n)``, W transposed (``(k, n)`` per expert, packed).
     Returns ``(Σm, k)``."""
     dx = torch.empty((dy_data.shape[0], k), dtype=out_dtype, device=dy_data.device)
     _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
-                _gemm_backend(dy_data))
+                _gemm_backend(dy_data), fast_accum)
     return dx
 
 
 def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
-                backend):
+                backend, fast_accum=False):
     E, n = len(m_splits), dy_data.shape[1]
     conv = _gemm_view(backend)
     dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16, conv)
     wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1, conv)
     with launch_context(dy_data.device):
-        _ops.grouped_dgrad(dyg, wg, out=conv(dx), out_dtype=dtype_name(dx.dtype), backend=backend)
+        _ops.grouped_dgrad(dyg, wg, out=conv(dx), out_dtype=dtype_name(dx.dtype),
+                           fast_accum=fast_accum, backend=backend)
 
 
 @fp8_dgrad.register_fake
-def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits, out_dtype):
+def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits, out_dtype,
+      fast_accum=False):
     return dy_data.new_empty((dy_data.shape[0], k), dtype=out_dtype)
 
 
 def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
-           accumulate, out_dtype, backend):
+           accumulate, out_dtype, backend, fast_accum=False):
     """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
     conv = _gemm_view(backend)
     xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16, conv)
@@ -256,23 +262,24 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
     out = [conv(g) for g in out] if isinstance(out, (list, tuple)) else conv(out)
     with launch_context(x_t.device):
         _ops.grouped_wgrad(xg, dyg, out=out, accumulate=accumulate, out_dtype=out_dtype,
-                           backend=backend)
+                           fast_accum=fast_accum, backend=backend)
 
 
 @_custom_op("fp8_wgrad", mutates_args=())
 def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
               dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``);
     returns ``(E, n, k)`` of ``out_dtype`` (an expert with no tokens gets zeros)."""
     dw = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=x_t.device)
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, dw,
-           False, dtype_name(out_dtype), _gemm_backend(x_t))
+           False, dtype_name(out_dtype), _gemm_backend(x_t), fast_accum)
     return dw
 
 
 @fp8_wgrad.register_fake
-def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype):
+def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype,
+      fast_accum=False):
     return x_t.new_empty((len(m_splits), n, k), dtype=out_dtype)
 
 
@@ -282,18 +289,19 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 def fp8_wgrad_main_grad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
                         dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
                         n: int, m_splits: List[int], main_grads: List[torch.Tensor],
-                        accumulate: bool) -> None:
+                        accumulate: bool, fast_accum: bool = False) -> None:
     """``main_grads[i] (+)= dy_iᵀ · x_i``, accumulated in fp32 and rounded once to the
     ``main_grad`` dtype (float32, bfloat16 or float16, one for all experts): ``accumulate`` adds
     (``beta = 1`` in the GEMM; experts with no tokens leave theirs untouched), otherwise
     overwrites (no tokens: zeros)."""
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
-           list(main_grads), accumulate, dtype_name(main_grads[0].dtype), _gemm_backend(x_t))
+           list(main_grads), accumulate, dtype_name(main_grads[0].dtype), _gemm_backend(x_t),
+           fast_accum)
 
 
 @fp8_wgrad_main_grad.register_fake
 def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, main_grads,
-      accumulate):
+      accumulate, fast_accum=False):
     return None
 
 

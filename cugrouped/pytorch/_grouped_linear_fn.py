@@ -47,6 +47,7 @@ class _Config:
     q_inp: tuple = (0.0, False)     # current scaling: (amax_epsilon, power_2_scale) of the input
     q_grad: tuple = (0.0, False)    # ... and of the grad output (recipe QParams)
     gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
+    fast_accum: tuple = (True, False, False)   # FP8 fast accumulation of fprop, dgrad, wgrad
 
     def unpack(self, flat):
         E = self.num_experts
@@ -150,7 +151,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
         w_data, w_t, w_si = wq
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
-                                 list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype)
+                                 list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype,
+                                 cfg.fast_accum[0])
         if bs and not cfg.fuse_bias:
             for part, b in zip(_split(y, m_splits), bs):
                 part.add_(b)
@@ -247,7 +249,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                               cfg.amax_compute_algo, cfg.margin, cfg.cast_backend)
             if need_dgrad:
                 dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
-                                          k, list(m_splits), x_dtype)
+                                          k, list(m_splits), x_dtype, cfg.fast_accum[1])
             if need_wgrad and not fp8_wgrad:        # override_linear_precision: wgrad in high
                 wgrad_fn = functools.partial(hp_wgrad, cfg.expert_rows(xs, m_splits))  # precision
             elif need_wgrad:
@@ -264,11 +266,11 @@ class _GroupedLinearFn(torch.autograd.Function):
                     if cfg.fuse_wgrad:
                         cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
                                                        cfg.fmt_bwd, k, n, list(m_splits),
-                                                       main_grads, acc)
+                                                       main_grads, acc, cfg.fast_accum[2])
                         return None
                     return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
                                                      cfg.fmt_bwd, k, n, list(m_splits),
-                                                     w_dtype).unbind(0))
+                                                     w_dtype, cfg.fast_accum[2]).unbind(0))
                 wgrad_fn = _wgrad
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))

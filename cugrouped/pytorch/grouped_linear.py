@@ -64,6 +64,15 @@ def _qparams(recipe, name: str) -> tuple[float, bool]:
     return q.options() if q is not None else (0.0, False)
 
 
+def _fast_accum(recipe) -> tuple[bool, bool, bool]:
+    """FP8 fast accumulation of (fprop, dgrad, wgrad): TransformerEngine's defaults (fprop only),
+    or a current-scaling recipe's ``fp8_gemm_*`` MMParams (``use_split_accumulator=False``)."""
+    mm = [getattr(recipe, f"fp8_gemm_{p}", None) for p in ("fprop", "dgrad", "wgrad")]
+    if mm[0] is None:
+        return True, False, False
+    return tuple(not m.use_split_accumulator for m in mm)
+
+
 @contextlib.contextmanager
 def cpu_cast_backend(name: str):
     """Context-manager form of :func:`set_cpu_cast_backend`."""
@@ -730,6 +739,6 @@ class GroupedLinear(torch.nn.Module):
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
                       self.save_original_input, self._grad_accumulators(ws), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
-                      row_index is not None)
+                      row_index is not None, _fast_accum(recipe))
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))

@@ -17,8 +17,8 @@ import contextlib
 import dataclasses
 import enum
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "QParams", "fp8_autocast",
-           "autocast", "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "QParams", "MMParams",
+           "fp8_autocast", "autocast", "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
 
 
 class Format(enum.Enum):
@@ -157,6 +157,20 @@ _QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
 @dataclasses.dataclass(frozen=True)
+class MMParams:
+    """An FP8 GEMM's accumulation (TransformerEngine's ``MMParams``): ``use_split_accumulator``
+    True promotes partial sums to full float32 precision (cuBLASLt without ``FAST_ACCUM``);
+    False is Hopper's fast accumulation (faster, a few more bits of error on long reductions)."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.use_split_accumulator, bool):
+            raise TypeError(f"use_split_accumulator: expected a bool, got "
+                            f"{self.use_split_accumulator!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling:
     """Scales from this step's amax of each expert's tensor: ``fp8_max / amax / 2^margin``
     (computed on the device by the cast kernel; two launches per cast, no state).
@@ -170,7 +184,10 @@ class Float8CurrentScaling:
 
     ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight``, ``fp8_quant_bwd_grad``: :class:`QParams`
     (``amax_epsilon``, ``power_2_scale``) of the input, weight and grad-output casts, as in
-    TransformerEngine; each left None is ``QParams(power_2_scale=use_power_2_scales)``."""
+    TransformerEngine; each left None is ``QParams(power_2_scale=use_power_2_scales)``.
+    ``fp8_gemm_fprop``, ``fp8_gemm_dgrad``, ``fp8_gemm_wgrad``: :class:`MMParams` of the three
+    FP8 GEMMs (TransformerEngine's defaults: fast accumulation in fprop only; delayed scaling
+    always uses those)."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
@@ -182,6 +199,9 @@ class Float8CurrentScaling:
     fp8_quant_fwd_inp: QParams | None = None
     fp8_quant_fwd_weight: QParams | None = None
     fp8_quant_bwd_grad: QParams | None = None
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
 
     def __post_init__(self):
         _check_format(self.fp8_format)
@@ -196,6 +216,10 @@ class Float8CurrentScaling:
             elif not isinstance(q, QParams):
                 raise TypeError(f"{name}: expected a cugrouped.pytorch.QParams or None, got "
                                 f"{type(q).__name__}")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not isinstance(getattr(self, name), MMParams):
+                raise TypeError(f"{name}: expected a cugrouped.pytorch.MMParams, got "
+                                f"{type(getattr(self, name)).__name__}")
 
     def delayed(self) -> bool:
         return False
