@@ -26,13 +26,17 @@ VARIANTS = (("AMAX_ONLY", False), ("AMAX_ONLY", True), ("CAST", False), ("CAST_A
             ("CAST_AMAX", True))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def sass(request):
-    """(arch, {name: SASS text}, {name: ptxas resources}) from one compile per architecture."""
-    arch = request.param
-    image, mapping, log = _compile_check.compile_offline(pct.KERNEL_SPEC, arch)
+def _compiled(spec, arch):
+    """(arch, {name: SASS text}, {name: ptxas resources}) from one compile of ``spec``."""
+    image, mapping, log = _compile_check.compile_offline(spec, arch)
     resources = {r.name: r for r in _compile_check.parse_ptxas_log(log, arch, mapping)}
     return arch, _sass.disassemble_image(image, mapping), resources
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def sass(request):
+    """The plain kernels, one compile per architecture."""
+    return _compiled(pct.KERNEL_SPEC, request.param)
 
 
 def test_every_instantiation_is_disassembled(sass):
@@ -128,10 +132,8 @@ def test_memory_ops_counts_full_opcodes():
 
 @pytest.fixture(scope="module", params=ARCHS)
 def gather_sass(request):
-    arch = request.param
-    image, mapping, log = _compile_check.compile_offline(pct.GATHER_KERNEL_SPEC, arch)
-    resources = {r.name: r for r in _compile_check.parse_ptxas_log(log, arch, mapping)}
-    return arch, _sass.disassemble_image(image, mapping), resources
+    """The gather kernels (row_index), one compile per architecture."""
+    return _compiled(pct.GATHER_KERNEL_SPEC, request.param)
 
 
 @pytest.mark.parametrize("mode,colsum", VARIANTS)
