@@ -594,6 +594,17 @@ def test_gather_over_several_launches_and_strided_tokens():
     assert_same_bits(got, want, "chunks")
 
 
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
+def test_gather_from_no_tokens_gives_zero_rows(backend):
+    """A token matrix without rows (a rank that received nothing) and only padding indices."""
+    tokens = np.zeros((0, 48), np.float32)
+    got = cugrouped.multi_pad_cast_transpose(tokens, [2, 3], row_index=np.full(5, -1, np.int64),
+                                             backend=backend, column_sums=True)
+    want = reference.multi_pad_cast_transpose(np.zeros((5, 48), np.float32), [2, 3],
+                                              column_sums=True)
+    assert_same_bits(got, want, backend)
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda t, i: cugrouped.multi_pad_cast_transpose([t], [5], row_index=i), ValueError,
      "row_index: gathers rows of a single"),

@@ -218,6 +218,12 @@ def test_current_scaling_qparams_reach_each_cast():
     assert r.fp8_quant_fwd_inp == r.fp8_quant_fwd_weight == QParams(power_2_scale=True)
     assert r.fp8_quant_bwd_grad == QParams()
     assert Float8CurrentScaling().fp8_quant_fwd_inp == QParams()
+    # derived QParams follow use_power_2_scales through dataclasses.replace; given ones stay
+    import dataclasses
+    r2 = dataclasses.replace(r, use_power_2_scales=False)
+    assert r2.fp8_quant_fwd_inp == QParams() and r2.fp8_quant_bwd_grad == QParams()
+    r3 = dataclasses.replace(Float8CurrentScaling(fp8_quant_fwd_inp=qi), use_power_2_scales=True)
+    assert r3.fp8_quant_fwd_inp == qi and r3.fp8_quant_fwd_weight == QParams(power_2_scale=True)
 
 
 @pytest.mark.parametrize("fuse_wgrad", [False, True])
@@ -475,8 +481,19 @@ def test_fused_wgrad_into_16_bit_main_grad(dtype, recipe, g_dtype):
     x, dy = torch.randn(64, 32).to(dtype), torch.randn(64, 48).to(dtype)
     want = run(plain, x, sp, rec, False, dy)[2]
     run(fused, x, sp, rec, False, dy)
+    # the product before any rounding to 16 bits: float64 without FP8; with FP8 the same layer in
+    # float32 (same FP8 operands: the values are those of the 16-bit run), whose float32 gradient
+    # is the reference's float64 product rounded once to float32
+    if rec is None:
+        prods = [d.double().t() @ xi.double() for xi, d in zip(x.split(sp), dy.split(sp))]
+    else:
+        twin = make_layer(3, dtype=torch.float32, bias=False)
+        with torch.no_grad():
+            for w32, w in zip(twin.weights(), plain.weights()):
+                w32.copy_(w.float())
+        prods = [g.double() for g in run(twin, x.float(), sp, rec, False, dy.float())[2]]
     ulp = 2.0 ** -(8 if g_dtype == torch.bfloat16 else 11)        # half an ulp, relative
-    for i, (w, g, o) in enumerate(zip(fused.weights(), want, old)):
+    for i, (w, g, o, p) in enumerate(zip(fused.weights(), want, old, prods)):
         assert w.main_grad.dtype == g_dtype and w.grad is None
         got, total = w.main_grad.double(), o.double() + g.double()
         if sp[i] == 0:
@@ -484,7 +501,8 @@ def test_fused_wgrad_into_16_bit_main_grad(dtype, recipe, g_dtype):
             continue
         bound = ulp * (g.double().abs() + total.abs()) + 1e-30
         assert ((got - total).abs() <= bound).all(), i
-        assert not torch.equal(got, o.double())          # it did add
+        # one rounding of the sum (a 16-bit product added afterwards would round twice)
+        assert torch.equal(w.main_grad, (o.double() + p).to(g_dtype)), i
 
 
 def test_main_grad_dtypes_are_checked():

@@ -56,7 +56,8 @@ def gather_rows(tokens: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
 
 def check_row_index(row_index, tokens: torch.Tensor, rows: int) -> None:
     """A contiguous 1-D int64 tensor of ``rows`` indices on the tokens' device; CPU indices past
-    the tokens are refused (on CUDA that check would sync: they read as zero rows)."""
+    the tokens are refused (on CUDA that check would sync, and under torch.compile it would be
+    a data-dependent guard: there they read as zero rows)."""
     if not isinstance(row_index, torch.Tensor):
         raise TypeError(f"row_index: expected a torch.Tensor, got {type(row_index).__name__}")
     if row_index.dtype != torch.int64 or row_index.dim() != 1 or not row_index.is_contiguous():
@@ -67,6 +68,7 @@ def check_row_index(row_index, tokens: torch.Tensor, rows: int) -> None:
     if row_index.shape[0] != rows:
         raise ValueError(f"row_index: has {row_index.shape[0]} entries but m_splits counts "
                          f"{rows} rows")
-    if row_index.device.type == "cpu" and rows and int(row_index.max()) >= tokens.shape[0]:
+    if row_index.device.type == "cpu" and rows and not torch.compiler.is_compiling() and \
+            int(row_index.max()) >= tokens.shape[0]:
         raise ValueError(f"row_index: indices must be below the {tokens.shape[0]} rows of inp "
                          f"(negative ones select a zero row), got {int(row_index.max())}")

@@ -492,7 +492,9 @@ class GroupedLinear(torch.nn.Module):
         ``torch.use_deterministic_algorithms``). With FP8 and the default backward the cast
         kernel gathers the rows itself, so the permuted high-precision copy is never made;
         otherwise (no FP8, backward overrides, ``save_original_input``) the rows are gathered
-        first, with the same results.
+        first, with the same results (under ``torch.autocast`` the fused path sums the tokens'
+        gradient in float32 and rounds it once to the autocast dtype before it reaches the
+        tokens' own dtype; the other path sums in the tokens' dtype).
         """
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("delay_wgrad_compute: not under torch.compile (backward queues "
@@ -500,6 +502,7 @@ class GroupedLinear(torch.nn.Module):
                                "graph cannot hold); compile without it")
         gather = False
         if row_index is not None:
+            m_splits = self._host_splits(m_splits) if m_splits is not None else None  # one sync
             inp, gather = self._gather_input(inp, m_splits, row_index)
         splits, first = self._check_input(inp, m_splits,
                                           rows=row_index.shape[0] if gather else None)

@@ -138,6 +138,9 @@ class QParams:
     random_hadamard_transform: bool = False
     stochastic_rounding: bool = False
     fp4_2d_quantization: bool = False
+    # filled in by Float8CurrentScaling from use_power_2_scales (not given by the caller), so that
+    # dataclasses.replace(recipe, use_power_2_scales=...) derives it again
+    _derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
         from ..ops.pad_cast_transpose import check_scale_options
@@ -211,8 +214,9 @@ class Float8CurrentScaling:
             raise TypeError(f"use_power_2_scales: expected a bool, got {self.use_power_2_scales!r}")
         for name in _QPARAMS:
             q = getattr(self, name)
-            if q is None:
-                object.__setattr__(self, name, QParams(power_2_scale=self.use_power_2_scales))
+            if q is None or (isinstance(q, QParams) and q._derived):
+                object.__setattr__(self, name, QParams(power_2_scale=self.use_power_2_scales,
+                                                       _derived=True))
             elif not isinstance(q, QParams):
                 raise TypeError(f"{name}: expected a cugrouped.pytorch.QParams or None, got "
                                 f"{type(q).__name__}")

@@ -93,6 +93,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     if row_index is not None:      # the permute: rows gathered, a negative index a zero row
         tokens = rfp8.to_float32(_retag(inputs, dtype))
         idx = np.asarray(row_index)
+        if tokens.shape[0] == 0:       # nothing to gather: every row is a zero row
+            tokens = np.zeros((1, g.k), np.float32)
         gathered = np.where((idx >= 0)[:, None], tokens[np.maximum(idx, 0)], np.float32(0))
         inputs, m_splits, dtype = gathered.astype(np.float32), g.m_splits, None
     xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
