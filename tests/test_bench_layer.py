@@ -112,18 +112,23 @@ def test_every_timed_step_runs_on_cpu_tensors():
     with cpu_cast_backend("reference"):
         layer, impls = bl.layer_steps(cfg, "cpu", torch.float32, copies=2)
         names = [i[0] for i in impls]
-        assert names[0] == bl.REFERENCE_IMPL and len(set(names)) == len(names) == 8
-        out = {}
+        assert names[0] == bl.REFERENCE_IMPL and len(set(names)) == len(names) == 10
+        out, permuted = {}, {}
         for name, precision, form, step in impls:
-            assert precision in bl.PRECISIONS and form in ("tensor", "list")
+            assert precision in bl.PRECISIONS and form in ("tensor", "list", "permute")
             step(1)
             y, grads = step(1)
             y = torch.cat(y) if form == "list" else y
             dx = torch.cat(grads[:cfg.experts]) if form == "list" else grads[0]
             dw = grads[-cfg.experts:]
-            assert y.shape == (cfg.tokens, cfg.n) and dx.shape == (cfg.tokens, cfg.k)
+            rows = cfg.tokens // 2 if form == "permute" else cfg.tokens
+            assert y.shape == (cfg.tokens, cfg.n) and dx.shape == (rows, cfg.k)
             assert all(g.shape == (cfg.n, cfg.k) for g in dw)
-            out[name] = (y.detach(), dx, dw)
+            (permuted if form == "permute" else out)[name] = (y.detach(), dx, dw)
+    # the fused permute and index_select + the layer: the same step, bit for bit (float32)
+    a, b = permuted["cugrouped-fp8-delayed-permute"], permuted["index_select+cugrouped-fp8-delayed"]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert all(torch.equal(u, v) for u, v in zip(a[2], b[2]))
     ref = out["cugrouped-bf16-tensor"]
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     for name, (y, dx, dw) in out.items():

@@ -15,7 +15,11 @@ and wgrad both run, nothing accumulates into ``.grad``):
 * ``torch-linear-loop-bf16``: the same without the padding (split, ``F.linear``, ``cat``).
 
 ``tensor`` is one ``(sum m_i, k)`` input with ``m_splits`` (a host list); ``list`` is E per-expert
-tensors in, E views of one buffer out. Rows report ms (CUDA events, median after warm-up),
+tensors in, E views of one buffer out. Two more rows time the MoE permute in front of the layer
+(``permute`` input: a ``(sum m_i / 2, k)`` token matrix and a ``row_index`` as a top-2 router
+makes it): ``cugrouped-fp8-delayed-permute`` passes ``row_index`` to the layer (the cast kernel
+gathers; the tokens' gradient is summed back in backward), ``index_select+cugrouped-fp8-delayed``
+permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal. Rows report ms (CUDA events, median after warm-up),
 TFLOP/s, % of the measured dense peak (FP8 peak for FP8 rows, bf16 for the rest), % of the
 roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`,
 host us per call and per expert (one call on an idle GPU, so launches never block), the speed-up
@@ -159,6 +163,25 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
             return y, torch.autograd.grad(y, [s["x"], *params], s["dy"], allow_unused=True)
         return step
 
+    # the permute: every token routed to two experts (rows of the same token in two experts)
+    n_tok = max(1, T // 2)
+    row_index = torch.randint(0, n_tok, (T,), generator=gen, device=device)
+    for st in sets:
+        st["tokens"] = torch.randn(n_tok, cfg.k, generator=gen, device=device).to(dtype)
+        st["tokens"].requires_grad_()
+
+    def permute_step(fused):
+        def step(i):
+            s = sets[i % copies]
+            with fp8_autocast(fp8_recipe=recipes["fp8-delayed"]):
+                if fused:
+                    y = layer(s["tokens"], m_splits, row_index=row_index)
+                else:
+                    y = layer(s["tokens"].index_select(0, row_index), m_splits)
+                grads = torch.autograd.grad(y, [s["tokens"], *params], s["dy"], allow_unused=True)
+            return y, grads
+        return step
+
     impls = []
     for precision in ("fp8-delayed", "fp8-current", "bf16"):
         for form in ("tensor", "list"):
@@ -166,6 +189,9 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
                           cugrouped_step(recipes[precision], form)))
     impls.append(("torch-pad-linear-loop-bf16", "bf16", "tensor", baseline_step(ALIGN)))
     impls.append(("torch-linear-loop-bf16", "bf16", "tensor", baseline_step(1)))
+    impls.append(("cugrouped-fp8-delayed-permute", "fp8-delayed", "permute", permute_step(True)))
+    impls.append(("index_select+cugrouped-fp8-delayed", "fp8-delayed", "permute",
+                  permute_step(False)))
     return layer, impls
 
 
@@ -212,7 +238,7 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
             except Exception as exc:   # reported, not fatal: the other impls still run
                 outputs[impl] = exc
         ref_y = outputs.get("cugrouped-bf16-tensor")
-        ours = None
+        ours = fused_ms = None
         for impl, precision, form, step in impls:
             if isinstance(outputs[impl], Exception):
                 exc = outputs[impl]
@@ -228,15 +254,22 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                        pct_roofline=100 * roof_ms / ms, host_us=host,
                        host_us_per_expert=host / cfg.experts, experts=cfg.experts, tokens=T,
                        k=cfg.k, n=cfg.n)
-            if precision.startswith("fp8") and isinstance(ref_y, torch.Tensor):
+            same_input = form != "permute"          # the permute rows read other tensors
+            if precision.startswith("fp8") and same_input and isinstance(ref_y, torch.Tensor):
                 row["rel_err_vs_bf16"] = _rel_err(outputs[impl], ref_y)
             if impl == REFERENCE_IMPL:
                 ours = ms
+            elif impl == "cugrouped-fp8-delayed-permute":
+                fused_ms = ms
+            elif form == "permute" and fused_ms:     # the explicit permute against the fused
+                row["speedup_of_fused_permute"] = ms / fused_ms
             elif ours is not None:
                 row["speedup_of_cugrouped_fp8"] = ms / ours
             rows.append(row)
             extra = f" cugrouped-fp8 {row['speedup_of_cugrouped_fp8']:5.2f}x faster" \
-                if "speedup_of_cugrouped_fp8" in row else ""
+                if "speedup_of_cugrouped_fp8" in row else \
+                f" fused permute {row['speedup_of_fused_permute']:5.2f}x faster" \
+                if "speedup_of_fused_permute" in row else ""
             err = f" err {row['rel_err_vs_bf16']:.3f}" if "rel_err_vs_bf16" in row else ""
             print(f"{cfg.name:<24} {impl:<30} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
                   f"{row['pct_roofline']:5.1f}% of roofline, host {row['host_us_per_expert']:6.1f} "
