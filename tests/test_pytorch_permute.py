@@ -166,3 +166,27 @@ def test_moe_style_module_use():
     with fp8_autocast(fp8_recipe=RECIPES["delayed"]):
         y = layer(torch.randn(T, K), SPLITS, row_index=idx)
     assert y.shape == (sum(SPLITS), N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_gpu_moe_fuse_permute_equals_the_default_block(recipe):
+    """MoEFeedForward(fuse_permute=True) on CUDA, top-2: the same output and gradients, bit for
+    bit (two addends per token: the order of the atomic sums cannot matter)."""
+    from cugrouped.pytorch import MoEFeedForward
+
+    torch.manual_seed(0)
+    plain = MoEFeedForward(64, 128, 8, 2, params_dtype=torch.bfloat16, device="cuda")
+    fused = copy.deepcopy(plain)
+    fused.fuse_permute = True
+    x = torch.randn(300, 64, device="cuda").bfloat16()
+    outs = []
+    for block in (plain, fused):
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPES[recipe]):
+            y = block(xi)
+        y.float().square().mean().backward()
+        outs.append((y.detach(), xi.grad, [p.grad for p in block.parameters()]))
+    assert_bits_equal(outs[1][0], outs[0][0], "y")
+    assert_bits_equal(outs[1][1], outs[0][1], "dx")
+    assert_bits_equal(outs[1][2], outs[0][2], "params")

@@ -326,6 +326,12 @@ class MoEFeedForward(torch.nn.Module):
     delay_wgrad_compute : backward leaves the experts' weight gradients to :meth:`backward_dw`
         (``GroupedLinear``'s option, on fc1 and fc2), e.g. to run them while the next layer's
         all-to-all is in flight. The router's gradients are not deferred.
+    fuse_permute : without expert parallelism (one rank), fc1 reads the tokens through the
+        routing order (``GroupedLinear(..., row_index=)``): with FP8 the cast kernel gathers the
+        rows, so the permuted copy of the tokens is never made. Same outputs; the input gradient
+        is summed back with ``index_add_`` (the same bits as the default for ``top_k <= 2``; on
+        CUDA deterministic for ``top_k <= 2`` or under ``torch.use_deterministic_algorithms``).
+        With ``W > 1`` the tokens are exchanged before the experts and this has no effect.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
@@ -337,13 +343,16 @@ class MoEFeedForward(torch.nn.Module):
                  *, activation: str = "swiglu", normalize_topk: bool = True, bias: bool = False,
                  router_bias: bool = False, group=None, params_dtype: torch.dtype | None = None,
                  device="cuda", delay_wgrad_compute: bool = False,
-                 all_to_all: str = "per_expert"):
+                 all_to_all: str = "per_expert", fuse_permute: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         if all_to_all not in ("per_expert", "single"):
             raise ValueError(f"all_to_all: expected 'per_expert' or 'single', got {all_to_all!r}")
         self.all_to_all = all_to_all
+        if not isinstance(fuse_permute, bool):
+            raise TypeError(f"fuse_permute: expected a bool, got {fuse_permute!r}")
+        self.fuse_permute = fuse_permute
         rank, size = _group_rank_size(group)
         if num_experts % size:
             raise ValueError(f"num_experts: expected a multiple of the expert-parallel group size "
@@ -404,6 +413,13 @@ class MoEFeedForward(torch.nn.Module):
         single = self.all_to_all == "single" and W > 1 and L > 1
         plan = plan_routing(expert_ids, self.num_experts, self.ep_size,
                             "rank_major" if single else "expert_major")
+        if W == 1 and self.fuse_permute:
+            if x.shape[0] != plan.num_tokens:
+                raise ValueError(f"x: expected {plan.num_tokens} rows, got {x.shape[0]}")
+            m_splits = plan.tokens_per_expert.tolist()           # host sync
+            h = self.fc1(x, m_splits, row_index=plan.sort_idx // self.top_k)
+            y_sorted = self.fc2(self._act(h), m_splits)
+            return unpermute_tokens(y_sorted, plan, probs).reshape(shape)
         x_sorted = permute_tokens(x, plan)
         if W == 1:
             m_splits = plan.tokens_per_expert.tolist()           # host sync
