@@ -26,11 +26,12 @@ from .. import ops as _ops
 from ..grouped_fp8 import GroupedFP8
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
+from ..ops.scatter_rows import scatter_rows as _scatter_rows
 from . import functional as _functional
 from ._adapters import dtype_name, launch_context, to_array
 
 __all__ = ["eager", "fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_main_grad",
-           "wgrad_main_grad",
+           "wgrad_main_grad", "scatter_rows_sum",
            "scale_update",
            "padded", "fused_bias_dtype"]
 
@@ -364,6 +365,27 @@ def scale_update(amax_history: torch.Tensor, amax: torch.Tensor, scale: torch.Te
 def _(amax_history, amax, scale, scale_inv, num_e4m3, amax_compute_algo, margin, count,
       cast_backend):
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The permute's adjoint: rows summed onto tokens, deterministically.
+
+@_custom_op("scatter_rows_sum", mutates_args=())
+def scatter_rows_sum(rows: torch.Tensor, order: torch.Tensor, seg: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor:
+    """``out[t] = Σ rows[order[seg[t]:seg[t+1]]]`` in float32, added in ``order`` (no atomics:
+    the same bits on every run). ``rows`` row-major float32 / float16 / bfloat16."""
+    out = torch.empty((num_tokens, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    conv = _same if rows.is_cuda else _arr
+    with launch_context(rows.device):
+        _scatter_rows(conv(rows), conv(order), conv(seg), num_tokens, conv(out),
+                      backend=_backend(rows, "reference"))
+    return out
+
+
+@scatter_rows_sum.register_fake
+def _(rows, order, seg, num_tokens):
+    return rows.new_empty((num_tokens, rows.shape[1]), dtype=torch.float32)
 
 
 # The ops as the layer calls them: in eager mode the Python bodies directly (a call through

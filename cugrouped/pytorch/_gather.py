@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "scatter_rows", "check_row_index"]
+from . import _custom_ops as cops
+
+__all__ = ["gather_rows", "scatter_rows", "check_row_index", "token_order"]
 
 
 def _valid(row_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -18,8 +20,14 @@ def _valid(row_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def scatter_rows(rows: torch.Tensor, row_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The gather's adjoint: ``out[t] = Σ_{j: row_index[j] = t} rows[j]``, summed in float32 (at
-    least) and rounded once to ``rows``' dtype; zero rows contribute nothing. ``index_add_``:
-    deterministic on the CPU, and on CUDA under ``torch.use_deterministic_algorithms(True)``."""
+    least) in increasing ``j`` and rounded once to ``rows``' dtype; zero rows contribute nothing.
+    The same bits on every run: on CUDA the rows are grouped by token on the device (a stable
+    ``argsort`` and ``searchsorted``, no host sync) and summed by cugrouped's ``scatter_rows``
+    kernel (no atomics); on the CPU ``index_add_`` adds in that same order."""
+    if rows.is_cuda and rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out = cops.eager.scatter_rows_sum(rows.contiguous(), *token_order(row_index, num_tokens),
+                                          num_tokens)
+        return out.to(rows.dtype)
     acc = torch.promote_types(rows.dtype, torch.float32)
     out = torch.zeros((num_tokens, *rows.shape[1:]), dtype=acc, device=rows.device)
     if rows.shape[0] and num_tokens:
@@ -28,6 +36,16 @@ def scatter_rows(rows: torch.Tensor, row_index: torch.Tensor, num_tokens: int) -
                                                                          device=rows.device))
         out.index_add_(0, row_index.clamp(0, num_tokens - 1), src)
     return out.to(rows.dtype)
+
+
+def token_order(row_index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, seg) on the index's device, no host sync: the row numbers sorted stably by token
+    (indices outside the tokens last) and where each token's rows start in them."""
+    key = torch.where(_valid(row_index, num_tokens), row_index,
+                      torch.full_like(row_index, num_tokens))
+    order = torch.argsort(key, stable=True)
+    seg = torch.searchsorted(key[order], torch.arange(num_tokens + 1, device=row_index.device))
+    return order, seg
 
 
 class _GatherRows(torch.autograd.Function):

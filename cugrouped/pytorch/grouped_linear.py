@@ -488,8 +488,8 @@ class GroupedLinear(torch.nn.Module):
         matrix and the experts' rows are ``inp[row_index]`` (int64, ``sum(m_splits)`` entries,
         expert by expert; a negative index is a zero row); the output is ``(sum(m_splits),
         out_features)`` in that order and ``inp``'s gradient is summed back onto the tokens
-        (:func:`cugrouped.pytorch._gather.scatter_rows`; deterministic on CUDA under
-        ``torch.use_deterministic_algorithms``). With FP8 and the default backward the cast
+        (:func:`cugrouped.pytorch._gather.scatter_rows`: float32 sums in row order, the same
+        bits on every run, no atomics on CUDA). With FP8 and the default backward the cast
         kernel gathers the rows itself, so the permuted high-precision copy is never made;
         otherwise (no FP8, backward overrides, ``save_original_input``) the rows are gathered
         first, with the same results (under ``torch.autocast`` the fused path sums the tokens'

@@ -329,8 +329,8 @@ class MoEFeedForward(torch.nn.Module):
     fuse_permute : without expert parallelism (one rank), fc1 reads the tokens through the
         routing order (``GroupedLinear(..., row_index=)``): with FP8 the cast kernel gathers the
         rows, so the permuted copy of the tokens is never made. Same outputs; the input gradient
-        is summed back with ``index_add_`` (the same bits as the default for ``top_k <= 2``; on
-        CUDA deterministic for ``top_k <= 2`` or under ``torch.use_deterministic_algorithms``).
+        is summed back in float32 in a fixed order (deterministic, no atomics), the same bits as
+        the default block for ``top_k <= 2`` and within float32 summation order above.
         With ``W > 1`` the tokens are exchanged before the experts and this has no effect.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token

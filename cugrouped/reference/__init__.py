@@ -6,6 +6,7 @@ from .fp8 import (FLT_MAX, FP8_FORMAT_ID, FP8_MAX, FP8_NAN_BYTE, amax_of, amax_u
 from .grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .pad_cast_transpose import merge_amax, multi_pad_cast_transpose
 from .scale_update import reduce_history, update_scales
+from .scatter_rows import scatter_plan, scatter_rows
 
 __all__ = [
     "FP8_MAX", "FP8_FORMAT_ID", "FP8_NAN_BYTE", "FLT_MAX", "fp8_dtype", "normalize_format",
@@ -13,4 +14,5 @@ __all__ = [
     "compute_scale", "scale_inverse", "amax_of", "amax_usable", "multi_pad_cast_transpose",
     "merge_amax",
     "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales", "reduce_history",
+    "scatter_plan", "scatter_rows",
 ]
