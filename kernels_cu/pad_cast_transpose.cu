@@ -345,8 +345,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (full_tile) {
             Traits::unpack(raw[it], v);
         } else if (grow < m && gcol < k) {
-            const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);   // (a zero row: 64
-            if (gcol + PCT_SEG <= k && aligned16(src)) {                     // bytes of zeros)
+            // (a gathered zero row reads kPctZeroSegment: 64 bytes of zeros, 16-byte aligned)
+            const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);
+            if (gcol + PCT_SEG <= k && aligned16(src)) {
                 uint4 w[Traits::words];
                 Traits::load_raw(src, w);
                 Traits::unpack(w, v);

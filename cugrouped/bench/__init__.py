@@ -100,7 +100,8 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
         section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
-        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select", "gemm": "gemm vs the torch peers",
+        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select",
+                   "gemm": "gemm vs the torch peers",
                    "layer": "layer forward+backward vs bf16 and torch"}
         names = "; ".join(v for k, v in skipped.items() if what in (k, "all"))
         print(f"bench {what}: no GPU here; skipped the device timings ({names}). Run "

@@ -116,8 +116,6 @@ def bench_cast(quick: bool, rows: list[dict]) -> None:
                   f"faster (host {hus:6.1f} us/call)")
 
 
-
-
 def routing(tokens: int, experts: int, top_k: int, seed: int, device: str = "cuda"):
     """A top-k router's permutation as torch tensors: ``row_index`` (the token of each
     expert-ordered row, int64) and the host counts per expert (one sync, at setup)."""

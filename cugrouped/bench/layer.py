@@ -19,8 +19,9 @@ tensors in, E views of one buffer out. Two more rows time the MoE permute in fro
 (``permute`` input: a ``(sum m_i / 2, k)`` token matrix and a ``row_index`` as a top-2 router
 makes it): ``cugrouped-fp8-delayed-permute`` passes ``row_index`` to the layer (the cast kernel
 gathers; the tokens' gradient is summed back in backward), ``index_select+cugrouped-fp8-delayed``
-permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal. Rows report ms (CUDA events, median after warm-up),
-TFLOP/s, % of the measured dense peak (FP8 peak for FP8 rows, bf16 for the rest), % of the
+permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal.
+Rows report ms (CUDA events, median after warm-up), TFLOP/s, % of the measured dense peak (FP8
+peak for FP8 rows, bf16 for the rest), % of the
 roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`,
 host us per call and per expert (one call on an idle GPU, so launches never block), the speed-up
 of ``cugrouped-fp8-delayed-tensor`` over the row, and for FP8 rows the relative error of the

@@ -551,6 +551,7 @@ def _device_scope(backend: str, device: int):
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
                 rule: tuple, column_sums, amax_accumulate=False) -> None:
     """``rule``: ``(margin, amax_epsilon, power_2_scale)``, how the amax pass computes scales."""
+    gather = g.row_index is not None
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
         if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
             ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
@@ -562,7 +563,6 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
-            gather = g.row_index is not None
             _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None, gather), chunk, arg,
                  g.k, align, rule, ptrs, cs, amax_accumulate, gather)
 
@@ -733,10 +733,10 @@ def _nullable(*arrays):
     return tuple(np.uint64(0) if a is None else a for a in arrays)
 
 
-def _scalars(k: int, align: int, rule) -> tuple:
+def _scalars(k: int, align: int, rule: tuple) -> tuple:
     """``i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale``; ``rule`` is
-    ``(margin, amax_epsilon, power_2_scale)`` or a bare margin."""
-    margin, eps, p2 = rule if isinstance(rule, tuple) else (rule, 0.0, False)
+    ``(margin, amax_epsilon, power_2_scale)``."""
+    margin, eps, p2 = rule
     return (np.int64(k), np.int32(align), np.int32(margin), np.float32(eps), np.int32(p2))
 
 

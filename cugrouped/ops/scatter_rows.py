@@ -76,7 +76,7 @@ def scatter_rows(rows, order, seg, num_tokens: int, out, *, dtype: str | None = 
     ``dtype="bfloat16"``); ``order``: int64 ``(R,)``; ``seg``: int64 ``(num_tokens + 1,)``
     non-decreasing; ``out``: float32 ``(num_tokens, h)``, written (every element). The same bits
     on every run and backend (float32 sums flushed like the GPU's FTZ)."""
-    rv, ov_, sv, outv = _check(rows, order, seg, num_tokens, out, dtype)
+    rv, order_v, seg_v, out_v = _check(rows, order, seg, num_tokens, out, dtype)
     backend = _launch.resolve_backend(backend, rv.on_device)
     if backend == "reference":
         from ..reference.scatter_rows import scatter_rows as ref
@@ -92,8 +92,8 @@ def scatter_rows(rows, order, seg, num_tokens: int, out, *, dtype: str | None = 
     scalars = (np.int64(num_tokens), np.int64(h), np.int64(chunks))
     if backend == "cuda":
         kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), (np.uint64(rv.ptr), np.int64(ld), np.uint64(ov_.ptr),
-                                   np.uint64(sv.ptr)) + scalars + (np.uint64(outv.ptr),))
+        kern((grid,), (THREADS,), (np.uint64(rv.ptr), np.int64(ld), np.uint64(order_v.ptr),
+                                   np.uint64(seg_v.ptr)) + scalars + (np.uint64(out_v.ptr),))
     else:
         _jit.get_emulated_function(KERNEL_SPEC, name)(
             (grid,), (THREADS,), (rows, np.int64(ld), order, seg) + scalars + (out,),

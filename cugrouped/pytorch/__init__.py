@@ -25,6 +25,7 @@ from .recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams, QPa
                      fp8_autocast, get_fp8_group, get_fp8_recipe, is_fp8_enabled)
 
 __all__ = ["GroupedLinear", "fp8_autocast", "autocast", "DelayedScaling", "Float8CurrentScaling",
-           "QParams", "MMParams", "Format", "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled", "DelayedScalingState",
+           "QParams", "MMParams", "Format", "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled",
+           "DelayedScalingState",
            "set_cpu_cast_backend", "cpu_cast_backend", "MoEFeedForward", "shard_state_dict",
            "checkpoint"]

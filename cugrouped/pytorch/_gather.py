@@ -52,8 +52,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, row_index):
         ctx.save_for_backward(row_index)
-        ctx.num_tokens = tokens.shape[0]
-        T = tokens.shape[0]
+        ctx.num_tokens = T = tokens.shape[0]
         if T == 0:
             return tokens.new_zeros((row_index.shape[0], *tokens.shape[1:]))
         picked = tokens.index_select(0, row_index.clamp(0, T - 1))

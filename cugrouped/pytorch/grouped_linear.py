@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from . import _custom_ops as cops
-from ._grouped_linear_fn import (_check_main_grad, main_grad_dtype, _Config, _GroupedLinearFn, _split, _WgradStore,
+from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _split, _WgradStore,
+                                 main_grad_dtype,
                                  num_e4m3, update_scales)
 from ._gather import check_row_index, gather_rows
 from .checkpoint import delayed_scale_for, recomputing
@@ -688,7 +689,7 @@ class GroupedLinear(torch.nn.Module):
             raise ValueError("row_index: gathers rows of one 2-D (tokens, in_features) tensor inp")
         if m_splits is None:
             raise ValueError("m_splits: required with row_index (the rows of each expert)")
-        check_row_index(row_index, inp, sum(self._host_splits(m_splits)))
+        check_row_index(row_index, inp, sum(m_splits))      # m_splits: host ints by now
         recipe = get_fp8_recipe()
         fused = recipe is not None and not self.save_original_input and \
             getattr(recipe, "backward_override", None) is None and \

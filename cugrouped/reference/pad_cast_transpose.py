@@ -56,17 +56,12 @@ def merge_amax(old, new) -> np.ndarray:
 _CARRIED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def _retag(a, dtype) -> np.ndarray:
-    """An integer carrier (uint16 bits) viewed as the ``dtype`` it carries."""
-    a = np.asarray(a)
-    if dtype is not None and a.dtype.name != dtype:
-        a = a.view(_CARRIED[dtype])
-    return a
-
-
 def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
     def retag(a):
-        return _retag(a, dtype)
+        a = np.asarray(a)
+        if dtype is not None and a.dtype.name != dtype:
+            a = a.view(_CARRIED[dtype])
+        return a
 
     if isinstance(inputs, (list, tuple)):
         return [retag(a) for a in inputs]
@@ -91,7 +86,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
     if row_index is not None:      # the permute: rows gathered, a negative index a zero row
-        tokens = rfp8.to_float32(_retag(inputs, dtype))
+        tokens = rfp8.to_float32(inputs, dtype)
         idx = np.asarray(row_index)
         if tokens.shape[0] == 0:       # nothing to gather: every row is a zero row
             tokens = np.zeros((1, g.k), np.float32)

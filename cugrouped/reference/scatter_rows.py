@@ -21,12 +21,7 @@ def scatter_plan(row_index, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
 
 def scatter_rows(rows, order, seg, num_tokens: int, out=None, *, dtype=None) -> np.ndarray:
     """Each token's rows added in ``order``, one float32 accumulator, FTZ like the GPU."""
-    x = np.asarray(rows)
-    if dtype is not None and x.dtype.name != dtype:
-        import ml_dtypes
-
-        x = x.view({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
-    x = rfp8.ftz(rfp8.to_float32(x))
+    x = rfp8.ftz(rfp8.to_float32(rows, dtype))
     order, seg = np.asarray(order, np.int64), np.asarray(seg, np.int64)
     counts = seg[1:] - seg[:-1]
     acc = np.zeros((num_tokens, x.shape[1]), np.float32)
