@@ -5,6 +5,8 @@ Public API::
 
     multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, ...)
     GroupedFP8                      # its result: FP8 row-wise + transposed copies, amax, scales
+    multi_block_cast_transpose(inputs, m_splits=None, *, block_scaling_dim=1, ...)
+    GroupedBlockFP8                 # its result: FP8 copies with a scale per 1x128 / 128x128 block
     grouped_fprop(x, w, bias=None)  # y_i = x_i W_i^T for all experts (cuBLASLt; FP8 or bf16/fp16/fp32)
     grouped_dgrad(dy, w)            # dx_i = dy_i W_i
     grouped_wgrad(x, dy)            # dW_i = dy_i^T x_i (or accumulate into fp32 main_grad)
@@ -20,13 +22,16 @@ Every op takes ``backend="cuda" | "emulate" | "reference"``; see the README.
 
 from ._jit import warmup
 from ._sources import kernels_dir as kernel_sources
+from .grouped_block_fp8 import GroupedBlockFP8
 from .grouped_fp8 import GroupedFP8
 from .ops import (emulation_order, grouped_dgrad, grouped_fprop, grouped_wgrad,
-                  multi_pad_cast_transpose, record_launches, update_scales)
+                  multi_block_cast_transpose, multi_pad_cast_transpose, record_launches,
+                  update_scales)
 
 __version__ = "0.1.0"
 
-__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "grouped_fprop", "grouped_dgrad", "grouped_wgrad",
+__all__ = ["multi_pad_cast_transpose", "GroupedFP8", "multi_block_cast_transpose", "GroupedBlockFP8",
+           "grouped_fprop", "grouped_dgrad", "grouped_wgrad",
            "update_scales", "warmup", "kernel_sources",
            "record_launches", "emulation_order", "gpu_available", "__version__"]
 

@@ -64,16 +64,7 @@ class GroupedFP8:
         to the rows of :attr:`data` exactly as the kernel clamps them."""
         if not self.splits_on_device:
             return self.m_splits, self.m_pad_splits
-        raw = self.m_splits
-        if hasattr(raw, "get"):            # CuPy
-            raw = raw.get()
-        elif hasattr(raw, "cpu"):          # torch
-            raw = raw.cpu().numpy()
-        raw = np.asarray(raw, dtype=np.int64).reshape(-1)
-        rows = self.data.shape[0] if self.data is not None else int(raw.clip(0).sum())
-        ends = np.minimum(np.cumsum(raw.clip(0)), rows)
-        m = np.diff(np.concatenate([[0], ends]))
-        return tuple(int(v) for v in m), tuple(int(-(-v // self.align) * self.align) for v in m)
+        return host_counts(self.m_splits, self.data, self.align)
 
     def row_offsets(self) -> np.ndarray:
         """First row of each expert in :attr:`data` (length E + 1)."""
@@ -112,11 +103,11 @@ class GroupedFP8:
         if kind == "torch":
             import torch
 
-            table = torch.from_numpy(_decode_table(self.fp8_format)).to(src.device)
+            table = torch.from_numpy(decode_table(self.fp8_format)).to(src.device)
             as_bytes = lambda q: q.view(torch.uint8).long()  # noqa: E731  (torch indexes with int64)
         else:
             xp = np if kind == "numpy" else __import__("cupy")
-            table = xp.asarray(_decode_table(self.fp8_format))
+            table = xp.asarray(decode_table(self.fp8_format))
             as_bytes = lambda q: q.view(xp.uint8)  # noqa: E731
         out = []
         for i, m in enumerate(self.host_splits()[0]):
@@ -125,5 +116,21 @@ class GroupedFP8:
         return out
 
 
-def _decode_table(fp8_format: str) -> np.ndarray:
+def host_counts(counts, data, align: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Device counts read back to the host (a sync), clamped to the rows of ``data`` exactly as
+    the kernels clamp them, and rounded up to ``align``."""
+    raw = counts
+    if hasattr(raw, "get"):            # CuPy
+        raw = raw.get()
+    elif hasattr(raw, "cpu"):          # torch
+        raw = raw.cpu().numpy()
+    raw = np.asarray(raw, dtype=np.int64).reshape(-1)
+    rows = data.shape[0] if data is not None else int(raw.clip(0).sum())
+    ends = np.minimum(np.cumsum(raw.clip(0)), rows)
+    m = np.diff(np.concatenate([[0], ends]))
+    return tuple(int(v) for v in m), tuple(int(-(-v // align) * align) for v in m)
+
+
+def decode_table(fp8_format: str) -> np.ndarray:
+    """float32 value of each of the 256 FP8 bytes of a format (NaN bytes give NaN)."""
     return np.arange(256, dtype=np.uint8).view(_FP8_DTYPES[fp8_format]).astype(np.float32)

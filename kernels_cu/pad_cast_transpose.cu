@@ -36,6 +36,7 @@
 #include "common.cuh"
 #include "fp8.cuh"
 #include "block_scan.cuh"
+#include "segment.cuh"
 
 #ifndef CG_PCT_MAX_EXPERTS
 #define CG_PCT_MAX_EXPERTS 64
@@ -43,12 +44,11 @@
 
 namespace cg {
 
-enum class InDtype : int { F32 = 0, F16 = 1, BF16 = 2 };
 enum class PctMode : int { AMAX_ONLY = 0, CAST = 1, CAST_AMAX = 2 };
 
 constexpr int PCT_TILE_M = 64;     // rows (tokens) per tile
 constexpr int PCT_TILE_K = 128;    // columns (features) per tile
-constexpr int PCT_SEG = 16;        // elements per thread-segment: one 16-byte FP8 store
+constexpr int PCT_SEG = kSeg;      // elements per thread-segment: one 16-byte FP8 store
 constexpr int PCT_THREADS = 256;
 constexpr int PCT_SEGS_PER_ROW = PCT_TILE_K / PCT_SEG;                             // 8
 constexpr int PCT_SEG_ITERS = PCT_TILE_M * PCT_SEGS_PER_ROW / PCT_THREADS;         // 2
@@ -110,68 +110,7 @@ CG_DEVICE const void* segment_src(const PctExpert& x, i64 grow, i64 gcol) {
                     : static_cast<const void*>(kPctZeroSegment);
 }
 
-template <InDtype IN> struct InTraits;
-// Per input type: `words` 16-byte words hold one segment of PCT_SEG elements; load_raw reads them
-// (from a 16-byte aligned address) without converting, unpack widens them to float.
-template <> struct InTraits<InDtype::F32> {
-    static constexpr int bytes = 4;
-    static constexpr int words = PCT_SEG * bytes / 16;   // 4
-    CG_DEVICE static float load(const void* p, i64 i) { return static_cast<const float*>(p)[i]; }
-    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
-        const uint4* q = static_cast<const uint4*>(p);
-#pragma unroll
-        for (int j = 0; j < words; ++j) w[j] = q[j];
-    }
-    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[PCT_SEG]) {
-#pragma unroll
-        for (int j = 0; j < words; ++j) {
-            v[4 * j] = bits_f32(w[j].x); v[4 * j + 1] = bits_f32(w[j].y);
-            v[4 * j + 2] = bits_f32(w[j].z); v[4 * j + 3] = bits_f32(w[j].w);
-        }
-    }
-};
-template <InDtype IN> struct Half16Traits {
-    static constexpr int bytes = 2;
-    static constexpr int words = PCT_SEG * bytes / 16;   // 2
-    CG_DEVICE static float cvt(u32 bits) {
-        return IN == InDtype::BF16 ? bf16_to_float(static_cast<u16>(bits))
-                                   : half_to_float(static_cast<u16>(bits));
-    }
-    CG_DEVICE static float load(const void* p, i64 i) { return cvt(static_cast<const u16*>(p)[i]); }
-    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
-        const uint4* q = static_cast<const uint4*>(p);
-#pragma unroll
-        for (int j = 0; j < words; ++j) w[j] = q[j];
-    }
-    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[PCT_SEG]) {
-#pragma unroll
-        for (int j = 0; j < words; ++j) {
-            const u32 h[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                v[8 * j + 2 * i] = cvt(h[i] & 0xffffu);
-                v[8 * j + 2 * i + 1] = cvt(h[i] >> 16);
-            }
-        }
-    }
-};
-template <> struct InTraits<InDtype::F16> : Half16Traits<InDtype::F16> {};
-template <> struct InTraits<InDtype::BF16> : Half16Traits<InDtype::BF16> {};
 
-CG_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15u) == 0; }
-
-// Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
-// binary search, the same in every thread, so no divergence).
-CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
-    int lo = 0, hi = num_experts - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-CG_DEVICE i64 round_up(i64 m, i64 align) { return (m + align - 1) / align * align; }
 CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k) {
     const i64 rows = (m_pad + PCT_TILE_M - 1) / PCT_TILE_M;
     return (rows > 0 ? rows : 1) * tiles_k;
@@ -216,12 +155,6 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
         tile_carry += tile_total;
     }
     __syncthreads();
-}
-
-CG_DEVICE float warp_max(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
 }
 
 // Blocks of PCT_THREADS that must fit on one SM (__launch_bounds__), i.e. a register cap of

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cugrouped import _compile_check, _sass
+from cugrouped.ops import block_cast_transpose as bct
 from cugrouped.ops import pad_cast_transpose as pct
 
 pytestmark = pytest.mark.skipif(_sass.find_nvdisasm() is None,
@@ -152,4 +153,37 @@ def test_gather_keeps_wide_loads_issued_together(gather_sass, dtype, mode, colsu
         assert _sass.longest_load_run(by_name[name]) == loads
         cap = 48 if (mode, colsum) == ("AMAX_ONLY", False) else \
             (128 if mode == "CAST_AMAX" else 80) if (dtype, colsum) == ("float32", True) else 64
+        assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# The block-scaled cast (kernels_cu/block_cast_transpose.cu): 128 x 128 tiles, 4 segments a thread.
+
+@pytest.fixture(scope="module", params=ARCHS)
+def block_sass(request):
+    return _compiled(bct.KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtype, dims):
+    """16-byte loads, a full tile's 16 (float32) or 8 (16-bit) of them in one basic block before
+    any use (and as many again on the bounds-checked path); 4 row-wise + 4 transposed 16-byte
+    stores; 32 + 32 conversions of two elements on sm_89+ (the row-wise and the column-wise
+    bytes have scales of their own), none below; no local memory; the registers of the launch
+    bounds (128: 2 blocks an SM; 80 for 2-D blocks of 16-bit input)."""
+    arch, by_name, resources = block_sass
+    loads = 16 if dtype == "float32" else 8
+    for fmt in FORMATS:
+        name = bct.kernel_name(dtype, fmt, dims)
+        ops = _sass.memory_ops(by_name[name])
+        assert ops["LDG.E.128"] == 2 * loads, ops
+        assert _sass.longest_load_run(by_name[name]) == loads
+        assert ops["STG.E.128"] == 8, ops
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        f2fp = sum(v for op, v in ops.items() if op.startswith("F2FP"))
+        assert f2fp == (64 if int(arch) >= 89 else 0), ops
+        if int(arch) >= 89:
+            assert ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] == 64, ops
+        cap = 80 if dims == 2 and dtype != "float32" else 128
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]

@@ -13,11 +13,13 @@ import dataclasses
 
 import torch
 
+from ..grouped_block_fp8 import GroupedBlockFP8
 from ..grouped_fp8 import GroupedFP8
+from ..ops import block_cast_transpose as _bct
 from ..ops import pad_cast_transpose as _pct
 from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
 
-__all__ = ["multi_pad_cast_transpose", "grouped_gemm"]
+__all__ = ["multi_pad_cast_transpose", "multi_block_cast_transpose", "grouped_gemm"]
 
 _FIELDS = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")   # GroupedFP8 buffers
 
@@ -42,27 +44,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
     _pct.check_scale_options(amax_epsilon, power_2_scale, scale)
-    tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    if not tensors:
-        raise ValueError("inputs: expected at least one expert, got an empty sequence")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"inputs[{i}]: expected a torch.Tensor like inputs[0], got "
-                            f"{type(t).__name__} (one array kind per call)")
-    dev = tensors[0].device
-    if dev.type == "cuda":
-        xs, tag, conv = inputs, dtype, _bytes       # tensors as they are (FP8 as bytes)
-    else:
-        arrays = [to_array(t) for t in tensors]
-        tag = dtype or arrays[0][1]
-        xs = [a for a, _ in arrays] if isinstance(inputs, (list, tuple)) else arrays[0][0]
-        conv = _arr
-    splits = m_splits
-    if isinstance(m_splits, torch.Tensor):
-        if m_splits.device.type == "cuda" and splits_on_device is not False:
-            splits = m_splits                               # read by the kernel: no host sync
-        else:
-            splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
+    dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
     # Checks and sizes first: bad input raises before anything is allocated or launched.
@@ -93,6 +75,74 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
         m_splits=res.m_splits if res.m_pad_splits is not None else m_splits,
         amax=out.amax, scale=scale if scale is not None else out.scale, scale_inv=out.scale_inv,
         column_sums=out.column_sums if column_sums else None)
+
+
+def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
+    """What the array ops take for torch ``inputs``: ``(device, inputs, dtype tag, converter of
+    buffers, m_splits)``. CUDA tensors go as they are (the ops read their pointers: no DLPack
+    round trip per tensor); CPU tensors as zero-copy NumPy views. A CUDA ``m_splits`` tensor is
+    read by the kernel (no host sync); a CPU one becomes a host list."""
+    tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if not tensors:
+        raise ValueError("inputs: expected at least one expert, got an empty sequence")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"inputs[{i}]: expected a torch.Tensor like inputs[0], got "
+                            f"{type(t).__name__} (one array kind per call)")
+    dev = tensors[0].device
+    if dev.type == "cuda":
+        xs, tag, conv = inputs, dtype, _bytes       # tensors as they are (FP8 as bytes)
+    else:
+        arrays = [to_array(t) for t in tensors]
+        tag = dtype or arrays[0][1]
+        xs = [a for a, _ in arrays] if isinstance(inputs, (list, tuple)) else arrays[0][0]
+        conv = _arr
+    splits = m_splits
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device.type == "cuda" and splits_on_device is not False:
+            splits = m_splits                               # read by the kernel: no host sync
+        else:
+            splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
+    return dev, xs, tag, conv, splits
+
+
+def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
+                               align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
+                               power_2_scale=True, out=None, dtype=None, splits_on_device=None,
+                               backend=None) -> GroupedBlockFP8:
+    """:func:`cugrouped.multi_block_cast_transpose` for torch tensors; returns torch tensors
+    (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes,
+    the scales float32), all allocated by torch, computed on its current stream."""
+    _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    _pct.check_scale_options(amax_epsilon, power_2_scale, None)
+    dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
+    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device)
+    if out is None:
+        sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
+                                     g.total_rows)
+        u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
+        out = GroupedBlockFP8(
+            data=torch.empty((sz.rows, g.k), **u8) if rowwise else None,
+            data_t=torch.empty((sz.data_t,), **u8) if columnwise else None,
+            scale_inv=torch.empty((sz.scale_inv,), **f32) if rowwise else None,
+            scale_inv_t=torch.empty((sz.scale_inv_t,), **f32) if columnwise else None,
+            m_splits=(), m_pad_splits=(), fp8_format=fp8_format, k=g.k, align=align,
+            block_scaling_dim=block_scaling_dim)
+    fields = ("data", "data_t", "scale_inv", "scale_inv_t")
+    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in fields})
+    with launch_context(dev):
+        res = _bct.block_cast_arrays(
+            xs, splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim, align=align,
+            rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
+            power_2_scale=power_2_scale, out=views, dtype=tag, splits_on_device=splits_on_device,
+            backend=backend, normalized=g)
+    return dataclasses.replace(
+        res,
+        data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,
+        data_t=out.data_t.view(torch.uint8) if columnwise else None,
+        scale_inv=out.scale_inv if rowwise else None,
+        scale_inv_t=out.scale_inv_t if columnwise else None,
+        m_splits=res.m_splits if res.m_pad_splits is not None else m_splits)
 
 
 def _bytes(t):

@@ -1,0 +1,364 @@
+"""``multi_block_cast_transpose``: pad + block-scaled FP8 cast + transpose of all experts in one launch.
+
+Host side of ``kernels_cu/block_cast_transpose.cu`` (TransformerEngine's ``Float8BlockScaling``):
+argument checks, launch planning (pure functions, tested on the CPU), output allocation and the
+launch on the CUDA device, on the CPU emulator, or the NumPy reference
+(:func:`cugrouped.reference.multi_block_cast_transpose`). The input side (lists, one array plus
+host or device counts, array kinds, dtypes) is :func:`normalize_inputs` of the per-tensor op.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import _jit
+from .._array import array_kind, as_view
+from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_sizes
+from ..grouped_fp8 import FP8_FORMATS
+from . import _launch
+from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguous, _device_scope,
+                                 _ptr, _row_stride, check_scale_options, normalize_inputs,
+                                 padded_splits)
+
+__all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
+           "group_dtype", "block_tile_counts", "plan_block_launches",
+           "plan_block_launches_device", "block_output_sizes", "check_block_options", "check_out",
+           "MAX_EXPERTS_PER_LAUNCH", "THREADS", "ALIGNS"]
+
+# Must match kernels_cu/block_cast_transpose.cu.
+MAX_EXPERTS_PER_LAUNCH = 64
+THREADS = 256
+# align must divide the block length, so that an expert's padded rows end in its last row block.
+ALIGNS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+_IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
+
+
+def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int) -> str:
+    return (f"cg::block_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
+            f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}>")
+
+
+# 3 dtypes x 2 formats x 2 block shapes
+KERNEL_SPEC = _jit.register("block_cast_transpose", _jit.KernelSpec(
+    source="block_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, n) for d in _IN for f in _FMT for n in (1, 2))))
+
+
+@functools.lru_cache(maxsize=None)
+def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
+    """NumPy twin of ``struct cg::BctGroup`` (passed to the kernel by value)."""
+    e = max_experts
+    return np.dtype([("in", "<u8", e), ("out_row", "<u8", e), ("out_col", "<u8", e),
+                     ("sinv_row", "<u8", e), ("sinv_col", "<u8", e),
+                     ("m", "<i8", e), ("ld", "<i8", e), ("tile_start", "<i4", e + 1),
+                     ("num_experts", "<i4"), ("first_expert", "<i4"), ("m_dev", "<u8"),
+                     ("total_rows", "<i8")], align=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: pure functions of sizes, no arrays.
+
+def block_tile_counts(m_splits: Sequence[int], k: int) -> tuple[int, ...]:
+    """128 x 128 tiles per expert; an empty expert has none (it has no bytes and no scales)."""
+    tiles_k = -(-k // BLOCK)
+    return tuple(-(-int(m) // BLOCK) * tiles_k for m in m_splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    rows: int          # rows of data
+    data_t: int        # bytes of data_t
+    scale_inv: int     # entries of scale_inv
+    scale_inv_t: int   # entries of scale_inv_t
+
+
+def block_output_sizes(m_splits: Sequence[int] | None, k: int, align: int, dims: int,
+                       num_experts: int = 0, total_rows: int = 0) -> _Sizes:
+    """Buffer sizes; with device counts (``m_splits=None``) the worst case over every split of
+    ``total_rows`` rows into ``num_experts`` experts."""
+    if m_splits is not None:
+        mp = padded_splits(m_splits, align)
+        srow, scol = block_scale_sizes(m_splits, mp, k, dims)
+        return _Sizes(sum(m_splits), k * sum(mp), int(srow.sum()), int(scol.sum()))
+    E, bk = num_experts, -(-k // BLOCK)
+    blocks_m = -(-total_rows // BLOCK) + E          # >= sum of ceil(m_i / 128)
+    if dims == 1:
+        srow, scol = bk * (total_rows + 3 * E), -(-k // 4) * 4 * blocks_m
+    else:
+        srow, scol = -(-bk // 4) * 4 * blocks_m, bk * (blocks_m + 3 * E)
+    return _Sizes(total_rows, k * (total_rows + E * (align - 1)), srow, scol)
+
+
+def plan_block_launches(m_splits: Sequence[int], k: int,
+                        max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
+    """Chunks of at most ``max_experts`` experts with their tile offsets; a chunk without tiles
+    (only empty experts) has ``grid == 0`` and is not launched."""
+    return list(_plan_cached(tuple(int(v) for v in m_splits), k, max_experts))
+
+
+@functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
+def _plan_cached(m_splits: tuple[int, ...], k: int, max_experts: int) -> tuple:
+    tiles = block_tile_counts(m_splits, k)
+    plans = []
+    for first in range(0, len(tiles), max_experts):
+        chunk = tiles[first:first + max_experts]
+        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
+        if start[-1] >= 2**31:
+            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
+        plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
+    return tuple(plans)
+
+
+def plan_block_launches_device(num_experts: int, total_rows: int, k: int,
+                               max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
+    """Chunks for counts that stay on the device; each grid is the worst case of its chunk,
+    ``tiles_k * (ceil(rows / 128) + count)``, and surplus blocks exit at once."""
+    tiles_k = -(-k // BLOCK)
+    plans = []
+    for first in range(0, num_experts, max_experts):
+        count = min(max_experts, num_experts - first)
+        grid = tiles_k * (-(-total_rows // BLOCK) + count)
+        if grid >= 2**31:
+            raise ValueError(f"too many tiles ({grid}) for one launch")
+        plans.append(ChunkLaunch(first, count, (), grid))
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, columnwise=True) -> None:
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
+    if block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
+        raise ValueError(f"block_scaling_dim: expected 1 (1 x 128 blocks: activations, gradients) "
+                         f"or 2 (128 x 128 blocks: weights), got {block_scaling_dim!r}")
+    if align not in ALIGNS or isinstance(align, bool):
+        raise ValueError(f"align: block scaling pads each expert to a divisor of {BLOCK}, one of "
+                         f"{ALIGNS}; got {align!r}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one must be True")
+
+
+def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise: bool, out) -> None:
+    """``out`` buffers against the inputs, before anything is launched or written."""
+    if not isinstance(out, GroupedBlockFP8):
+        raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
+                        f"got {type(out).__name__}")
+    sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
+    want = {"data": ((sz.rows, g.k), 1) if rowwise else None,
+            "data_t": ((sz.data_t,), 1) if columnwise else None,
+            "scale_inv": ((sz.scale_inv,), 4) if rowwise else None,
+            "scale_inv_t": ((sz.scale_inv_t,), 4) if columnwise else None}
+    for name, spec in want.items():
+        if spec is None:
+            continue
+        buf = getattr(out, name)
+        if buf is None:
+            raise ValueError(f"out.{name}: expected a buffer of shape {spec[0]}, got None")
+        v = as_view(buf, arg=f"out.{name}")
+        if v.shape != spec[0] or v.itemsize != spec[1] or (v.on_device, v.device) != (g.on_device, g.device):
+            raise ValueError(f"out.{name}: expected shape {spec[0]} with {spec[1]}-byte items "
+                             f"on the inputs' device, got shape {v.shape} dtype {v.dtype}")
+        if spec[1] == 4 and v.dtype != "float32":
+            raise ValueError(f"out.{name}: expected float32, got {v.dtype}")
+        if not _contiguous(v):
+            raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
+                               block_scaling_dim: int = 1, align: int = 16, rowwise: bool = True,
+                               columnwise: bool = True, amax_epsilon: float = 0.0,
+                               power_2_scale: bool = True, out=None, dtype: str | None = None,
+                               splits_on_device: bool | None = None,
+                               backend: str | None = None) -> GroupedBlockFP8:
+    """Pad, cast to block-scaled FP8 and transpose every expert's rows in one pass; return a
+    :class:`~cugrouped.GroupedBlockFP8`.
+
+    TransformerEngine's ``Float8BlockScaling`` (DeepSeek-V3's FP8 recipe): every block of 128
+    elements of a row (``block_scaling_dim=1``; activations and gradients) or of 128 x 128
+    elements (``2``; weights) gets the scale ``fp8_max / amax`` of its own amax, computed in the
+    same pass that casts it: one launch per 64 experts, no amax pass, no host sync. The
+    transposed copy has blocks of its own (1-D: 128 tokens of one feature), as the wgrad GEMM
+    needs; the scales are stored in TransformerEngine's GEMM-ready layouts
+    (:mod:`cugrouped.grouped_block_fp8`), which cuBLASLt's block scale modes read.
+
+    ``inputs``, ``m_splits``, ``splits_on_device``, ``dtype``, ``backend``, ``rowwise``,
+    ``columnwise``, ``fp8_format``: as :func:`cugrouped.multi_pad_cast_transpose`.
+    ``align``: each expert's transposed copy is padded to ``roundup(m_i, align)`` columns; a
+    divisor of 128 (16 for activations and gradients as in TransformerEngine, 1 for weights).
+    ``amax_epsilon``, ``power_2_scale``: TransformerEngine's ``QParams``; the recipe's default
+    is power-of-two scales (exact ``scale_inv``), so ``power_2_scale=True`` here.
+    ``out``: a :class:`GroupedBlockFP8` of preallocated buffers, written in place.
+    """
+    first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
+    if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
+        from ..pytorch.functional import multi_block_cast_transpose as torch_op
+
+        return torch_op(inputs, m_splits, fp8_format=fp8_format,
+                        block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
+                        columnwise=columnwise, amax_epsilon=amax_epsilon,
+                        power_2_scale=power_2_scale, out=out, dtype=dtype,
+                        splits_on_device=splits_on_device, backend=backend)
+    return block_cast_arrays(inputs, m_splits, fp8_format=fp8_format,
+                             block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
+                             columnwise=columnwise, amax_epsilon=amax_epsilon,
+                             power_2_scale=power_2_scale, out=out, dtype=dtype,
+                             splits_on_device=splits_on_device, backend=backend)
+
+
+def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1, align=16,
+                      rowwise=True, columnwise=True, amax_epsilon=0.0, power_2_scale=True,
+                      out=None, dtype=None, splits_on_device=None, backend=None,
+                      normalized: GroupedInput | None = None) -> GroupedBlockFP8:
+    """The op on arrays of any kind without the torch dispatch (NumPy / CuPy in and out; CUDA
+    torch tensors through their pointers, all outputs given as ``out=``: the torch front)."""
+    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    if normalized is None:
+        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+    g = normalized
+    eps = check_scale_options(amax_epsilon, power_2_scale, None)
+    if out is not None:
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out)
+    backend = _launch.resolve_backend(backend, g.on_device)
+    if backend == "reference":
+        from ..reference.block_cast_transpose import multi_block_cast_transpose as ref
+
+        if g.m_dev is not None:
+            raise ValueError("splits_on_device: the reference backend takes host counts")
+        return ref(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim,
+                   align=align, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
+                   power_2_scale=power_2_scale, out=out, dtype=dtype)
+    xp = np if backend == "emulate" else __import__("cupy")
+    if g.m_dev is not None:
+        plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
+    else:
+        plans = plan_block_launches(g.m_splits, g.k)
+    with _device_scope(backend, g.device):
+        res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out)
+        name = kernel_name(g.dtype, fp8_format, block_scaling_dim)
+        for chunk, arg in zip(plans, _packed_groups(g, res, plans, align, block_scaling_dim)):
+            if chunk.grid:
+                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale))
+    if backend == "emulate" and res.data is not None:
+        import ml_dtypes
+
+        res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
+                                 else ml_dtypes.float8_e5m2)
+    return res
+
+
+def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, out) -> GroupedBlockFP8:
+    sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
+    m_pad = padded_splits(g.m_splits, align) if g.m_splits is not None else None
+    splits = g.m_splits if g.m_dev is None else g.m_dev.owner
+    if out is not None:
+        return GroupedBlockFP8(
+            data=_as_bytes(out.data, xp) if rowwise else None,
+            data_t=_as_bytes(out.data_t, xp) if columnwise else None,
+            scale_inv=out.scale_inv if rowwise else None,
+            scale_inv_t=out.scale_inv_t if columnwise else None,
+            m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
+            block_scaling_dim=dims)
+    return GroupedBlockFP8(
+        data=xp.empty((sz.rows, g.k), dtype=np.uint8) if rowwise else None,
+        data_t=xp.empty((sz.data_t,), dtype=np.uint8) if columnwise else None,
+        scale_inv=xp.empty((sz.scale_inv,), dtype=np.float32) if rowwise else None,
+        scale_inv_t=xp.empty((sz.scale_inv_t,), dtype=np.float32) if columnwise else None,
+        m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
+        block_scaling_dim=dims)
+
+
+_PACKED: collections.OrderedDict = collections.OrderedDict()
+_PACKED_SIZE = 64
+
+
+def _packed_groups(g: GroupedInput, res: GroupedBlockFP8, plans, align: int, dims: int) -> list:
+    """:func:`_pack_groups`, remembered per argument values (every value written into them)."""
+    bufs = tuple(_ptr(b) for b in (res.data, res.data_t, res.scale_inv, res.scale_inv_t))
+    if g.m_dev is not None:
+        key = ("dev", g.num_experts, g.k, align, dims, g.base.ptr, _row_stride(g.base),
+               g.m_dev.ptr, g.total_rows, bufs)
+    else:
+        key = (g.m_splits, g.k, align, dims, g.ptrs.tobytes(), g.lds.tobytes(), bufs)
+    args = _PACKED.get(key)
+    if args is None:
+        args = _pack_groups(g, bufs, plans, align, dims)
+        _PACKED[key] = args
+        if len(_PACKED) > _PACKED_SIZE:
+            _PACKED.popitem(last=False)
+    else:
+        _PACKED.move_to_end(key)
+    return args
+
+
+def _offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
+    """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)``, or nulls."""
+    if not base:
+        return np.zeros_like(like)
+    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
+    return np.uint64(base) + (first * itemsize).astype(np.uint64)
+
+
+def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> list:
+    """The by-value argument block of every chunk (pointers, sizes, tile offsets), vectorised."""
+    dt = group_dtype()
+    data, data_t, sinv, sinv_t = bufs
+    args = []
+    if g.m_dev is not None:    # the blocks derive the per-expert fields from the device counts
+        for chunk in plans:
+            arg = np.zeros((), dtype=dt)
+            arg["num_experts"] = chunk.count
+            arg["in"][0], arg["ld"][0] = g.base.ptr, _row_stride(g.base)
+            arg["out_row"][0], arg["out_col"][0] = data, data_t
+            arg["sinv_row"][0], arg["sinv_col"][0] = sinv, sinv_t
+            arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
+            args.append(arg)
+        return args
+    m = np.asarray(g.m_splits, dtype=np.int64)
+    mp = np.asarray(padded_splits(g.m_splits, align), dtype=np.int64)
+    srow, scol = block_scale_sizes(g.m_splits, mp, g.k, dims)
+    out_row = _offsets(data, m * g.k, 1, g.ptrs)
+    out_col = _offsets(data_t, mp * g.k, 1, g.ptrs)
+    sinv_row = _offsets(sinv, srow, 4, g.ptrs)
+    sinv_col = _offsets(sinv_t, scol, 4, g.ptrs)
+    for chunk in plans:
+        sl = slice(chunk.first, chunk.first + chunk.count)
+        arg = np.zeros((), dtype=dt)
+        arg["num_experts"] = chunk.count
+        arg["in"][: chunk.count] = g.ptrs[sl]
+        arg["ld"][: chunk.count] = g.lds[sl]
+        arg["m"][: chunk.count] = m[sl]
+        arg["out_row"][: chunk.count] = out_row[sl]
+        arg["out_col"][: chunk.count] = out_col[sl]
+        arg["sinv_row"][: chunk.count] = sinv_row[sl]
+        arg["sinv_col"][: chunk.count] = sinv_col[sl]
+        arg["tile_start"][: chunk.count + 1] = chunk.tile_start
+        arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
+        args.append(arg)
+    return args
+
+
+def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool) -> tuple:
+    """``(BctGroup g, i64 k, i32 align, float amax_epsilon, i32 power_2_scale)``."""
+    return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale))
+
+
+def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale) -> None:
+    _launch.note_launch(backend, name, chunk.grid, THREADS)
+    args = cuda_arguments(arg, k, align, eps, power_2_scale)
+    if backend == "cuda":
+        _jit.get_function(KERNEL_SPEC, name)((chunk.grid,), (THREADS,), args)
+    else:
+        _jit.get_emulated_function(KERNEL_SPEC, name)(
+            (chunk.grid,), (THREADS,), args, order=_launch.current_emulation_order())

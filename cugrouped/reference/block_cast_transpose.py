@@ -1,0 +1,121 @@
+"""NumPy reference of ``multi_block_cast_transpose``: the bits ``kernels_cu/block_cast_transpose.cu``
+must reproduce.
+
+Per expert ``x`` (``(m, k)``, float32 after FTZ) and ``m_pad = roundup(m, align)``:
+
+* a block's amax is ``max |x|`` over its elements (NaN ignored); elements outside ``x`` (rows
+  ``m..``, columns ``k..``) are zeros. Its scale is ``compute_scale(amax, fmt, 0, amax_epsilon,
+  power_2_scale)`` and its bytes ``quantize(x, scale)`` (:mod:`.fp8`);
+* 1-D: the row-wise blocks are 128 columns of one row; the column-wise blocks (of ``data_t``) 128
+  rows of one column, rows counted in the padded expert, so they restart at every expert;
+* 2-D: 128 x 128 blocks, the same for both copies;
+* ``scale_inv = scale_inverse(scale)`` laid out as :mod:`cugrouped.grouped_block_fp8` says, the
+  layouts' padding entries included (padding rows / columns / blocks are zeros).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_shapes
+from . import fp8 as rfp8
+from .pad_cast_transpose import _expert_arrays
+
+__all__ = ["multi_block_cast_transpose", "block_amax"]
+
+
+def _zero_padded(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    z = np.zeros((rows, cols), np.float32)
+    z[: x.shape[0], : x.shape[1]] = x
+    return z
+
+
+def block_amax(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``(rows, cols)``-block maxima of ``|x|`` (NaN ignored; outside ``x`` counts as zero), shape
+    ``(ceil(m / rows), ceil(k / cols))``; ``rows`` and ``cols`` are 1 or 128."""
+    m, k = x.shape
+    gr, gc = -(-m // rows), -(-k // cols)
+    z = np.abs(_zero_padded(x, gr * rows, gc * cols)).reshape(gr, rows, gc, cols)
+    return np.fmax.reduce(np.fmax.reduce(z, axis=3, initial=np.float32(0)), axis=1,
+                          initial=np.float32(0)).astype(np.float32)
+
+
+def _expand(s: np.ndarray, rows: int, cols: int, shape) -> np.ndarray:
+    """Per-block values broadcast to every element of a ``shape`` array."""
+    return np.repeat(np.repeat(s, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
+
+
+def _scale(amax, fmt, eps, p2) -> np.ndarray:
+    return rfp8.compute_scale(amax, fmt, 0, eps, p2).astype(np.float32)
+
+
+def _expert(x, m_pad, fmt, dims, eps, p2):
+    """(row-wise bytes, row-wise scale_inv 2-D, transposed bytes (k, m_pad), its scale_inv 2-D)."""
+    m, k = x.shape
+    (r0, r1), (c0, c1) = block_scale_shapes(m, m_pad, k, dims)
+    pad_inv = rfp8.scale_inverse(_scale(np.float32(0), fmt, eps, p2))   # a block of zeros
+    if dims == 1:
+        s_row = _scale(block_amax(x, 1, BLOCK), fmt, eps, p2)            # (m, ceil(k/128))
+        q = rfp8.quantize(x, _expand(s_row, 1, BLOCK, x.shape), fmt).reshape(m, k)
+        sinv = np.full((r1, r0), pad_inv, np.float32)                  # (roundup(m, 4), bk)
+        sinv[:m] = rfp8.scale_inverse(s_row)
+        xp = _zero_padded(x, m_pad, k)
+        s_col = _scale(block_amax(xp, BLOCK, 1), fmt, eps, p2)           # (ceil(m_pad/128), k)
+        qt = rfp8.quantize(xp, _expand(s_col, BLOCK, 1, xp.shape), fmt).reshape(m_pad, k).T
+        sinv_t = np.full((c0, c1), pad_inv, np.float32)
+        sinv_t[:, :k] = rfp8.scale_inverse(s_col)
+        return q, sinv.T.copy(), np.ascontiguousarray(qt), sinv_t
+    s = _scale(block_amax(x, BLOCK, BLOCK), fmt, eps, p2)                # (bm, bk)
+    q = rfp8.quantize(x, _expand(s, BLOCK, BLOCK, x.shape), fmt).reshape(m, k)
+    sinv = np.full((r0, r1), pad_inv, np.float32)
+    sinv[:, : s.shape[1]] = rfp8.scale_inverse(s)
+    qt = np.zeros((k, m_pad), np.uint8)
+    qt[:, :m] = q.T
+    sinv_t = np.full((c0, c1), pad_inv, np.float32)
+    sinv_t[:, : s.shape[0]] = rfp8.scale_inverse(s).T
+    return q, sinv, qt, sinv_t
+
+
+def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
+                               align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
+                               power_2_scale=True, out=None, dtype=None,
+                               backend=None) -> GroupedBlockFP8:
+    """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only."""
+    from ..ops.block_cast_transpose import check_block_options
+    from ..ops.pad_cast_transpose import check_scale_options, normalize_inputs, padded_splits
+
+    if backend not in (None, "reference"):
+        raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
+    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    eps = check_scale_options(amax_epsilon, power_2_scale, None)
+    g = normalize_inputs(inputs, m_splits, dtype)
+    if g.on_device:
+        raise ValueError("inputs: the reference needs host (NumPy) arrays")
+    xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
+    m_pad = padded_splits(g.m_splits, align)
+    parts = [_expert(x, mp, fp8_format, block_scaling_dim, eps, power_2_scale)
+             for x, mp in zip(xs, m_pad)]
+
+    def cat(j, dtype):
+        return np.concatenate([p[j].reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
+
+    res = GroupedBlockFP8(
+        data=cat(0, np.uint8).reshape(g.total_rows, g.k).view(rfp8.fp8_dtype(fp8_format))
+        if rowwise else None,
+        data_t=cat(2, np.uint8) if columnwise else None,
+        scale_inv=cat(1, np.float32) if rowwise else None,
+        scale_inv_t=cat(3, np.float32) if columnwise else None,
+        m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
+        block_scaling_dim=block_scaling_dim)
+    if out is not None:
+        from ..ops.block_cast_transpose import check_out
+
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out)
+        for name in ("data", "data_t", "scale_inv", "scale_inv_t"):
+            src = getattr(res, name)
+            if src is not None:
+                dst = getattr(out, name)
+                np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
+                          src.view(np.uint8) if src.dtype.itemsize == 1 else src)
+                setattr(res, name, dst)
+    return res

@@ -1,0 +1,414 @@
+// cugrouped/kernels_cu/block_cast_transpose.cu
+//
+// Multi-tensor pad + block-scaled FP8 cast + transpose for all experts of an MoE layer in one
+// launch: TransformerEngine's Float8BlockScaling (DeepSeek-V3's recipe), where every block of 128
+// elements (1-D: activations and gradients) or 128 x 128 elements (2-D: weights) has a scale of
+// its own, taken from that block's amax in the same pass. No amax pass, no second launch.
+//
+// For every expert e of a chunk (at most CG_BCT_MAX_EXPERTS per launch), input X_e of shape
+// (m_e, k) with row stride ld_e elements, element type IN (float32, float16 or bfloat16), and
+// m_pad_e = roundup(m_e, align) (align divides 128, so ceil(m_pad_e / 128) = ceil(m_e / 128)):
+//   out_row[e]   (m_e, k)      FP8 bytes q = fp8(ftz(ftz(x) * s)), s the scale of x's row block
+//   out_col[e]   (k, m_pad_e)  FP8 bytes of X_e's transpose, its own blocks (1-D: 128 rows of one
+//                              column, so the bytes differ from out_row's; 2-D: the same blocks,
+//                              so they are out_row's bytes transposed); columns m_e.. are zero
+//   sinv_row[e]  float32 scale_inv = 1 / s of the row-wise blocks, TransformerEngine's GEMM-ready
+//                (compact, not swizzled) layouts, which cuBLASLt's VEC128_32F / BLK128x128_32F
+//                scale modes read:
+//                  1-D: (ceil(k/128), roundup(m_e, 4))   element [kb, r]   (block kb of row r)
+//                  2-D: (ceil(m_e/128), roundup(ceil(k/128), 4))  element [mb, kb]
+//   sinv_col[e]  the same for out_col, whose rows are X_e's columns:
+//                  1-D: (ceil(m_pad_e/128), roundup(k, 4))  element [mb, c]
+//                  2-D: (ceil(k/128), roundup(ceil(m_pad_e/128), 4))  element [kb, mb]
+// Every scale_inv entry is written, the layouts' padding too: padding rows / columns / blocks are
+// blocks of zeros (scale from an amax of 0: 1, or fp8_max / amax_epsilon), so the whole buffer is
+// defined and reproducible. s = compute_scale(block amax, margin 0, amax_epsilon, power_2_scale)
+// (fp8.cuh; TransformerEngine's QParams, power-of-two scales by default in its recipe).
+//
+// The grid is a flat list of 128 x 128 tiles (one 2-D block; 128 row blocks and 128 column blocks
+// of 1-D); expert e owns tiles [tile_start[e], tile_start[e+1]), row-major over (tile row, tile
+// column). An empty expert owns none: it has no bytes and no scales.
+#include "common.cuh"
+#include "fp8.cuh"
+#include "block_scan.cuh"
+#include "segment.cuh"
+
+#ifndef CG_BCT_MAX_EXPERTS
+#define CG_BCT_MAX_EXPERTS 64
+#endif
+
+namespace cg {
+
+constexpr int BCT_BLOCK = 128;      // scaling block length (TransformerEngine's kBlockLen)
+constexpr int BCT_THREADS = 256;
+constexpr int BCT_SEGS_PER_ROW = BCT_BLOCK / kSeg;                                // 8
+constexpr int BCT_ROWS_PER_ITER = BCT_THREADS / BCT_SEGS_PER_ROW;                 // 32
+constexpr int BCT_ITERS = BCT_BLOCK / BCT_ROWS_PER_ITER;                          // 4
+constexpr int BCT_COL_RUN = 32;     // transposed bytes written per thread and run
+constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;     // 2
+
+// Kernel argument block, passed by value like PctGroup (the NumPy twin is
+// cugrouped.ops.block_cast_transpose.group_dtype). sizeof = 7*8*64 + 4*65 + 4 + 4 + (4 pad)
+// + 8 + 8 = 3872 bytes (< 4 KB with the scalars). Device splits (m_dev != null): the host fills
+// the [0] entries with the bases of the whole buffers and the blocks derive the rest.
+struct BctGroup {
+    const void* in[CG_BCT_MAX_EXPERTS];
+    u8* out_row[CG_BCT_MAX_EXPERTS];
+    u8* out_col[CG_BCT_MAX_EXPERTS];
+    float* sinv_row[CG_BCT_MAX_EXPERTS];
+    float* sinv_col[CG_BCT_MAX_EXPERTS];
+    i64 m[CG_BCT_MAX_EXPERTS];
+    i64 ld[CG_BCT_MAX_EXPERTS];
+    i32 tile_start[CG_BCT_MAX_EXPERTS + 1];
+    i32 num_experts;
+    i32 first_expert;        // device splits: index of this chunk's first expert in m_dev
+    const i64* m_dev;        // device splits: counts of all experts, or null
+    i64 total_rows;          // device splits: rows of the input; counts are clamped to it
+};
+
+struct BctExpert {
+    const void* in;
+    u8* out_row;
+    u8* out_col;
+    float* sinv_row;
+    float* sinv_col;
+    i64 m, ld;
+    i32 tile_begin;
+};
+
+CG_HOST_DEVICE i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+CG_HOST_DEVICE i64 round_up4(i64 v) { return (v + 3) / 4 * 4; }
+
+// Tiles and scale_inv entries of one expert (the host's twin: block_sizes in
+// cugrouped/ops/block_cast_transpose.py).
+struct BctSizes { i64 tiles, sinv_row, sinv_col; };
+template <int DIMS>
+CG_HOST_DEVICE BctSizes bct_sizes(i64 m, i64 k) {
+    const i64 bk = ceil_div(k, BCT_BLOCK), bm = ceil_div(m, BCT_BLOCK);
+    if (DIMS == 1) return BctSizes{bm * bk, bk * round_up4(m), bm * round_up4(k)};
+    return BctSizes{bm * bk, bm * round_up4(bk), bk * round_up4(bm)};
+}
+
+// Device splits: the chunk's per-expert rows and the offsets of its experts in every output
+// (rows, transposed bytes, both scale buffers: over all experts before it) and in the grid (over
+// the chunk), by block scans over the counts, PCT-style (pad_cast_transpose.cu).
+struct BctPlan {
+    i64 m[CG_BCT_MAX_EXPERTS], row[CG_BCT_MAX_EXPERTS], col[CG_BCT_MAX_EXPERTS];
+    i64 srow[CG_BCT_MAX_EXPERTS], scol[CG_BCT_MAX_EXPERTS];
+    i32 tile_start[CG_BCT_MAX_EXPERTS + 1];
+    i64 warp_totals[BCT_THREADS / 32];
+};
+
+template <int DIMS>
+CG_DEVICE void bct_plan_from_device_counts(const BctGroup& g, i64 k, i64 align, BctPlan& p) {
+    const int last = g.first_expert + g.num_experts;
+    i64 row_carry = 0, col_carry = 0, srow_carry = 0, scol_carry = 0, tile_carry = 0;
+    for (int base = 0; base < last; base += BCT_THREADS) {
+        const int i = base + threadIdx.x;
+        const int j = i - g.first_expert;                 // index within the chunk
+        const bool mine = j >= 0 && j < g.num_experts;
+        i64 raw = i < last ? g.m_dev[i] : 0;
+        raw = raw > 0 ? raw : 0;
+        i64 total;
+        const i64 incl = block_inclusive_scan<BCT_THREADS>(raw, p.warp_totals, total);
+        const i64 hi = row_carry + incl < g.total_rows ? row_carry + incl : g.total_rows;
+        const i64 lo = row_carry + incl - raw < g.total_rows ? row_carry + incl - raw : g.total_rows;
+        const i64 m = hi - lo;                            // this expert's rows after clamping
+        const BctSizes sz = bct_sizes<DIMS>(i < last ? m : 0, k);
+        const i64 padded = i < last ? round_up(m, align) : 0;
+        i64 col_total, srow_total, scol_total, tile_total;
+        const i64 col_incl = block_inclusive_scan<BCT_THREADS>(padded, p.warp_totals, col_total);
+        const i64 srow_incl = block_inclusive_scan<BCT_THREADS>(sz.sinv_row, p.warp_totals, srow_total);
+        const i64 scol_incl = block_inclusive_scan<BCT_THREADS>(sz.sinv_col, p.warp_totals, scol_total);
+        const i64 tiles = mine ? sz.tiles : 0;
+        const i64 tile_incl = block_inclusive_scan<BCT_THREADS>(tiles, p.warp_totals, tile_total);
+        if (mine) {
+            p.m[j] = m;
+            p.row[j] = lo;
+            p.col[j] = (col_carry + col_incl - padded) * k;
+            p.srow[j] = srow_carry + srow_incl - sz.sinv_row;
+            p.scol[j] = scol_carry + scol_incl - sz.sinv_col;
+            p.tile_start[j] = static_cast<i32>(tile_carry + tile_incl - tiles);
+            if (j == g.num_experts - 1) p.tile_start[g.num_experts] = static_cast<i32>(tile_carry + tile_incl);
+        }
+        row_carry += total;
+        col_carry += col_total;
+        srow_carry += srow_total;
+        scol_carry += scol_total;
+        tile_carry += tile_total;
+    }
+    __syncthreads();
+}
+
+// One segment of a row in its raw 16-byte words, whatever the bounds: `n` valid elements (the
+// rest read as zero bits), with one vector load when the segment is whole and aligned.
+template <InDtype IN>
+CG_DEVICE void load_segment(const void* src, i64 n, uint4 (&w)[InTraits<IN>::words]) {
+    using Traits = InTraits<IN>;
+    if (n >= kSeg && aligned16(src)) {
+        Traits::load_raw(src, w);
+        return;
+    }
+    u32 u[4 * Traits::words];
+#pragma unroll
+    for (int i = 0; i < 4 * Traits::words; ++i) u[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < kSeg; ++i) {
+        if (i < n) {
+            if (Traits::bytes == 4) {
+                u[i] = static_cast<const u32*>(src)[i];
+            } else {
+                u[i / 2] |= static_cast<u32>(static_cast<const u16*>(src)[i]) << (16 * (i % 2));
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < Traits::words; ++j) w[j] = make_uint4(u[4 * j], u[4 * j + 1], u[4 * j + 2], u[4 * j + 3]);
+}
+
+// 16 floats scaled and converted to FP8, packed as one 16-byte word (byte j = element j).
+template <Fp8Format FMT>
+CG_DEVICE uint4 cast16(const float (&v)[kSeg], const float (&s)[kSeg]) {
+    u32 packed[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * s[4 * w]), ftz(v[4 * w + 1] * s[4 * w + 1]));
+        const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s[4 * w + 2]), ftz(v[4 * w + 3] * s[4 * w + 3]));
+        packed[w] = lo | (hi << 16);
+    }
+    return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
+    if (n >= kSeg && aligned16(dst)) {
+        *reinterpret_cast<uint4*>(dst) = q;
+        return;
+    }
+    const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < kSeg; ++j)   // unrolled: words[] stays in registers
+        if (j < n) dst[j] = static_cast<u8>(words[j / 4] >> (8 * (j % 4)));
+}
+
+// Blocks of BCT_THREADS that must fit on one SM. The tile stays in registers until the column
+// scales are known: 4 segments, 64 registers of float32 or 32 of 16-bit input (widened again in
+// each phase, opaque_words: left to itself the compiler kept 64 widened floats live and the
+// 16-bit variants spilled up to 1.6 KB on sm_100, NVRTC 13.0). So up to 128 registers (2 blocks),
+// except 2-D blocks of 16-bit input: 80 (3 blocks). (1-D also keeps 16 column maxima live; at 80
+// its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
+constexpr int bct_min_blocks(InDtype in, int dims) { return in == InDtype::F32 || dims == 1 ? 2 : 3; }
+
+template <InDtype IN, Fp8Format FMT, int DIMS>
+__global__ void __launch_bounds__(BCT_THREADS, bct_min_blocks(IN, DIMS))
+block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
+                            const float amax_epsilon, const i32 power_2_scale)
+{
+    static_assert(DIMS == 1 || DIMS == 2, "1-D (1 x 128) or 2-D (128 x 128) blocks");
+    using Traits = InTraits<IN>;
+    __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes
+    __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
+    __shared__ float col_scale[BCT_BLOCK];                        // 1-D: the column blocks' scales
+    __shared__ float warp_amax[BCT_THREADS / 32];                 // 2-D: per-warp block maxima
+    __shared__ BctPlan plan;
+
+    const int t = blockIdx.x;
+    BctExpert x;
+    if (g.m_dev == nullptr) {
+        const int e = expert_of_tile(g.tile_start, g.num_experts, t);
+        x = BctExpert{g.in[e], g.out_row[e], g.out_col[e], g.sinv_row[e], g.sinv_col[e], g.m[e],
+                      g.ld[e], g.tile_start[e]};
+    } else {
+        bct_plan_from_device_counts<DIMS>(g, k, align, plan);
+        if (t >= plan.tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
+        const int e = expert_of_tile(plan.tile_start, g.num_experts, t);
+        x = BctExpert{static_cast<const char*>(g.in[0]) + plan.row[e] * g.ld[0] * Traits::bytes,
+                      g.out_row[0] ? g.out_row[0] + plan.row[e] * k : nullptr,
+                      g.out_col[0] ? g.out_col[0] + plan.col[e] : nullptr,
+                      g.sinv_row[0] ? g.sinv_row[0] + plan.srow[e] : nullptr,
+                      g.sinv_col[0] ? g.sinv_col[0] + plan.scol[e] : nullptr,
+                      plan.m[e], g.ld[0], plan.tile_start[e]};
+    }
+    const i64 m = x.m;
+    const i64 m_pad = round_up(m, align);
+    const i64 tiles_k = ceil_div(k, BCT_BLOCK);
+    const i64 local = t - x.tile_begin;
+    const i64 tr = local / tiles_k, tc = local % tiles_k;
+    const i64 row0 = tr * BCT_BLOCK, col0 = tc * BCT_BLOCK;
+    const bool rowwise = x.out_row != nullptr;
+    const bool columnwise = x.out_col != nullptr;
+    const bool p2 = power_2_scale != 0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c = (threadIdx.x % BCT_SEGS_PER_ROW) * kSeg;        // this thread's columns c .. c+15
+    const int r_first = threadIdx.x / BCT_SEGS_PER_ROW;           // its rows r_first + 32 * it
+    const i64 gcol = col0 + c;
+    const i64 ncol = gcol < k ? (k - gcol < kSeg ? k - gcol : kSeg) : 0;   // valid columns
+
+    // Load the tile's segments (rows past m and columns past k read as zero). A full tile (inside
+    // m and k, rows 16-byte aligned: block-uniform) issues all its loads before anything else.
+    uint4 raw[BCT_ITERS][Traits::words];
+    const bool full_tile = row0 + BCT_BLOCK <= m && col0 + BCT_BLOCK <= k && aligned16(x.in) &&
+                           (x.ld * Traits::bytes) % 16 == 0;
+    if (full_tile) {   // one basic block of 16-byte loads (tests/test_sass.py)
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+            Traits::load_raw(static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes, raw[it]);
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+            const void* src = static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes;
+            load_segment<IN>(src, grow < m ? ncol : 0, raw[it]);
+        }
+    }
+
+    // Amax: 1-D, of each row's segment of 8 lanes (xor-shuffles 1, 2, 4) and of each column over
+    // the 128 rows; 2-D, of the whole tile. NaN is ignored (fmaxf), as in every cugrouped amax.
+    float cmax[kSeg];
+#pragma unroll
+    for (int j = 0; j < kSeg; ++j) cmax[j] = 0.f;
+    float tile_amax = 0.f;
+    float s_row[BCT_ITERS];
+#pragma unroll
+    for (int it = 0; it < BCT_ITERS; ++it) {
+        float v[kSeg];
+        Traits::unpack(raw[it], v);
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) {
+            const float av = fabsf(ftz(v[j]));
+            a = fmaxf(a, av);
+            if (DIMS == 1) cmax[j] = fmaxf(cmax[j], av);
+        }
+        if (DIMS == 1) {
+#pragma unroll
+            for (int off = 1; off < BCT_SEGS_PER_ROW; off <<= 1)
+                a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+            s_row[it] = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+        } else {
+            tile_amax = fmaxf(tile_amax, a);
+        }
+    }
+    if (DIMS == 2) {
+        tile_amax = warp_max(tile_amax);
+        if (lane == 0) warp_amax[warp] = tile_amax;
+        __syncthreads();
+        float a = warp_amax[0];
+#pragma unroll
+        for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, warp_amax[w]);
+        const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) s_row[it] = s;
+    }
+
+    // Row-wise bytes and their scale_inv (1-D: one per row and tile column, written by the first
+    // lane of the row, padding rows m .. roundup(m, 4) included; 2-D: one per tile).
+    if (rowwise) {
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            opaque_words(raw[it]);   // widen again below rather than keep 64 floats live
+            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+            float v[kSeg], s[kSeg];
+            Traits::unpack(raw[it], v);
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) { v[j] = ftz(v[j]); s[j] = s_row[it]; }
+            const uint4 q = cast16<FMT>(v, s);
+            if (grow < m && ncol > 0) store16(x.out_row + grow * k + gcol, ncol, q);
+            if (DIMS == 1 && threadIdx.x % BCT_SEGS_PER_ROW == 0 && grow < round_up4(m))
+                x.sinv_row[tc * round_up4(m) + grow] = scale_inverse(s_row[it]);
+        }
+        if (DIMS == 2 && threadIdx.x < 4) {
+            // this tile's entry; the last tile column also writes the row's padding entries
+            const i64 ld = round_up4(tiles_k);
+            const i64 col = tc + threadIdx.x;
+            if (threadIdx.x == 0 || (tc == tiles_k - 1 && col < ld))
+                x.sinv_row[tr * ld + col] = scale_inverse(
+                    threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
+        }
+    }
+
+    if (!columnwise) return;   // block-uniform
+    // Column-wise scales: 1-D from the column maxima (lanes sharing columns: xor 8, 16; then the
+    // 8 warps through shared memory); 2-D the tile's.
+    float s_col[kSeg];
+    if (DIMS == 1) {
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) {
+            cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 8));
+            cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 16));
+        }
+        if (lane < BCT_SEGS_PER_ROW) {
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = cmax[j];
+        }
+        __syncthreads();
+        if (threadIdx.x < BCT_BLOCK) {
+            float a = col_part[0][threadIdx.x];
+#pragma unroll
+            for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][threadIdx.x]);
+            const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+            col_scale[threadIdx.x] = s;
+            const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
+            if (cc < round_up4(k)) x.sinv_col[tr * round_up4(k) + cc] = scale_inverse(s);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[c + j];
+    } else {
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
+        if (threadIdx.x < 4) {
+            const i64 tiles_m = ceil_div(m_pad, BCT_BLOCK);
+            const i64 ld = round_up4(tiles_m);
+            const i64 row = tr + threadIdx.x;
+            if (threadIdx.x == 0 || (tr == tiles_m - 1 && row < ld))
+                x.sinv_col[tc * ld + row] = scale_inverse(
+                    threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
+        }
+    }
+#pragma unroll
+    for (int it = 0; it < BCT_ITERS; ++it) {
+        opaque_words(raw[it]);
+        float v[kSeg];
+        Traits::unpack(raw[it], v);
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
+        *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
+    }
+    __syncthreads();
+
+    // Transposed bytes: runs of 32 rows of one column, one 32-byte sector of (k, m_pad) each when
+    // aligned; rows m .. m_pad are the zero padding (they read as zero and cast to zero).
+#pragma unroll
+    for (int run = 0; run < BCT_RUNS; ++run) {
+        const int idx = threadIdx.x + run * BCT_THREADS;
+        const int cc = idx % BCT_BLOCK;
+        const int rr = (idx / BCT_BLOCK) * BCT_COL_RUN;
+        const i64 ocol = col0 + cc;
+        const i64 orow = row0 + rr;
+        if (ocol < k && orow < m_pad) {
+            u8* dst = x.out_col + ocol * m_pad + orow;
+            const i64 n = m_pad - orow < BCT_COL_RUN ? m_pad - orow : BCT_COL_RUN;
+            if ((n == BCT_COL_RUN || n == BCT_COL_RUN / 2) && aligned16(dst)) {
+#pragma unroll
+                for (int h = 0; h < BCT_COL_RUN / 16; ++h) {
+                    if (16 * h < n) {
+                        u32 words[4];
+#pragma unroll
+                        for (int w = 0; w < 4; ++w) {
+                            const int r = rr + 16 * h + 4 * w;
+                            words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
+                                       (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
+                        }
+                        reinterpret_cast<uint4*>(dst)[h] = make_uint4(words[0], words[1], words[2], words[3]);
+                    }
+                }
+            } else {
+                for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
+            }
+        }
+    }
+}
+
+}  // namespace cg

@@ -1,0 +1,98 @@
+// cugrouped/kernels_cu/segment.cuh -- what the cast kernels share: the input element types, how a
+// thread loads one segment of kSeg consecutive elements of a row (16-byte words, unconverted, then
+// widened to float), and small helpers of the multi-expert tile grids.
+#pragma once
+#include "common.cuh"
+#include "fp8.cuh"
+
+namespace cg {
+
+enum class InDtype : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+constexpr int kSeg = 16;   // elements per thread-segment: one 16-byte FP8 store
+
+template <InDtype IN> struct InTraits;
+// Per input type: `words` 16-byte words hold one segment of kSeg elements; load_raw reads them
+// (from a 16-byte aligned address) without converting, unpack widens them to float.
+template <> struct InTraits<InDtype::F32> {
+    static constexpr int bytes = 4;
+    static constexpr int words = kSeg * bytes / 16;   // 4
+    CG_DEVICE static float load(const void* p, i64 i) { return static_cast<const float*>(p)[i]; }
+    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
+        const uint4* q = static_cast<const uint4*>(p);
+#pragma unroll
+        for (int j = 0; j < words; ++j) w[j] = q[j];
+    }
+    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[kSeg]) {
+#pragma unroll
+        for (int j = 0; j < words; ++j) {
+            v[4 * j] = bits_f32(w[j].x); v[4 * j + 1] = bits_f32(w[j].y);
+            v[4 * j + 2] = bits_f32(w[j].z); v[4 * j + 3] = bits_f32(w[j].w);
+        }
+    }
+};
+template <InDtype IN> struct Half16Traits {
+    static constexpr int bytes = 2;
+    static constexpr int words = kSeg * bytes / 16;   // 2
+    CG_DEVICE static float cvt(u32 bits) {
+        return IN == InDtype::BF16 ? bf16_to_float(static_cast<u16>(bits))
+                                   : half_to_float(static_cast<u16>(bits));
+    }
+    CG_DEVICE static float load(const void* p, i64 i) { return cvt(static_cast<const u16*>(p)[i]); }
+    CG_DEVICE static void load_raw(const void* p, uint4 (&w)[words]) {
+        const uint4* q = static_cast<const uint4*>(p);
+#pragma unroll
+        for (int j = 0; j < words; ++j) w[j] = q[j];
+    }
+    CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[kSeg]) {
+#pragma unroll
+        for (int j = 0; j < words; ++j) {
+            const u32 h[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                v[8 * j + 2 * i] = cvt(h[i] & 0xffffu);
+                v[8 * j + 2 * i + 1] = cvt(h[i] >> 16);
+            }
+        }
+    }
+};
+template <> struct InTraits<InDtype::F16> : Half16Traits<InDtype::F16> {};
+template <> struct InTraits<InDtype::BF16> : Half16Traits<InDtype::BF16> {};
+
+// A barrier for values derived from `w`: an empty asm that the compiler must assume rewrites every
+// word, so a segment widened to float before it is widened again after it instead of being kept
+// live as floats (a kernel that keeps a whole tile in registers across phases then holds the raw
+// words, half the registers for 16-bit input). No instruction is emitted, the bits are untouched;
+// the emulator and host builds skip it.
+template <int N>
+CG_DEVICE void opaque_words(uint4 (&w)[N]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+        asm volatile("" : "+r"(w[j].x), "+r"(w[j].y), "+r"(w[j].z), "+r"(w[j].w));
+#else
+    (void)w;
+#endif
+}
+
+CG_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15u) == 0; }
+
+// Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
+// binary search, the same in every thread, so no divergence).
+CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+CG_DEVICE i64 round_up(i64 m, i64 align) { return (m + align - 1) / align * align; }
+CG_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+}  // namespace cg

@@ -1,0 +1,442 @@
+"""multi_block_cast_transpose (TransformerEngine's Float8BlockScaling): the reference against a
+direct per-block computation written here, the CUDA kernel on the CPU emulator bit for bit
+against the reference over the split taxonomy x dtypes x formats x block shapes x input forms,
+planning, launch counts, the argument block's layout, bad input, and the GPU twin (``gpu``)."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped
+from cugrouped import reference
+from cugrouped.ops import block_cast_transpose as bct
+from test_pad_cast_transpose import DTYPES, ORDERS, SPLITS, as_bits, make_inputs
+
+FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+# The taxonomy plus cases at the 128-block edges: whole and partial blocks in both directions,
+# k and m that are not multiples of 4 (the scale layouts' padding), an expert past one tile row.
+BLOCK_SPLITS = dict(SPLITS, edges=([128, 129, 0, 255, 5], 130), wide=([3, 256, 40], 300))
+
+
+def blocks_by_hand(x, m_pad, fmt, dims, eps=0.0, p2=True):
+    """TransformerEngine's block quantization written out block by block, independent of
+    cugrouped.reference: returns (row-wise bytes (m, k), their scale_inv as (m, k) per element,
+    transposed bytes (k, m_pad), their scale_inv per element). For normal, finite inputs."""
+    dt, fmax = FP8[fmt]
+    m, k = x.shape
+    xp = np.zeros((m_pad, k), np.float32)
+    xp[:m] = x
+
+    def scale_of(block):
+        amax = np.float32(np.abs(block).max()) if block.size else np.float32(0)
+        amax = max(amax, np.float32(eps))
+        if amax == 0:
+            return np.float32(1)
+        s = np.float32(np.float32(fmax) / amax)
+        if p2:
+            s = np.float32(2.0 ** (np.frexp(s)[1] - 1))
+        return s
+
+    def cast(v, s):
+        return np.clip(v * s, -fmax, fmax).astype(dt).view(np.uint8)
+
+    q, s_el = np.zeros((m, k), np.uint8), np.zeros((m, k), np.float32)
+    qt, st_el = np.zeros((m_pad, k), np.uint8), np.zeros((m_pad, k), np.float32)
+    step_r = 1 if dims == 1 else 128
+    for r in range(0, m, step_r):
+        for c in range(0, k, 128):
+            blk = x[r:r + step_r, c:c + 128]
+            s = scale_of(blk)
+            q[r:r + step_r, c:c + 128] = cast(blk, s)
+            s_el[r:r + step_r, c:c + 128] = np.float32(1) / s
+    step_c = 1 if dims == 1 else 128
+    for c in range(0, k, step_c):
+        for r in range(0, m_pad, 128):
+            blk = xp[r:r + 128, c:c + step_c]
+            s = scale_of(blk)
+            qt[r:r + 128, c:c + step_c] = cast(blk, s)
+            st_el[r:r + 128, c:c + step_c] = np.float32(1) / s
+    return q, s_el, qt.T, st_el.T
+
+
+def per_element(sinv2d, rows, cols, dims):
+    """A block scale layout (cugrouped.grouped_block_fp8) spread to every element of (rows, cols)."""
+    rr, cc = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    return sinv2d[cc // 128, rr] if dims == 1 else sinv2d[rr // 128, cc // 128]
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("p2,eps", [(True, 0.0), (False, 0.0), (True, 1e-3)])
+def test_reference_is_the_block_quantization_written_out(dims, fmt, p2, eps):
+    rng = np.random.default_rng(zlib.crc32(repr((dims, fmt, p2, eps)).encode()))
+    m_splits, k, align = [130, 0, 7, 260], 200, 16
+    xs = [(rng.standard_normal((m, k)) * np.exp2(rng.uniform(-10, 10, (m, 1)))).astype(np.float32)
+          for m in m_splits]
+    xs[2][:] = 0                                       # an all-zero expert: scale 1 or from eps
+    res = reference.multi_block_cast_transpose(xs, block_scaling_dim=dims, fp8_format=fmt,
+                                               align=align, power_2_scale=p2, amax_epsilon=eps)
+    for i, (x, mp) in enumerate(zip(xs, res.m_pad_splits)):
+        q, s_el, qt, st_el = blocks_by_hand(x, mp, fmt, dims, eps, p2)
+        m = x.shape[0]
+        assert np.array_equal(np.asarray(res.rowwise(i)).view(np.uint8), q), i
+        assert np.array_equal(res.columnwise(i), qt), i
+        if m:
+            assert np.array_equal(per_element(res.rowwise_scale_inv(i), m, k, dims), s_el), i
+            assert np.array_equal(per_element(res.columnwise_scale_inv(i), k, mp, dims), st_el), i
+        if p2:   # power-of-two scales: every scale_inv is an exact power of two
+            for s in (res.rowwise_scale_inv(i), res.columnwise_scale_inv(i)):
+                assert np.all(np.frexp(s)[0] == 0.5), i
+
+
+def test_scale_layouts_are_transformer_engines():
+    """Shapes from TransformerEngine's Float8BlockQuantizer::get_scale_shape (written out here):
+    1-D row-wise (ceil(k/128), roundup(m, 4)), column-wise (ceil(m/128), roundup(k, 4)); 2-D
+    row-wise (ceil(m/128), roundup(ceil(k/128), 4)), column-wise (ceil(k/128),
+    roundup(ceil(m/128), 4)) -- with m the padded rows for the column-wise copy."""
+    def r4(v):
+        return (v + 3) // 4 * 4
+
+    def cd(a):
+        return -(-a // 128)
+
+    x = np.ones((301, 259), np.float32)
+    for dims in (1, 2):
+        res = reference.multi_block_cast_transpose([x], block_scaling_dim=dims, align=16)
+        mp = res.m_pad_splits[0]
+        want = ((cd(259), r4(301)), (cd(mp), r4(259))) if dims == 1 else \
+            ((cd(301), r4(cd(259))), (cd(259), r4(cd(mp))))
+        assert (res.rowwise_scale_inv(0).shape, res.columnwise_scale_inv(0).shape) == want
+        # the layouts' padding holds the scale_inv of a block of zeros (1: power-of-two, eps 0)
+        assert res.scale_inv.size == np.prod(want[0]) and np.all(np.isfinite(res.scale_inv))
+        pads = res.rowwise_scale_inv(0)[:, 301:] if dims == 1 else res.rowwise_scale_inv(0)[:, 3:]
+        assert pads.size and np.all(pads == 1)
+
+
+def test_dequantized_error_is_within_half_an_fp8_step_of_each_block():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((300, 384)) * np.exp2(rng.uniform(-20, 20, (300, 1)))).astype(np.float32)
+    for dims in (1, 2):
+        res = reference.multi_block_cast_transpose(x, [300], block_scaling_dim=dims)
+        for deq, s in ((res.dequantize()[0], per_element(res.rowwise_scale_inv(0), 300, 384, dims)),
+                       (res.dequantize(columnwise=True)[0],
+                        per_element(res.columnwise_scale_inv(0), 384, 304, dims).T[:300])):
+            # E4M3 spacing is at most 2^-3 relative and 2^-9 absolute (subnormals), in scaled units
+            bound = np.maximum(np.abs(x) * 2.0**-4, 2.0**-10 * s)
+            assert np.all(np.abs(deq - x) <= bound), dims
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA kernel on the CPU emulator, bit for bit.
+
+def run_both(xs, m_splits, form, **kw):
+    args = (xs, None) if form == "list" else (np.concatenate(xs, axis=0), list(m_splits))
+    want = reference.multi_block_cast_transpose(*args, **kw)
+    if form == "device":
+        got = cugrouped.multi_block_cast_transpose(args[0], np.array(m_splits, np.int64),
+                                                   splits_on_device=True, backend="emulate", **kw)
+        assert got.m_pad_splits is None
+    else:
+        got = cugrouped.multi_block_cast_transpose(*args, backend="emulate", **kw)
+    return got, want
+
+
+def assert_same_bits(got, want, label=""):
+    for name in ("data", "data_t", "scale_inv", "scale_inv_t"):
+        g, w = as_bits(getattr(got, name)), as_bits(getattr(want, name))
+        if w is None:
+            assert g is None, f"{label} {name}"
+            continue
+        if got.splits_on_device and name != "data":   # worst-case sized: the experts fill a prefix
+            assert g.shape[0] >= w.shape[0], f"{label} {name} too small"
+            g = g[: w.shape[0]]
+        assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
+        bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
+        assert bad.size == 0, (f"{label} {name}: {bad.size} of {w.size} differ, first at {bad[0]}: "
+                               f"{g.reshape(-1)[bad[0]]:#x} != {w.reshape(-1)[bad[0]]:#x}")
+    assert got.host_splits() == (want.m_splits, want.m_pad_splits), label
+
+
+ALIGNS = (1, 16, 128)
+# split case x dtype x format x block shape x input form; align and fiber order rotate
+CASES = [
+    (split, dtype, fmt, dims, ALIGNS[i % 3], form, ORDERS[i % len(ORDERS)])
+    for i, (split, dtype, fmt, dims, form) in enumerate(itertools.product(
+        BLOCK_SPLITS, DTYPES, ("e4m3", "e5m2"), (1, 2), ("list", "tensor", "device")))
+]
+
+
+def case_data(split, dtype):
+    m_splits, k = BLOCK_SPLITS[split]
+    seed = zlib.crc32(repr((split, dtype, "block")).encode())
+    return m_splits, make_inputs(m_splits, k, dtype, seed, specials=split in ("skewed", "edges"))
+
+
+@pytest.mark.parametrize("split,dtype,fmt,dims,align,form,order", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_emulated_kernel_matches_reference(split, dtype, fmt, dims, align, form, order):
+    m_splits, xs = case_data(split, dtype)
+    with cugrouped.emulation_order(order):
+        got, want = run_both(xs, m_splits, form, fp8_format=fmt, block_scaling_dim=dims, align=align)
+    assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/{dims}D/align={align}/{form}")
+    for i, m in enumerate(m_splits):        # the transposed copy's padding columns are zeros
+        assert not np.asarray(got.columnwise(i))[:, m:].any()
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("eps,p2", [(0.0, False), (2.0**-20, True), (0.5, False)])
+@pytest.mark.parametrize("which", ["rowwise", "columnwise"])
+def test_options_and_one_sided_copies(dims, eps, p2, which):
+    m_splits, xs = case_data("edges", "bfloat16")
+    xs[1] = np.zeros_like(xs[1])            # all-zero blocks: the epsilon decides their scale
+    kw = dict(block_scaling_dim=dims, amax_epsilon=eps, power_2_scale=p2,
+              rowwise=which == "rowwise", columnwise=which == "columnwise")
+    got, want = run_both(xs, m_splits, "tensor", **kw)
+    assert_same_bits(got, want, f"{dims}D eps={eps} p2={p2} {which}")
+    assert (got.data is None) == (which == "columnwise") and (got.data_t is None) == (which == "rowwise")
+
+
+def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
+    rng = np.random.default_rng(3)
+    m_splits = [int(v) for v in rng.integers(0, 140, size=150)]
+    m_splits[70:75] = [0] * 5
+    xs = make_inputs(m_splits, 136, "float16", seed=4)
+    for form in ("list", "device"):
+        with cugrouped.record_launches() as launches:
+            got, want = run_both(xs, m_splits, form, block_scaling_dim=1)
+        assert_same_bits(got, want, form)
+        assert len(launches) == 3, form        # ceil(150 / 64) chunks, one launch each
+
+
+def test_device_counts_over_more_experts_than_one_scan_pass():
+    """300 experts: the blocks of the last chunk scan the counts in two passes of 256 and carry
+    every offset (rows, transposed bytes, both scale buffers) from the first pass."""
+    rng = np.random.default_rng(12)
+    m_splits = [int(v) for v in rng.integers(0, 20, size=300)]
+    xs = make_inputs(m_splits, 24, "bfloat16", seed=13)
+    for dims in (1, 2):
+        got, want = run_both(xs, m_splits, "device", block_scaling_dim=dims)
+        assert_same_bits(got, want, f"{dims}D")
+
+
+def test_device_counts_are_clamped_to_the_rows_there_are():
+    xs = make_inputs([50, 60], 40, "float32", seed=6)
+    x = np.concatenate(xs)
+    got = cugrouped.multi_block_cast_transpose(x, np.array([50, 90, 7], np.int64),
+                                               splits_on_device=True, backend="emulate")
+    want = reference.multi_block_cast_transpose(x, [50, 60, 0])
+    assert_same_bits(got, want, "clamped")
+
+
+def test_launch_counts_and_no_launch_without_rows():
+    xs = make_inputs([0, 33, 0], 64, "bfloat16", seed=1)
+    with cugrouped.record_launches() as launches:
+        cugrouped.multi_block_cast_transpose(xs, backend="emulate")
+    assert [(x.kernel.split("<")[0], x.grid) for x in launches] == \
+        [("cg::block_cast_transpose_kernel", 1)]
+    with cugrouped.record_launches() as launches:
+        res = cugrouped.multi_block_cast_transpose([xs[0], xs[2]], backend="emulate")
+    assert launches == [] and res.data.shape == (0, 64) and res.scale_inv.size == 0
+
+
+def test_out_buffers_are_written_in_place():
+    m_splits, xs = case_data("edges", "float32")
+    first = cugrouped.multi_block_cast_transpose(xs, backend="emulate", block_scaling_dim=2)
+    bufs = {n: getattr(first, n) for n in ("data", "data_t", "scale_inv", "scale_inv_t")}
+    for b in bufs.values():
+        b.view(np.uint8)[:] = 0xAB
+    res = cugrouped.multi_block_cast_transpose(xs, backend="emulate", block_scaling_dim=2, out=first)
+    for n, b in bufs.items():
+        assert np.shares_memory(np.asarray(getattr(res, n)), b), n
+    assert_same_bits(res, reference.multi_block_cast_transpose(xs, block_scaling_dim=2), "out=")
+
+
+def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
+    w = make_inputs([300], 260, "bfloat16", seed=9)[0]
+    res = cugrouped.multi_block_cast_transpose([w], align=1, block_scaling_dim=2, backend="emulate")
+    assert np.array_equal(np.asarray(res.rowwise(0)).view(np.uint8).T, res.columnwise(0))
+    s, st = res.rowwise_scale_inv(0), res.columnwise_scale_inv(0)
+    assert np.array_equal(s[:, :3], st[:, :3].T)
+
+
+def test_torch_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(300, 136, dtype=torch.bfloat16)
+    want = reference.multi_block_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
+                                                [100, 0, 200], dtype="bfloat16")
+    for backend in ("reference", "emulate"):
+        for splits in ([100, 0, 200], torch.tensor([100, 0, 200])):
+            got = cugrouped.multi_block_cast_transpose(x, splits, backend=backend)
+            assert got.data.dtype == torch.float8_e4m3fn and got.scale_inv.dtype == torch.float32
+            host = cugrouped.GroupedBlockFP8(**{f: (v.view(torch.uint8).numpy() if f == "data" else
+                                                    v.numpy() if isinstance(v, torch.Tensor) else v)
+                                                for f, v in vars(got).items()})
+            assert_same_bits(host, want, f"torch {backend}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning, pure functions.
+
+def test_planning_pure_functions():
+    assert bct.block_tile_counts([0, 1, 128, 129], 129) == (0, 2, 2, 4)
+    plans = bct.plan_block_launches([5] * 70, 64)
+    assert [(p.first, p.count, p.grid) for p in plans] == [(0, 64, 64), (64, 6, 6)]
+    assert bct.plan_block_launches([0, 0], 64)[0].grid == 0
+    sz = bct.block_output_sizes([5, 0, 130], 260, 16, 1)
+    assert (sz.rows, sz.data_t, sz.scale_inv, sz.scale_inv_t) == (135, 260 * (16 + 144),
+                                                                  3 * (8 + 132), 260 * (1 + 2))
+
+
+def test_device_worst_case_bounds_every_split():
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        E = int(rng.integers(1, 20))
+        m = [int(v) for v in rng.integers(0, 400, size=E)]
+        k, align, dims = int(rng.integers(1, 600)), int(rng.choice(bct.ALIGNS)), int(rng.integers(1, 3))
+        exact = bct.block_output_sizes(m, k, align, dims)
+        worst = bct.block_output_sizes(None, k, align, dims, E, sum(m))
+        assert all(getattr(worst, f) >= getattr(exact, f) for f in ("rows", "data_t", "scale_inv",
+                                                                    "scale_inv_t")), (m, k, align)
+        grid = bct.plan_block_launches_device(E, sum(m), k)[0].grid
+        assert grid >= sum(bct.block_tile_counts(m, k))
+
+
+def test_group_struct_layout_matches_on_host_and_device():
+    """The NumPy twin of cg::BctGroup has the C++ layout: every offset under g++, size and
+    alignment under NVRTC (see the PctGroup test)."""
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    from cugrouped import _compile_check, emulate
+
+    dt = bct.group_dtype()
+    assert dt.itemsize + 8 + 4 + 4 + 4 < 4096              # the 4 KB kernel parameter limit
+    lines = [f'static_assert(sizeof(cg::BctGroup) == {dt.itemsize}, "sizeof");',
+             'static_assert(alignof(cg::BctGroup) == 8, "alignof");']
+    offsets = [f'static_assert(__builtin_offsetof(cg::BctGroup, {n}) == {dt.fields[n][1]}, "{n}");'
+               for n in dt.names]
+    probe = '#include "block_cast_transpose.cu"\n{}\n__global__ void layout_probe() {{}}\n'
+    spec = bct.KERNEL_SPEC
+    opts = _compile_check.offline_options(spec, "90", verbose_ptxas=False)
+    _NVRTCProgram(probe.format("\n".join(lines)), "layout.cu", name_expressions=["layout_probe"],
+                  method="cubin").compile(opts)
+    emulate.EmuModule(code=probe.format("\n".join(lines + offsets)), name_expressions=("layout_probe",))
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, nothing written.
+
+X = np.ones((10, 32), np.float32)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], block_scaling_dim=3), ValueError,
+     "block_scaling_dim"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], block_scaling_dim=True), ValueError,
+     "block_scaling_dim"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], align=48), ValueError, "align"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], fp8_format="e3m4"), ValueError,
+     "fp8_format"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], rowwise=False, columnwise=False),
+     ValueError, "rowwise, columnwise"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], amax_epsilon=-1.0), ValueError,
+     "amax_epsilon"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], power_2_scale=1), TypeError,
+     "power_2_scale"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [4, 5]), ValueError, "m_splits"),
+    (lambda: cugrouped.multi_block_cast_transpose(X.astype(np.float64), [10]), TypeError, "inputs"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], out=object()), TypeError, "out"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], backend="gpu"), ValueError, "backend"),
+])
+def test_bad_input_is_rejected_clearly(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
+def test_bad_out_buffer_is_rejected_before_anything_is_written(backend):
+    out = cugrouped.multi_block_cast_transpose(X, [10], backend="emulate")
+    out.scale_inv_t = np.zeros(out.scale_inv_t.size + 1, np.float32)
+    before = {n: np.array(getattr(out, n)) for n in ("data", "data_t", "scale_inv")}
+    with pytest.raises(ValueError, match=r"out\.scale_inv_t"):
+        cugrouped.multi_block_cast_transpose(X * 3, [10], out=out, backend=backend)
+    for n, b in before.items():
+        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b.view(np.uint8)), n
+
+
+# ------------------------------------------------------------------------------------------------
+# The same matrix on a GPU (skipped here; run by scripts/gpu_check.sh).
+
+GPU_CASES = [c for c in CASES if c[5] != "tensor"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,dtype,fmt,dims,align,form,order", GPU_CASES,
+                         ids=["-".join(map(str, c)) for c in GPU_CASES])
+def test_cuda_matches_reference(split, dtype, fmt, dims, align, form, order):
+    import cupy
+
+    m_splits, xs = case_data(split, dtype)
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    splits = None
+    if form == "device":
+        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    kw = dict(fp8_format=fmt, block_scaling_dim=dims, align=align)
+    want = reference.multi_block_cast_transpose(xs, **kw)
+    got = cugrouped.multi_block_cast_transpose(dxs, splits, dtype=dtype if carrier else None, **kw)
+    host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                        for f, v in vars(got).items()})
+    assert_same_bits(host, want, f"cuda {split}/{dtype}/{fmt}/{dims}D/{form}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [1, 2])
+def test_cuda_large_case_over_2_31_elements(dims):
+    """An expert of more than 2^31 elements and one that starts past 2^31 elements: the kernel's
+    offsets pass 2^31. Checked block row by block row against the reference (a 128-row block's
+    bytes and scales depend on nothing but its rows), at the start, across the 2^31 edge and at
+    the tail with the padding."""
+    import cupy
+
+    k = 8192
+    edge = 2**31 // k // 128 * 128               # a block row near row * k = 2^31
+    big = edge + 128 + 69
+    m_splits = [77, big, 0, 200]
+    off = np.concatenate([[0], np.cumsum(m_splits)])
+    rows = int(off[-1])
+    need = rows * k * (4 + 2 + 2) + (1 << 30)
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    if need > 0.9 * free:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of GPU memory, {free / 2**30:.0f} GiB free")
+    pool = cupy.get_default_memory_pool()
+    got = x = None
+    try:
+        x = cupy.random.standard_normal((rows, k), dtype=cupy.float32).astype(cupy.float16)
+        got = cugrouped.multi_block_cast_transpose(x.view(cupy.uint16), m_splits, dtype="float16",
+                                                   block_scaling_dim=dims)
+        for e, r0, n in [(0, 0, 77), (3, 0, 200), (1, 0, 128), (1, edge, 128), (1, edge + 128, 69)]:
+            host = cupy.asnumpy(x[off[e] + r0: off[e] + r0 + n]).view(np.float16)
+            want = reference.multi_block_cast_transpose([host], block_scaling_dim=dims)
+            label = f"{dims}D expert {e} rows {r0}..{r0 + n}"
+            assert np.array_equal(cupy.asnumpy(got.rowwise(e)[r0:r0 + n]).view(np.uint8),
+                                  want.data.view(np.uint8)), label
+            w = want.m_pad_splits[0]
+            assert np.array_equal(cupy.asnumpy(got.columnwise(e)[:, r0:r0 + w]),
+                                  want.columnwise(0)), label + " transposed"
+            srow, scol = cupy.asnumpy(got.rowwise_scale_inv(e)), cupy.asnumpy(got.columnwise_scale_inv(e))
+            b = r0 // 128
+            if dims == 1:
+                assert np.array_equal(srow[:, r0:r0 + n], want.rowwise_scale_inv(0)[:, :n]), label
+                assert np.array_equal(scol[b], want.columnwise_scale_inv(0)[0]), label
+            else:
+                assert np.array_equal(srow[b], want.rowwise_scale_inv(0)[0]), label
+                assert np.array_equal(scol[:, b], want.columnwise_scale_inv(0)[:, 0]), label
+    finally:
+        x = got = None
+        pool.free_all_blocks()
