@@ -239,7 +239,9 @@ class GemmConfig:
     """What a matmul descriptor depends on (no shapes, no pointers): the cache key.
 
     Types are cudaDataType_t values; ``bias_type`` is None without the bias epilogue;
-    ``scaled`` means A/B scale pointers are used (FP8).
+    ``scaled`` means A/B scale pointers are used (FP8); ``a_scale_mode`` / ``b_scale_mode`` are
+    ``cublasLtMatmulMatrixScale_t`` values, 0 (one float32 scale per matrix) or the block modes
+    ``VEC128_32F`` / ``BLK128x128_32F`` (TransformerEngine's Float8BlockScaling).
     """
 
     a_type: int
@@ -251,6 +253,8 @@ class GemmConfig:
     fast_accum: bool = False
     scaled: bool = False
     grouped: bool = False
+    a_scale_mode: int = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
+    b_scale_mode: int = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
 
     def attributes(self) -> dict[str, int]:
         """Every attribute :func:`matmul_desc` sets besides the per-call pointers. A grouped GEMM
@@ -269,6 +273,9 @@ class GemmConfig:
             if self.grouped:
                 attrs["A_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
                 attrs["B_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
+            elif self.a_scale_mode or self.b_scale_mode:   # block scales (never set otherwise:
+                attrs["A_SCALE_MODE"] = self.a_scale_mode   # cuBLAS before 12.8 has no such
+                attrs["B_SCALE_MODE"] = self.b_scale_mode   # attribute)
         return attrs
 
 

@@ -1,4 +1,4 @@
-"""Argument checks of the grouped GEMMs: operands (GroupedFP8 or plain arrays) to a
+"""Argument checks of the grouped GEMMs: operands (GroupedFP8, GroupedBlockFP8 or plain arrays) to a
 :class:`~cugrouped.ops._gemm_plan.Problem`, and the outputs (checked or new) to per-expert blocks.
 Every failure is a TypeError/ValueError naming the argument. Package-private: the public names are
 re-exported by :mod:`cugrouped.ops.grouped_gemm`."""
@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from .._array import ArrayView, as_view
+from ..cublaslt import _enums as E
+from ..grouped_block_fp8 import GroupedBlockFP8, block_scale_sizes
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
 
@@ -21,6 +23,12 @@ FP8_MULTIPLE = 16
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 PLAIN_DTYPES = ("bfloat16", "float16", "float32")
 _FP8_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+# cuBLASLt's scale mode of a GroupedBlockFP8 by block_scaling_dim.
+_BLOCK_MODE = {1: E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+               2: E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}
+# Block-scaled GEMMs: the token count of a 1-D-scaled left operand (cuBLAS's B, whose outer
+# dimension it is) must be a multiple of 8 (TransformerEngine asserts the same; "observed").
+BLOCK_TOKEN_MULTIPLE = 8
 # Output dtypes cuBLASLt offers for each plain input dtype (fp32 compute).
 _PLAIN_OUT = {"bfloat16": ("bfloat16", "float32"), "float16": ("float16", "float32"),
               "float32": ("float32",)}
@@ -39,6 +47,7 @@ class _Operand:
     device: int
     kind: str
     m_splits: tuple[int, ...]
+    scale_mode: int = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
 
 
 def _stacked(v: ArrayView) -> list[ArrayView]:
@@ -61,24 +70,48 @@ def _where(views: Sequence[ArrayView], arg: str) -> tuple[bool, int, str]:
     return first.on_device, first.device, first.kind
 
 
-def _fp8_operand(g: GroupedFP8, copy: str, arg: str, need: str) -> _Operand:
-    """Blocks of the row-wise ``(m_i, k)`` or transposed ``(k, m_pad_i)`` copies of ``g``."""
+def _block_scales(g: GroupedBlockFP8, copy: str, arg: str) -> tuple[ArrayView, np.ndarray]:
+    """The scale buffer of one copy of a GroupedBlockFP8 and each expert's first scale's offset
+    (float32 elements; every expert's block starts 16-byte aligned: its layouts round to 4)."""
+    name = "scale_inv" if copy == "rowwise" else "scale_inv_t"
+    sizes = block_scale_sizes(g.m_splits, g.m_pad_splits, g.k, g.block_scaling_dim)[
+        0 if copy == "rowwise" else 1]
+    sv = as_view(getattr(g, name), arg=f"{arg}.{name}")
+    total = int(sizes.sum())
+    if sv.dtype != "float32" or len(sv.shape) != 1 or sv.shape[0] < total or (
+            sv.shape[0] > 1 and sv.strides != (1,)):
+        raise ValueError(f"{arg}.{name}: expected a contiguous float32 vector of at least {total} "
+                         f"block scales, got {sv.dtype} {sv.shape}")
+    return sv, np.cumsum(sizes) - sizes
+
+
+def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
+    """Blocks of the row-wise ``(m_i, k)`` or transposed ``(k, m_pad_i)`` copies of ``g`` (a
+    GroupedFP8, or a GroupedBlockFP8 whose scale pointers are each expert's first block scale)."""
+    what = type(g).__name__
     if getattr(g, "splits_on_device", False):
         raise ValueError(f"{arg}: its token counts live on the device; the per-expert cuBLASLt loop "
-                         "needs them on the host (cast with host m_splits, or rebuild the "
-                         "GroupedFP8 with m_splits, m_pad_splits = g.host_splits(), a sync)")
+                         f"needs them on the host (cast with host m_splits, or rebuild the {what} "
+                         "with m_splits, m_pad_splits = g.host_splits(), a sync)")
     data = g.data if copy == "rowwise" else g.data_t
     if data is None:
+        cast = "multi_block_cast_transpose" if isinstance(g, GroupedBlockFP8) else \
+            "multi_pad_cast_transpose"
         raise ValueError(f"{arg}: {need} needs the {copy} FP8 copy; cast with "
-                         f"multi_pad_cast_transpose(..., {copy}=True)")
+                         f"{cast}(..., {copy}=True)")
     if g.fp8_format not in _FP8_DTYPE:
         raise ValueError(f"{arg}: unknown fp8_format {g.fp8_format!r}")
     dv = as_view(data, arg=f"{arg}.data" if copy == "rowwise" else f"{arg}.data_t")
-    sv = as_view(g.scale_inv, arg=f"{arg}.scale_inv")
     E_ = g.num_experts
-    if sv.dtype != "float32" or sv.shape != (E_,) or (E_ > 1 and sv.strides != (1,)):
-        raise ValueError(f"{arg}.scale_inv: expected a contiguous float32 array of shape ({E_},), "
-                         f"got {sv.dtype} {sv.shape}")
+    if isinstance(g, GroupedBlockFP8):
+        sv, first = _block_scales(g, copy, arg)
+        scale_mode = _BLOCK_MODE[g.block_scaling_dim]
+    else:
+        sv = as_view(g.scale_inv, arg=f"{arg}.scale_inv")
+        if sv.dtype != "float32" or sv.shape != (E_,) or (E_ > 1 and sv.strides != (1,)):
+            raise ValueError(f"{arg}.scale_inv: expected a contiguous float32 array of shape "
+                             f"({E_},), got {sv.dtype} {sv.shape}")
+        first, scale_mode = np.arange(E_, dtype=np.int64), E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
     on_device, device, kind = _where([dv, sv], arg)
     k = g.k
     dtype = _FP8_DTYPE[g.fp8_format]
@@ -96,9 +129,9 @@ def _fp8_operand(g: GroupedFP8, copy: str, arg: str, need: str) -> _Operand:
         if dv.size != total or (total > 1 and dv.strides[-1] != 1):
             raise ValueError(f"{arg}.data_t: expected {total} contiguous bytes, got shape {dv.shape}")
         blocks = Blocks(dv.ptr + ends - mp * k, k, mp, mp, dtype)
-    scales = sv.ptr + 4 * np.arange(E_, dtype=np.int64)
+    scales = sv.ptr + 4 * first
     return _Operand(blocks, dtype, scales, g.fp8_format, on_device, device, kind,
-                    tuple(g.m_splits))
+                    tuple(g.m_splits), scale_mode)
 
 
 def _plain_operand(x: Any, arg: str, expect_3d: bool = False) -> _Operand:
@@ -141,7 +174,7 @@ def _plain_operand(x: Any, arg: str, expect_3d: bool = False) -> _Operand:
 
 
 def _operand(x: Any, arg: str, copy: str, need: str, expect_3d: bool = False) -> _Operand:
-    if isinstance(x, GroupedFP8):
+    if isinstance(x, (GroupedFP8, GroupedBlockFP8)):
         return _fp8_operand(x, copy, arg, need)
     return _plain_operand(x, arg, expect_3d)
 
@@ -150,7 +183,14 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
     if (a.fmt is None) != (b.fmt is None):
         fp8, plain = (a_name, b_name) if a.fmt else (b_name, a_name)
         raise TypeError(f"{fp8} is a GroupedFP8 but {plain} is not: both operands must be FP8 "
-                        "(GroupedFP8) or both plain arrays")
+                        "(GroupedFP8 or GroupedBlockFP8) or both plain arrays")
+    if a.fmt and (a.scale_mode == 0) != (b.scale_mode == 0):
+        block, tensor = (a_name, b_name) if a.scale_mode else (b_name, a_name)
+        raise TypeError(f"{block} is block-scaled (GroupedBlockFP8) but {tensor} has one scale per "
+                        "expert (GroupedFP8): cast both operands with the same kind of scaling")
+    if a.scale_mode == b.scale_mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
+        raise ValueError(f"{a_name}, {b_name}: cuBLASLt has no 128x128-by-128x128 block-scaled "
+                         "GEMM; cast one of them with block_scaling_dim=1")
     if a.fmt == "e5m2" and b.fmt == "e5m2":
         raise ValueError(f"{a_name}, {b_name}: E5M2 x E5M2 is not a cuBLASLt FP8 GEMM (supported "
                          "pairs: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3); cast one of them as e4m3")
@@ -232,7 +272,7 @@ def split_rows(a: Any, m_splits: Any, arg: str) -> Any:
         return a
     from .pad_cast_transpose import array_is_device
 
-    if isinstance(a, (GroupedFP8, list, tuple)):
+    if isinstance(a, (GroupedFP8, GroupedBlockFP8, list, tuple)):
         raise ValueError(f"m_splits: goes with one 2-D {arg} array; a list or GroupedFP8 {arg} "
                          f"carries its own split sizes")
     shape = getattr(a, "shape", None)
@@ -272,10 +312,12 @@ def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
         _check_fp8_dim(k, "k (x.k, w.k)")
         _check_fp8_dim(n, "n (w's rows per expert)")
     bdt = bias_dtype_for(out_dtype, xo.fmt is not None)
+    _check_block_tokens(xo, "x")
     return Problem("fprop", xo.fmt is not None, xo.blocks, False, wo.blocks, True,
                    (k,) * len(xo.blocks), xo.scale_inv, wo.scale_inv,
                    _bias(bias, n, len(xo.blocks), bdt, xo), bdt if bias is not None else None,
-                   bool(fast_accum), False, out_dtype, _place(xo))
+                   _fast_accum(fast_accum, xo), False, out_dtype, _place(xo),
+                   xo.scale_mode, wo.scale_mode)
 
 
 def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
@@ -304,9 +346,11 @@ def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
     if dyo.fmt:
         _check_fp8_dim(n, "n (dy.k, w's rows per expert)")
         _check_fp8_dim(k, "k (w.k)")
+    _check_block_tokens(dyo, "dy")
     return Problem("dgrad", dyo.fmt is not None, dyo.blocks, False, right, bool(wo.fmt),
                    (n,) * len(dyo.blocks), dyo.scale_inv, wo.scale_inv, None, None,
-                   bool(fast_accum), False, out_dtype, _place(dyo))
+                   _fast_accum(fast_accum, dyo), False, out_dtype, _place(dyo),
+                   dyo.scale_mode, wo.scale_mode)
 
 
 def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) -> Problem:
@@ -340,8 +384,27 @@ def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) ->
     # wgrad: Y = dW (n x k) = dyᵀ · x. FP8: dyᵀ stored as L (n, m_pad); xᵀ stored as Rᵀ (k, m_pad).
     # Plain: dy (m, n) is Lᵀ; x (m, k) is R.
     return Problem("wgrad", xo.fmt is not None, dyo.blocks, not xo.fmt, xo.blocks, bool(xo.fmt),
-                   reduction, dyo.scale_inv, xo.scale_inv, None, None, bool(fast_accum),
-                   bool(accumulate), out_dtype, _place(xo))
+                   reduction, dyo.scale_inv, xo.scale_inv, None, None, _fast_accum(fast_accum, xo),
+                   bool(accumulate), out_dtype, _place(xo), dyo.scale_mode, xo.scale_mode)
+
+
+def _fast_accum(fast_accum, op: _Operand) -> bool:
+    """FP8 fast accumulation as asked, except with block scales: their GEMMs accumulate in split
+    (full-precision) mode, as TransformerEngine's Float8BlockScaling requires; ignored there."""
+    return bool(fast_accum) and not op.scale_mode
+
+
+def _check_block_tokens(op: _Operand, arg: str) -> None:
+    """A 1-D block-scaled row-wise left operand needs token counts in multiples of
+    :data:`BLOCK_TOKEN_MULTIPLE` (empty experts are skipped)."""
+    if op.scale_mode != E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F:
+        return
+    bad = [(i, m) for i, m in enumerate(op.m_splits) if m % BLOCK_TOKEN_MULTIPLE]
+    if bad:
+        i, m = bad[0]
+        raise ValueError(f"{arg}: block-scaled FP8 GEMMs need every expert's token count to be a "
+                         f"multiple of {BLOCK_TOKEN_MULTIPLE} (cuBLASLt); expert {i} has {m}. Pad "
+                         "the tokens (TransformerEngine's Fp8Padding pads to 16)")
 
 
 def _place(op: _Operand) -> tuple[bool, int, str]:

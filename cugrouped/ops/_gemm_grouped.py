@@ -75,6 +75,9 @@ def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capabili
     in_dtype = as_blocks(problem.left).dtype
     reason = grouped_gemm_unsupported(version, compute_capability, fp8=problem.fp8,
                                       in_dtype=in_dtype, has_symbol=has_symbol)
+    if reason is None and problem.block_scaled:
+        reason = "block-scaled FP8 runs in the per-expert loop (cuBLASLt's grouped GEMM is not " \
+                 "wired for block scales here)"
     if reason is None and problem.bias is not None:
         reason = "the grouped GEMM has no bias epilogue"
     if reason is None and len(problem.reduction) > GROUPED_MAX_GROUPS:

@@ -14,7 +14,8 @@ from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
 from ._gemm_grouped import _launch_grouped, path_for
 from ._gemm_memo import Checked, prepared_out
-from ._gemm_plan import ExpertGemm, Problem, VecPlan, as_blocks, workspace_bytes_for
+from ._gemm_plan import (ExpertGemm, Problem, VecPlan, as_blocks, block_scaling_unsupported,
+                         workspace_bytes_for)
 
 # Side streams the per-expert loop is spread over (TransformerEngine uses 4).
 NUM_STREAMS = 4
@@ -182,6 +183,10 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     if fp8 and st.compute_capability < 89:
         raise RuntimeError(f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); device "
                            f"{st.device} is sm_{st.compute_capability}")
+    if vp.config.a_scale_mode or vp.config.b_scale_mode:
+        reason = block_scaling_unsupported(st.cublas_version, st.compute_capability)
+        if reason:
+            raise RuntimeError(f"device {st.device}: {reason}")
     caller = st.current_stream()
     config = vp.config
     if ncalls > 1:

@@ -171,8 +171,9 @@ class Problem:
     """A checked grouped GEMM, as numbers: per-expert blocks of both operands and the output.
 
     ``left``/``right`` follow :func:`plan_expert`; ``reduction`` is per expert; scales are the
-    device addresses of each expert's ``scale_inv`` (FP8), ``bias`` of each bias vector; ``place``
-    is (on_device, device ordinal, array kind) of the operands.
+    device addresses of each expert's ``scale_inv`` (FP8; with block scaling the first of the
+    expert's block scales), ``bias`` of each bias vector; ``place`` is (on_device, device ordinal,
+    array kind) of the operands; the scale modes are cuBLASLt's for each operand.
     """
 
     pass_name: str
@@ -190,6 +191,13 @@ class Problem:
     accumulate: bool = False
     out_dtype: str = "bfloat16"
     place: tuple[bool, int, str] = (False, -1, "numpy")
+    left_scale_mode: int = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
+    right_scale_mode: int = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
+
+    @property
+    def block_scaled(self) -> bool:
+        """FP8 operands with a scale per 1 x 128 / 128 x 128 block (GroupedBlockFP8)."""
+        return bool(self.left_scale_mode or self.right_scale_mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +225,8 @@ def gemm_config(problem: Problem, transa: int, transb: int):
         a_type=ct[problem.right[0].dtype], b_type=ct[problem.left[0].dtype],
         d_type=ct[problem.out_dtype], transa=transa, transb=transb,
         bias_type=ct[problem.bias_dtype] if problem.bias is not None else None,
-        fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8)
+        fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8,
+        a_scale_mode=problem.right_scale_mode, b_scale_mode=problem.left_scale_mode)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -315,6 +324,21 @@ def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
     :class:`ExpertGemm` per non-empty expert)."""
     vp = plan_arrays(problem, out)
     return GemmPlan(vp.config, vp.calls(), vp.zero, vp.skipped)
+
+
+BLOCK_SCALING_MIN_VERSION = 120900   # cuBLAS 12.9: the VEC128_32F / BLK128x128_32F scale modes
+
+
+def block_scaling_unsupported(version: int, compute_capability: int) -> str | None:
+    """Why cuBLASLt cannot run a block-scaled FP8 GEMM here, or None (TransformerEngine's rule:
+    sm_90 or newer and cuBLAS 12.9 or newer)."""
+    if int(compute_capability) < 90:
+        return (f"block-scaled FP8 GEMMs need compute capability 9.0 or newer (Hopper); this is "
+                f"sm_{compute_capability}")
+    if int(version) < BLOCK_SCALING_MIN_VERSION:
+        return (f"block-scaled FP8 GEMMs need cuBLAS 12.9 or newer; libcublasLt reports "
+                f"{version}")
+    return None
 
 
 def workspace_bytes_for(compute_capability: int) -> int:

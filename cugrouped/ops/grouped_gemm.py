@@ -10,7 +10,11 @@ For experts ``i = 0..E-1``, in row-major terms:
 Operands are either :class:`~cugrouped.GroupedFP8` results of ``multi_pad_cast_transpose``
 (FP8 path: every call is "TN", the operands are the row-wise or transposed copies of the layout
 table, and each expert's ``scale_inv`` is passed as cuBLASLt's A/B scale pointer, on the device),
-or lists of plain bfloat16 / float16 / float32 arrays (the same layer without FP8).
+:class:`~cugrouped.GroupedBlockFP8` results of ``multi_block_cast_transpose`` (the same copies;
+the scale pointer is the expert's first block scale and cuBLASLt's A/B scale modes are
+``VEC128_32F`` / ``BLK128x128_32F``; sm_90+, cuBLAS 12.9+, split accumulation, token counts in
+multiples of 8, the per-expert loop), or lists of plain bfloat16 / float16 / float32 arrays (the
+same layer without FP8).
 
 Arrays may be NumPy (reference backend), CuPy or CUDA torch tensors (cuBLASLt): every operand,
 bias and output is read through its pointer, shape, strides and dtype (:func:`cugrouped._array.as_view`,
@@ -50,7 +54,8 @@ from ._gemm_memo import (  # noqa: F401  (re-exported)
     MEMO_OUTPUTS, MEMO_SIZE, Checked, _call_key, checked, clear_memo, prepared_out,
 )
 from ._gemm_plan import (  # noqa: F401  (re-exported)
-    Block, Blocks, ExpertGemm, GemmPlan, Problem, VecPlan, as_blocks, bias_dtype_for, gemm_config,
+    BLOCK_SCALING_MIN_VERSION, Block, Blocks, ExpertGemm, GemmPlan, Problem, VecPlan, as_blocks,
+    bias_dtype_for, block_scaling_unsupported, gemm_config,
     plan_arrays, plan_expert, plan_problem, pointer_alignment, pointer_alignments,
     workspace_bytes_for,
 )
@@ -62,7 +67,8 @@ __all__ = [
     "gemm_config", "bias_dtype_for", "workspace_bytes_for", "build_descriptors",
     "FP8_MULTIPLE", "NUM_STREAMS", "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
     "VecPlan", "plan_arrays", "grouped_gemm_unsupported", "choose_path", "grouped_workspace_layout",
-    "grouped_descriptors", "GROUPED_MAX_GROUPS",
+    "grouped_descriptors", "GROUPED_MAX_GROUPS", "block_scaling_unsupported",
+    "BLOCK_SCALING_MIN_VERSION",
 ]
 
 

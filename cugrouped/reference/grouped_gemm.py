@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8
 from ..grouped_fp8 import GroupedFP8
 from . import fp8 as rfp8
 
@@ -27,10 +28,13 @@ _NP_DTYPE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.fl
 def expert_matrices(op, copy: str) -> list[np.ndarray]:
     """Per-expert float64 matrices of an operand, in the math's orientation.
 
-    A :class:`GroupedFP8` gives ``fp8 * scale_inv`` from its row-wise copy (``copy="rowwise"``,
+    A :class:`GroupedFP8` (or :class:`GroupedBlockFP8`, each block by its own ``scale_inv``)
+    gives ``fp8 * scale_inv`` from its row-wise copy (``copy="rowwise"``,
     ``(m_i, k)``) or from the unpadded part of its transposed copy (``"columnwise"``, returned
     transposed back to ``(m_i, k)``); a list of arrays (or a 3-D array) gives each array as float64.
     """
+    if isinstance(op, GroupedBlockFP8):
+        return [_block_matrix(op, i, m, copy) for i, m in enumerate(op.m_splits)]
     if isinstance(op, GroupedFP8):
         out = []
         for i, m in enumerate(op.m_splits):
@@ -39,6 +43,22 @@ def expert_matrices(op, copy: str) -> list[np.ndarray]:
             out.append(vals * np.float64(np.asarray(op.scale_inv)[i]))
         return out
     return [rfp8.to_float32(np.asarray(a)).astype(np.float64) for a in op]
+
+
+def _block_matrix(op: GroupedBlockFP8, i: int, m: int, copy: str) -> np.ndarray:
+    """Expert ``i`` of a block-scaled operand: every FP8 value times its block's ``scale_inv``,
+    in float64 (exact), ``(m_i, k)``."""
+    if copy == "rowwise":
+        q, s = np.asarray(op.rowwise(i)), np.asarray(op.rowwise_scale_inv(i))
+        rows, cols = m, op.k
+    else:   # the stored (k, m_pad) copy, its unpadded columns
+        q, s = op.columnwise(i)[:, :m], np.asarray(op.columnwise_scale_inv(i))
+        rows, cols = op.k, m
+    rr, cc = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    sc = s[cc // BLOCK, rr] if op.block_scaling_dim == 1 else s[rr // BLOCK, cc // BLOCK]
+    vals = rfp8.fp8_to_float(np.asarray(q).view(np.uint8), op.fp8_format).astype(np.float64)
+    x = vals * sc.astype(np.float64)
+    return x if copy == "rowwise" else x.T
 
 
 def _round(y: np.ndarray, out_dtype: str) -> np.ndarray:
