@@ -17,6 +17,7 @@ Every entry is written, the rounding-up padding too (as blocks of zeros would be
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,25 @@ def block_scale_shapes(m: int, m_pad: int, k: int, dims: int) -> tuple[tuple[int
 
 
 def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-expert entries of the row-wise and column-wise ``scale_inv`` buffers (int64 arrays)."""
-    shapes = [block_scale_shapes(int(m), int(mp), k, dims) for m, mp in zip(m_splits, m_pad_splits)]
-    row = np.array([a * b for (a, b), _ in shapes], dtype=np.int64)
-    col = np.array([a * b for _, (a, b) in shapes], dtype=np.int64)
+    """Per-expert entries of the row-wise and column-wise ``scale_inv`` buffers (read-only int64
+    arrays; :func:`block_scale_shapes` vectorised over the experts, remembered per splits)."""
+    return _scale_sizes(tuple(int(v) for v in m_splits), tuple(int(v) for v in m_pad_splits),
+                        int(k), int(dims))
+
+
+@functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
+def _scale_sizes(m_splits: tuple, m_pad_splits: tuple, k: int, dims: int):
+    if dims not in (1, 2):
+        raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
+    m = np.asarray(m_splits, dtype=np.int64)
+    mp = np.asarray(m_pad_splits, dtype=np.int64)
+    bk, bm, bmp = -(-k // BLOCK), -(-m // BLOCK), -(-mp // BLOCK)
+    if dims == 1:
+        row, col = bk * (-(-m // 4) * 4), bmp * _r4(k)
+    else:
+        row, col = bm * _r4(bk), bk * (-(-bmp // 4) * 4)
+    row, col = row.astype(np.int64), np.asarray(col, dtype=np.int64)
+    row.flags.writeable = col.flags.writeable = False
     return row, col
 
 

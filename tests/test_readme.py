@@ -31,7 +31,7 @@ def test_readme_examples_run():
     for i, block in enumerate(python_blocks()):
         exec(compile(block, f"README.md python block {i}", "exec"), ns)
         seen.append(dict(ns))
-    ops, gemms, layer = seen[0], seen[1], seen[2]
+    ops, gemms, block, layer = seen[0], seen[1], seen[2], seen[3]
     # the cast op: the middle expert is empty, its transposed block (k, 0)
     res, k, n = ops["res"], ops["k"], ops["n"]
     assert res.data.shape == (589, k) and res.columnwise(1).shape == (k, 0)
@@ -39,6 +39,13 @@ def test_readme_examples_run():
     # the GEMMs: shapes as the comments say, main_grad accumulated
     assert gemms["y"].shape == (589, n) and gemms["dx"].shape == (589, k)
     assert gemms["dw"].shape == (3, n, k) and np.array_equal(gemms["main_grads"], gemms["dw"])
+    # block scaling: the layouts as the comments say, and the fprop close to the float product
+    xb, wb = block["xb"], block["wb"]
+    assert xb.rowwise_scale_inv(0).shape == (2, 512) and xb.columnwise_scale_inv(0).shape == (4, 256)
+    assert wb.rowwise_scale_inv(0).shape == (1, 4)      # (ceil(n/128), roundup(ceil(k/128), 4))
+    exact = np.concatenate([a @ b.T for a, b in zip(xb.dequantize(), wb.dequantize())])
+    assert block["yb"].shape == (592, n)
+    assert np.allclose(block["yb"].astype(np.float32), exact, rtol=2**-7, atol=1e-2)
     # the layer: list in, list out; gradients reached the parameters
     assert [tuple(t.shape) for t in layer["ys"]] == [(96, 128), (0, 128), (33, 128), (7, 128)]
     assert layer["x"].grad is not None and layer["layer"].weight0.grad is not None

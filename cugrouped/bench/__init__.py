@@ -3,7 +3,8 @@
 Timing: CUDA events around each call, median of many runs after warm-up, inputs rotated over
 several copies so that the working set exceeds the L2 cache. Peers run in the same process on the
 same data. Without a GPU the command times what can run on the CPU (host-side launch planning per
-call) and says what it skipped. One module per op: ``cast``, ``gemm``, ``layer``.
+call) and says what it skipped. One module per op: ``cast``, ``gemm``, ``layer``, and ``block``
+(block scaling: its cast and its GEMMs).
 """
 
 from __future__ import annotations
@@ -95,13 +96,17 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
     if what in ("cast", "all"):
         section("cast-host", bench_planning, rows)
+        from .block import bench_block_planning
+
+        section("block-cast-host", bench_block_planning, rows)
     if what in ("gemm", "all"):
         from .gemm import bench_host_loop
 
         section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
-        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select",
-                   "gemm": "gemm vs the torch peers",
+        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select, "
+                           "block-scaled cast vs torch eager/compile",
+                   "gemm": "gemm vs the torch peers, block-scaled vs per-tensor FP8 GEMMs",
                    "layer": "layer forward+backward vs bf16 and torch"}
         names = "; ".join(v for k, v in skipped.items() if what in (k, "all"))
         print(f"bench {what}: no GPU here; skipped the device timings ({names}). Run "
@@ -112,10 +117,16 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
             section("cast", bench_cast, quick, rows)
             section("permute-cast", bench_permute_cast, quick, rows)
+            from .block import bench_block_cast
+
+            section("block-cast", bench_block_cast, quick, rows)
         if what in ("gemm", "all"):
             from .gemm import bench_gemm
 
             section("gemm", bench_gemm, quick, rows)
+            from .block import bench_block_gemm
+
+            section("block-gemm", bench_block_gemm, quick, rows)
         if what in ("layer", "all"):
             from .layer import bench_layer
 
