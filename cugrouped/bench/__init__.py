@@ -117,20 +117,22 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
 
             section("cast", bench_cast, quick, rows)
             section("permute-cast", bench_permute_cast, quick, rows)
-            from .block import bench_block_cast
-
-            section("block-cast", bench_block_cast, quick, rows)
         if what in ("gemm", "all"):
             from .gemm import bench_gemm
 
             section("gemm", bench_gemm, quick, rows)
-            from .block import bench_block_gemm
-
-            section("block-gemm", bench_block_gemm, quick, rows)
         if what in ("layer", "all"):
             from .layer import bench_layer
 
             section("layer", bench_layer, quick, rows)
+        # block scaling last: under the GPU check's time limit it must not crowd out the rows
+        # the issues' targets are judged on
+        from .block import bench_block_cast, bench_block_gemm
+
+        if what in ("cast", "all"):
+            section("block-cast", bench_block_cast, quick, rows)
+        if what in ("gemm", "all"):
+            section("block-gemm", bench_block_gemm, quick, rows)
     if out and not rows:
         print(f"bench {what}: nothing measured, so no CSV or plot written to {out}")
     elif out:

@@ -23,14 +23,16 @@ from typing import List, Optional  # noqa: UP035  (torch.library's schema infere
 import torch
 
 from .. import ops as _ops
+from ..grouped_block_fp8 import GroupedBlockFP8
 from ..grouped_fp8 import GroupedFP8
+from ..ops import block_cast_transpose as _bct
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
 from ..ops.scatter_rows import scatter_rows as _scatter_rows
 from . import functional as _functional
 from ._adapters import dtype_name, launch_context, to_array
 
-__all__ = ["eager", "fp8_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_main_grad",
+__all__ = ["eager", "fp8_quantize", "fp8_block_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_main_grad",
            "wgrad_main_grad", "scatter_rows_sum",
            "scale_update",
            "padded", "fused_bias_dtype"]
@@ -101,8 +103,19 @@ def _gemm_view(backend: str):
     return _same if backend == "cuda" else _arr
 
 
-def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv) -> GroupedFP8:
-    """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read)."""
+def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int = 0):
+    """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read); with
+    ``block`` (1 or 2) a GroupedBlockFP8 whose ``scale_inv`` is the block scales of the one copy
+    given (row-wise ``data`` or transposed ``data_t``)."""
+    if block:
+        m_pad = tuple(padded(m, align) for m in m_splits)
+        rowwise = data is not None
+        return GroupedBlockFP8(data=conv(data) if rowwise else None,
+                               data_t=None if rowwise else conv(data_t),
+                               scale_inv=conv(scale_inv) if rowwise else None,
+                               scale_inv_t=None if rowwise else conv(scale_inv),
+                               m_splits=tuple(m_splits), m_pad_splits=m_pad, fp8_format=fmt, k=k,
+                               align=align, block_scaling_dim=block)
     return GroupedFP8(data=None if data is None else conv(data),
                       data_t=None if data_t is None else conv(data_t),
                       m_splits=tuple(m_splits), m_pad_splits=tuple(padded(m, align) for m in m_splits),
@@ -188,31 +201,74 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
             torch.empty(s_cs, dtype=torch.float32, device=dev))
 
 
+def _block_shapes(xs, block_dims, align, rowwise, columnwise):
+    k = xs[0].shape[1]
+    sz = _bct.block_output_sizes([x.shape[0] for x in xs], k, align, block_dims)
+    return ((sz.rows if rowwise else 0, k), (sz.data_t if columnwise else 0,),
+            (sz.scale_inv if rowwise else 0,), (sz.scale_inv_t if columnwise else 0,))
+
+
+@_custom_op("fp8_block_quantize", mutates_args=())
+def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int, align: int,
+                       rowwise: bool, columnwise: bool, cast_backend: str,
+                       amax_epsilon: float = 0.0, power_2_scale: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``multi_block_cast_transpose`` of the experts ``xs`` (Float8BlockScaling): returns
+    ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t)``,
+    the block scales flat in TransformerEngine's layouts (empty for a copy not asked for)."""
+    dev = xs[0].device
+    s_data, s_t, s_si, s_sit = _block_shapes(xs, block_dims, align, rowwise, columnwise)
+    u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
+    data, data_t = torch.empty(s_data, **u8), torch.empty(s_t, **u8)
+    sinv, sinv_t = torch.empty(s_si, **f32), torch.empty(s_sit, **f32)
+    out = GroupedBlockFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
+                          scale_inv=sinv if rowwise else None,
+                          scale_inv_t=sinv_t if columnwise else None, m_splits=(),
+                          m_pad_splits=(), fp8_format=fp8_format, k=xs[0].shape[1], align=align,
+                          block_scaling_dim=block_dims)
+    _functional.multi_block_cast_transpose(
+        list(xs), None, fp8_format=fp8_format, block_scaling_dim=block_dims, align=align,
+        rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
+        power_2_scale=power_2_scale, out=out, backend=_backend(xs[0], cast_backend))
+    return data, data_t, sinv, sinv_t
+
+
+@fp8_block_quantize.register_fake
+def _(xs, fp8_format, block_dims, align, rowwise, columnwise, cast_backend, amax_epsilon=0.0,
+      power_2_scale=True):
+    s_data, s_t, s_si, s_sit = _block_shapes(xs, block_dims, align, rowwise, columnwise)
+    dev = xs[0].device
+    return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
+            torch.empty(s_si, dtype=torch.float32, device=dev),
+            torch.empty(s_sit, dtype=torch.float32, device=dev))
+
+
 # ---------------------------------------------------------------------------------------------
-# GEMMs.
+# GEMMs. ``*_block``: 0 for one scale per expert (GroupedFP8), 1 or 2 for block scales
+# (Float8BlockScaling; the ``*_scale_inv`` are then the copy's flat block scales).
 
 @_custom_op("fp8_fprop", mutates_args=())
 def fp8_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
               w_data: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str,
               bias: List[torch.Tensor], m_splits: List[int], out_dtype: torch.dtype,
-              fast_accum: bool = True) -> torch.Tensor:
+              fast_accum: bool = True, x_block: int = 0, w_block: int = 0) -> torch.Tensor:
     """``y_i = x_i · W_iᵀ (+ b_i)``: x row-wise ``(Σm, k)``, W row-wise ``(E·n, k)``; bias (one per
     expert, of :func:`fused_bias_dtype`) or an empty list. Returns ``(Σm, n)``. ``fast_accum``:
     cuBLASLt's FP8 fast accumulation (TransformerEngine's ``use_split_accumulator=False``)."""
     n = w_data.shape[0] // len(m_splits)
     y = torch.empty((x_data.shape[0], n), dtype=out_dtype, device=x_data.device)
     _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
-                _gemm_backend(x_data), fast_accum)
+                _gemm_backend(x_data), fast_accum, x_block, w_block)
     return y
 
 
 def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits,
-                backend, fast_accum=True):
+                backend, fast_accum=True, x_block=0, w_block=0):
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
     conv = _gemm_view(backend)
-    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16, conv)
-    wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1, conv)
+    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16, conv, x_block)
+    wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1, conv, w_block)
     with launch_context(x_data.device):
         _ops.grouped_fprop(xg, wg, [conv(b) for b in bias] if bias else None, out=conv(y),
                            out_dtype=dtype_name(y.dtype), fast_accum=fast_accum, backend=backend)
@@ -220,29 +276,29 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
 
 @fp8_fprop.register_fake
 def _(x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits, out_dtype,
-      fast_accum=True):
+      fast_accum=True, x_block=0, w_block=0):
     return x_data.new_empty((x_data.shape[0], w_data.shape[0] // len(m_splits)), dtype=out_dtype)
 
 
 @_custom_op("fp8_dgrad", mutates_args=())
 def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
               w_t: torch.Tensor, w_scale_inv: torch.Tensor, w_format: str, k: int,
-              m_splits: List[int], out_dtype: torch.dtype, fast_accum: bool = False
-              ) -> torch.Tensor:
+              m_splits: List[int], out_dtype: torch.dtype, fast_accum: bool = False,
+              dy_block: int = 0, w_block: int = 0) -> torch.Tensor:
     """``dx_i = dy_i · W_i``: dy row-wise ``(Σm, n)``, W transposed (``(k, n)`` per expert, packed).
     Returns ``(Σm, k)``."""
     dx = torch.empty((dy_data.shape[0], k), dtype=out_dtype, device=dy_data.device)
     _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
-                _gemm_backend(dy_data), fast_accum)
+                _gemm_backend(dy_data), fast_accum, dy_block, w_block)
     return dx
 
 
 def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
-                backend, fast_accum=False):
+                backend, fast_accum=False, dy_block=0, w_block=0):
     E, n = len(m_splits), dy_data.shape[1]
     conv = _gemm_view(backend)
-    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16, conv)
-    wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1, conv)
+    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16, conv, dy_block)
+    wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1, conv, w_block)
     with launch_context(dy_data.device):
         _ops.grouped_dgrad(dyg, wg, out=conv(dx), out_dtype=dtype_name(dx.dtype),
                            fast_accum=fast_accum, backend=backend)
@@ -250,16 +306,16 @@ def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format
 
 @fp8_dgrad.register_fake
 def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits, out_dtype,
-      fast_accum=False):
+      fast_accum=False, dy_block=0, w_block=0):
     return dy_data.new_empty((dy_data.shape[0], k), dtype=out_dtype)
 
 
 def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
-           accumulate, out_dtype, backend, fast_accum=False):
+           accumulate, out_dtype, backend, fast_accum=False, x_block=0, dy_block=0):
     """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
     conv = _gemm_view(backend)
-    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16, conv)
-    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16, conv)
+    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16, conv, x_block)
+    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16, conv, dy_block)
     out = [conv(g) for g in out] if isinstance(out, (list, tuple)) else conv(out)
     with launch_context(x_t.device):
         _ops.grouped_wgrad(xg, dyg, out=out, accumulate=accumulate, out_dtype=out_dtype,
@@ -269,18 +325,19 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
 @_custom_op("fp8_wgrad", mutates_args=())
 def fp8_wgrad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str, dy_t: torch.Tensor,
               dy_scale_inv: torch.Tensor, dy_format: str, k: int, n: int, m_splits: List[int],
-              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False, x_block: int = 0,
+              dy_block: int = 0) -> torch.Tensor:
     """``dW_i = dy_iᵀ · x_i`` from the transposed, padded copies (``(k, m_pad)``, ``(n, m_pad)``);
     returns ``(E, n, k)`` of ``out_dtype`` (an expert with no tokens gets zeros)."""
     dw = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=x_t.device)
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, dw,
-           False, dtype_name(out_dtype), _gemm_backend(x_t), fast_accum)
+           False, dtype_name(out_dtype), _gemm_backend(x_t), fast_accum, x_block, dy_block)
     return dw
 
 
 @fp8_wgrad.register_fake
 def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out_dtype,
-      fast_accum=False):
+      fast_accum=False, x_block=0, dy_block=0):
     return x_t.new_empty((len(m_splits), n, k), dtype=out_dtype)
 
 
@@ -290,19 +347,20 @@ def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
 def fp8_wgrad_main_grad(x_t: torch.Tensor, x_scale_inv: torch.Tensor, x_format: str,
                         dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str, k: int,
                         n: int, m_splits: List[int], main_grads: List[torch.Tensor],
-                        accumulate: bool, fast_accum: bool = False) -> None:
+                        accumulate: bool, fast_accum: bool = False, x_block: int = 0,
+                        dy_block: int = 0) -> None:
     """``main_grads[i] (+)= dy_iᵀ · x_i``, accumulated in fp32 and rounded once to the
     ``main_grad`` dtype (float32, bfloat16 or float16, one for all experts): ``accumulate`` adds
     (``beta = 1`` in the GEMM; experts with no tokens leave theirs untouched), otherwise
     overwrites (no tokens: zeros)."""
     _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits,
            list(main_grads), accumulate, dtype_name(main_grads[0].dtype), _gemm_backend(x_t),
-           fast_accum)
+           fast_accum, x_block, dy_block)
 
 
 @fp8_wgrad_main_grad.register_fake
 def _(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, main_grads,
-      accumulate, fast_accum=False):
+      accumulate, fast_accum=False, x_block=0, dy_block=0):
     return None
 
 

@@ -48,6 +48,7 @@ class _Config:
     q_grad: tuple = (0.0, False)    # ... and of the grad output (recipe QParams)
     gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
     fast_accum: tuple = (True, False, False)   # FP8 fast accumulation of fprop, dgrad, wgrad
+    block: tuple = ()               # Float8BlockScaling: (input, weight, grad) block dims, else ()
 
     def unpack(self, flat):
         E = self.num_experts
@@ -55,7 +56,8 @@ class _Config:
         xs, flat = flat[:nx], flat[nx:]
         ws, flat = flat[:E], flat[E:]
         bs, flat = (flat[:E], flat[E:]) if self.has_bias else ((), flat)
-        wq, flat = (flat[:3], flat[3:]) if self.fp8 else ((), flat)
+        nwq = 0 if not self.fp8 else 4 if self.block else 3   # (data, data_t, scale_inv[, _t])
+        wq, flat = flat[:nwq], flat[nwq:]
         state, flat = (flat[:4], flat[4:]) if self.delayed else ((), flat)
         main_grads = flat[:E] if self.fuse_wgrad else ()
         return xs, ws, bs, wq, state, main_grads
@@ -145,14 +147,21 @@ class _GroupedLinearFn(torch.autograd.Function):
             cfg.save_original_input or mode in ("hp_wgrad", "high_precision")) else "t"
         # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
         # the next scale update rolls in (forwards may run ahead of their backwards)
-        x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
-            x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
-            False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend, True,
-            *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
-        w_data, w_t, w_si = wq
+        if cfg.block:   # block scales: each copy has its own (x_si_t, w_si_t: the transposed's)
+            x_data, x_t, x_si, x_si_t = cops.eager.fp8_block_quantize(
+                x_list, cfg.fmt_fwd, cfg.block[0], FP8_ALIGN, True, need_wgrad, cfg.cast_backend,
+                *cfg.q_inp)
+            w_data, w_t, w_si, w_si_t = wq
+        else:
+            x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
+                x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
+                False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend,
+                True, *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
+            w_data, w_t, w_si = wq
+            x_si_t, w_si_t = x_si, w_si
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
                                  list(bs) if cfg.fuse_bias else [], list(m_splits), xs[0].dtype,
-                                 cfg.fast_accum[0])
+                                 cfg.fast_accum[0], *cfg.block[:2])
         if bs and not cfg.fuse_bias:
             for part, b in zip(_split(y, m_splits), bs):
                 part.add_(b)
@@ -163,11 +172,11 @@ class _GroupedLinearFn(torch.autograd.Function):
             update_scales(state, 2 * E, cfg.amax_group, cfg.num_e4m3, cfg.amax_compute_algo,
                           cfg.margin, cfg.cast_backend)
         if not need_wgrad:
-            x_kind, x_saved = "t", (x_t, x_si)                 # empty: nothing kept
+            x_kind, x_saved = "t", (x_t, x_si_t)               # empty: nothing kept
         else:
-            x_saved = {"orig": xs, "rows": (x_data, x_si), "t": (x_t, x_si)}[x_kind]
+            x_saved = {"orig": xs, "rows": (x_data, x_si), "t": (x_t, x_si_t)}[x_kind]
         # the weights: "t" (transposed FP8, for the FP8 dgrad), "rows" (dequantized), "orig"
-        w_saved = (w_t, w_si) if mode in ("fp8", "hp_wgrad") else () if not need_dgrad else \
+        w_saved = (w_t, w_si_t) if mode in ("fp8", "hp_wgrad") else () if not need_dgrad else \
             ws if mode == "high_precision" else (w_data, w_si)
         ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
         ctx.num_tokens = xs[0].shape[0]
@@ -240,16 +249,25 @@ class _GroupedLinearFn(torch.autograd.Function):
             x_kind = ctx.x_kind
             fp8_wgrad = need_wgrad and cfg.bwd_mode == "fp8"
             _, amax, scale, _ = ctx.state if ctx.state else (None,) * 4
-            dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
-                dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
-                fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend, False,
-                *cfg.q_grad)
+            if cfg.block:
+                dy_data, dy_t, dy_si, dy_si_t = cops.eager.fp8_block_quantize(
+                    dy_list, cfg.fmt_bwd, cfg.block[2], FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                    fp8_wgrad, cfg.cast_backend, *cfg.q_grad)
+                # (the block cast has no column sums: dbias in float32 from dy itself)
+                colsum = torch.stack([d.float().sum(0) for d in dy_list]) if need_dbias else None
+            else:
+                dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
+                    dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                    fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend, False,
+                    *cfg.q_grad)
+                dy_si_t = dy_si
             if cfg.delayed:   # one launch: every tensor of every expert
                 update_scales(ctx.state, 3 * E, cfg.amax_group, cfg.num_e4m3,
                               cfg.amax_compute_algo, cfg.margin, cfg.cast_backend)
             if need_dgrad:
                 dx = cops.eager.fp8_dgrad(dy_data, dy_si, cfg.fmt_bwd, w_t, w_si, cfg.fmt_fwd,
-                                          k, list(m_splits), x_dtype, cfg.fast_accum[1])
+                                          k, list(m_splits), x_dtype, cfg.fast_accum[1],
+                                          *(cfg.block[2:3] + cfg.block[1:2]))
             if need_wgrad and not fp8_wgrad:        # override_linear_precision: wgrad in high
                 wgrad_fn = functools.partial(hp_wgrad, cfg.expert_rows(xs, m_splits))  # precision
             elif need_wgrad:
@@ -263,14 +281,16 @@ class _GroupedLinearFn(torch.autograd.Function):
                             *cfg.q_inp)
                     else:
                         xt, xsi = xs
+                    blocks = cfg.block[0:1] + cfg.block[2:3]      # (input, grad) or ()
                     if cfg.fuse_wgrad:
-                        cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                        cops.eager.fp8_wgrad_main_grad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si_t,
                                                        cfg.fmt_bwd, k, n, list(m_splits),
-                                                       main_grads, acc, cfg.fast_accum[2])
+                                                       main_grads, acc, cfg.fast_accum[2],
+                                                       *blocks)
                         return None
-                    return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si,
+                    return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si_t,
                                                      cfg.fmt_bwd, k, n, list(m_splits),
-                                                     w_dtype, cfg.fast_accum[2]).unbind(0))
+                                                     w_dtype, cfg.fast_accum[2], *blocks).unbind(0))
                 wgrad_fn = _wgrad
             if need_dbias:
                 dbs = list(colsum.to(ctx.b_dtype).unbind(0))

@@ -41,8 +41,8 @@ from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _s
 from ._gather import check_row_index, gather_rows
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
-from .recipe import (DelayedScaling, Float8CurrentScaling, get_calibration_recipe, get_fp8_group,
-                     get_fp8_recipe)
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                     get_calibration_recipe, get_fp8_group, get_fp8_recipe)
 
 __all__ = ["GroupedLinear", "set_cpu_cast_backend", "cpu_cast_backend"]
 
@@ -443,7 +443,8 @@ class GroupedLinear(torch.nn.Module):
 
     def _fp8_weights(self, recipe, is_first_microbatch, scale, amax, cast_backend, need_t,
                      recompute=False):
-        """(w_data, w_t, w_scale_inv): cast now, or reused with ``is_first_microbatch=False``
+        """(w_data, w_t, w_scale_inv) (block scaling: and the transposed copy's block scales):
+        cast now, or reused with ``is_first_microbatch=False``
         (a checkpoint's recomputation reads the cache but does not write it)."""
         # a copy cast under torch.inference_mode is an inference tensor, which autograd may not
         # save: it is used only under inference_mode again
@@ -453,6 +454,14 @@ class GroupedLinear(torch.nn.Module):
         if is_first_microbatch is False and cache is not None and cache[0] == key:
             return cache[1]
         ws = [w.detach() for w in self.weights()]
+        if isinstance(recipe, Float8BlockScaling):   # (data, data_t, block scales of each)
+            out = cops.eager.fp8_block_quantize(
+                ws, recipe.fp8_format.forward, recipe.w_block_scaling_dim, 1, True,
+                need_t or is_first_microbatch is not None, cast_backend,
+                *_qparams(recipe, "fp8_quant_fwd_weight"))
+            if not recompute:
+                self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
+            return out
         w_data, w_t, w_si, _ = cops.eager.fp8_quantize(
             ws, recipe.fp8_format.forward, recipe.margin, 1, True,
             need_t or is_first_microbatch is not None, False, scale,
@@ -693,7 +702,7 @@ class GroupedLinear(torch.nn.Module):
         recipe = get_fp8_recipe()
         fused = recipe is not None and not self.save_original_input and \
             getattr(recipe, "backward_override", None) is None and \
-            not recipe.override_linear_precision[2]
+            not recipe.override_linear_precision[2] and not isinstance(recipe, Float8BlockScaling)
         return (inp, True) if fused else (gather_rows(inp, row_index), False)
 
     def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
@@ -708,6 +717,16 @@ class GroupedLinear(torch.nn.Module):
             raise TypeError(f"inp: FP8 needs float32, bfloat16 or float16 inputs, got {first.dtype}")
         cast_backend = _CPU_CAST_BACKEND[0]
         delayed = isinstance(recipe, DelayedScaling)
+        block = isinstance(recipe, Float8BlockScaling)
+        if block:
+            bad = [(i, m) for i, m in enumerate(splits) if m % 8]
+            if bad:
+                raise ValueError(f"m_splits: Float8BlockScaling's GEMMs need every expert's token "
+                                 f"count to be a multiple of 8 (TransformerEngine's MoE pads to 16 "
+                                 f"with Fp8Padding); expert {bad[0][0]} has {bad[0][1]}")
+            if self.save_original_input:
+                raise ValueError("save_original_input: not supported with Float8BlockScaling "
+                                 "here (the forward keeps the transposed FP8 copy)")
         state = ()
         scale = amax = None
         if delayed and self.save_original_input and torch.is_grad_enabled() and \
@@ -725,7 +744,7 @@ class GroupedLinear(torch.nn.Module):
             state = (self.fp8_amax_history, self.fp8_amax, scale, self.fp8_scale_inv)
             n_e4m3 = num_e4m3(recipe, E)
         else:
-            assert isinstance(recipe, Float8CurrentScaling)
+            assert isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling))
             n_e4m3, recompute = 0, False
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
         # TransformerEngine's backward overrides: the wgrad GEMM (override_linear_precision), or
@@ -743,6 +762,7 @@ class GroupedLinear(torch.nn.Module):
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
                       self.save_original_input, self._grad_accumulators(ws), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
-                      row_index is not None, _fast_accum(recipe))
+                      row_index is not None, _fast_accum(recipe),
+                      recipe.block_dims if block else ())
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))

@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import enum
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "QParams", "MMParams",
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "QParams",
+           "MMParams",
            "fp8_autocast", "autocast", "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
 
 
@@ -229,7 +230,92 @@ class Float8CurrentScaling:
         return False
 
 
-Recipe = DelayedScaling | Float8CurrentScaling
+def _power_2_default() -> bool:
+    """TransformerEngine's default for block scaling: power-of-two scales, unless the
+    environment sets ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``."""
+    import os
+
+    return os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling:
+    """Block scaling (TransformerEngine's ``Float8BlockScaling``, DeepSeek-V3's recipe): every
+    block of 128 elements of a row of the input and of the grad output (``*_block_scaling_dim=1``)
+    and every 128 x 128 block of the weights (``w_block_scaling_dim=2``) gets the scale of its own
+    amax, computed by the cast kernel in the pass that casts it (one launch per cast, no state);
+    the GEMMs read the block scales (cuBLASLt's ``VEC128_32F`` / ``BLK128x128_32F``) and always
+    accumulate in split (full float32) mode.
+
+    ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight``, ``fp8_quant_bwd_grad``: :class:`QParams`,
+    by default power-of-two scales (TransformerEngine's, and ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``
+    turns that off as there). ``fp8_gemm_*``: :class:`MMParams` with ``use_split_accumulator=True``
+    (required, as in TransformerEngine). The layer's GEMMs need every expert's token count to be
+    a multiple of 8 (TransformerEngine's MoE pads to 16). Supported: the default FP8 backward
+    (``backward_override=None``, ``override_linear_precision`` all False); ``fp8_dpa``,
+    ``fp8_mha``: attention options, accepted as False only."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams | None = None
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+
+    margin = 0   # no margin in block scaling (a class constant, read by the layer)
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        _check_te_options(self)
+        if self.backward_override is not None or any(self.override_linear_precision):
+            raise ValueError("backward_override, override_linear_precision: Float8BlockScaling "
+                             "supports the default FP8 backward only here")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("fp8_dpa, fp8_mha: FP8 attention is not supported with "
+                             "Float8BlockScaling (as in TransformerEngine)")
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            v = getattr(self, name)
+            if v not in (1, 2) or isinstance(v, bool):
+                raise ValueError(f"{name}: expected 1 or 2, got {v!r}")
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if getattr(self, f"{a}_block_scaling_dim") == getattr(self, f"{b}_block_scaling_dim") == 2:
+                raise ValueError(f"{a}_block_scaling_dim, {b}_block_scaling_dim: their GEMM "
+                                 "would be 2-D by 2-D, which cuBLASLt does not offer")
+        p2 = _power_2_default()
+        for name in _QPARAMS:
+            q = getattr(self, name)
+            if q is None:
+                object.__setattr__(self, name, QParams(power_2_scale=p2))
+            elif not isinstance(q, QParams):
+                raise TypeError(f"{name}: expected a cugrouped.pytorch.QParams or None, got "
+                                f"{type(q).__name__}")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            mm = getattr(self, name)
+            if not isinstance(mm, MMParams):
+                raise TypeError(f"{name}: expected a cugrouped.pytorch.MMParams, got "
+                                f"{type(mm).__name__}")
+            if not mm.use_split_accumulator:
+                raise ValueError(f"{name}: block-scaled GEMMs need use_split_accumulator=True "
+                                 "(as in TransformerEngine)")
+
+    def delayed(self) -> bool:
+        return False
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        """(input, weight, grad output) block dimensions."""
+        return (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+
+
+Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling
 
 # The active autocast state. A plain module global (as in TransformerEngine): torch.compile guards
 # on it, a ContextVar it would not trace.
@@ -263,9 +349,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
         raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got "
-                        f"{type(fp8_recipe).__name__}")
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
+        raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling or "
+                        f"Float8BlockScaling, got {type(fp8_recipe).__name__}")
     _STACK.append((bool(enabled), fp8_recipe, fp8_group, calibrating))
     try:
         yield

@@ -1,0 +1,237 @@
+"""GroupedLinear with Float8BlockScaling (TransformerEngine's block-scaled FP8 recipe) on the CPU:
+the layer equals a per-expert loop of the same quantize -> GEMM steps written with
+cugrouped.reference (bit for bit, forward and every gradient), list and tensor inputs agree,
+weights are cached with is_first_microbatch, main_grad accumulates, torch.compile matches eager,
+the recipe checks TransformerEngine's rules, and the GPU twin (``gpu``)."""
+
+from __future__ import annotations
+
+import copy
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from cugrouped import reference
+from cugrouped.ops import record_launches
+from cugrouped.pytorch import (Float8BlockScaling, Format, MMParams, QParams, cpu_cast_backend,
+                               fp8_autocast)
+from test_pytorch_grouped_linear import assert_bits_equal, make_layer, run, run_compiled
+
+K, N = 256, 144          # two 128-blocks of k (the second whole), n not a multiple of 128
+SPLITS = {"uneven": [16, 8, 136], "empty_first": [0, 40, 24], "empty_middle": [24, 0, 128],
+          "single": [264]}
+RECIPE = Float8BlockScaling()
+
+
+def _bits(t):
+    """float32 values of a torch tensor as NumPy (bfloat16 through its bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def block_varied(layer):
+    """Weights whose 128 x 128 blocks have different magnitudes (so every block has its own
+    scale, and a block's scale read from the wrong place shows)."""
+    with torch.no_grad():
+        for e, w in enumerate(layer.weights()):
+            for rb in range(0, w.shape[0], 128):
+                for cb in range(0, w.shape[1], 128):
+                    w[rb:rb + 128, cb:cb + 128] *= 2.0 ** ((3 * rb // 128 + cb // 128 + e) % 5 - 2)
+    return layer
+
+
+def loop_reference(layer, x, dy, splits, recipe=RECIPE):
+    """The layer's forward and gradients as a per-expert loop of the reference ops: block-cast
+    the input (1-D), the weights (2-D) and the grad output (1-D), then the three GEMMs; bias
+    added in float32 and rounded once; dbias the exact (float64) column sums of dy and the bound
+    of a float32 summation of them (the layer sums with torch: the block cast has no column sums)."""
+    fwd, bwd = recipe.fp8_format.forward, recipe.fp8_format.backward
+    dims = recipe.block_dims
+    ws = [_bits(w.detach()) for w in layer.weights()]
+    xq = reference.multi_block_cast_transpose(_bits(x), splits, fp8_format=fwd,
+                                              block_scaling_dim=dims[0])
+    wq = reference.multi_block_cast_transpose(ws, align=1, fp8_format=fwd,
+                                              block_scaling_dim=dims[1])
+    dyq = reference.multi_block_cast_transpose(_bits(dy), splits, fp8_format=bwd,
+                                               block_scaling_dim=dims[2])
+    y = reference.grouped_fprop(xq, wq, out_dtype="float32").astype(np.float64)
+    off = np.concatenate([[0], np.cumsum(splits)])
+    for i, b in enumerate(layer.biases()):
+        y[off[i]:off[i + 1]] += _bits(b.detach()).astype(np.float64)
+    dx = reference.grouped_dgrad(dyq, wq, out_dtype="float32")
+    dw = reference.grouped_wgrad(xq, dyq)
+    dys = np.split(_bits(dy).astype(np.float64), off[1:-1])
+    db = [(d.sum(0), d.shape[0] * 2.0**-24 * np.abs(d).sum(0)) for d in dys]
+    return y, dx, dw, db
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
+def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
+    sp = SPLITS[split]
+    E = len(sp)
+    layer = block_varied(make_layer(E, K, N))
+    recipe = Float8BlockScaling(fp8_format=fmt)
+    g = torch.Generator().manual_seed(len(split))
+    x = torch.randn(sum(sp), K, generator=g) * torch.exp2(torch.randint(-4, 4, (sum(sp), 1), generator=g))
+    dy = torch.randn(sum(sp), N, generator=g) * 1e-2
+    y, dx, dws, dbs = run(layer, x, sp, recipe, False, dy)
+    ry, rdx, rdw, rdb = loop_reference(layer, x, dy, sp, recipe)
+    assert np.array_equal(y.detach().numpy(), ry.astype(np.float32))
+    assert np.array_equal(dx.numpy(), rdx)
+    for i in range(E):
+        assert np.array_equal(dws[i].numpy(), rdw[i]), i
+        exact, bound = rdb[i]
+        assert np.all(np.abs(dbs[i].numpy() - exact) <= bound), i
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_list_and_tensor_inputs_identical(split):
+    sp = SPLITS[split]
+    base = make_layer(len(sp), K, N)
+    x, dy = torch.randn(sum(sp), K), torch.randn(sum(sp), N)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    assert_bits_equal(run(a, x, sp, RECIPE, True, dy, steps=2), run(b, x, sp, RECIPE, False, dy, steps=2))
+
+
+def test_bfloat16_layer_and_the_emulated_kernels():
+    """bfloat16 activations and weights; the casts on the CUDA kernel's CPU emulator give the
+    reference twin's bits (the layer's two CPU cast backends)."""
+    sp = [24, 0, 40]
+    base = make_layer(3, K, N, dtype=torch.bfloat16)
+    x = torch.randn(64, K).to(torch.bfloat16)
+    dy = torch.randn(64, N).to(torch.bfloat16)
+    with cpu_cast_backend("emulate"):
+        with record_launches() as log:
+            emu = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
+    assert sum("block_cast_transpose" in r.kernel for r in log) == 3   # x, w, dy: one launch each
+    with cpu_cast_backend("reference"):
+        ref = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
+    assert_bits_equal(emu, ref)
+    assert emu[0].dtype == torch.bfloat16 and emu[2][0].dtype == torch.bfloat16
+
+
+def test_is_first_microbatch_caches_the_block_scaled_weights():
+    layer = make_layer(2, K, N)
+    x = torch.randn(48, K)
+    casts = lambda log: sum(1 for r in log if "block_cast" in r.kernel)  # noqa: E731
+    with fp8_autocast(fp8_recipe=RECIPE), torch.no_grad(), cpu_cast_backend("emulate"):
+        with record_launches() as log1:
+            y1 = layer(x, [16, 32], is_first_microbatch=True)
+        for w in layer.weights():
+            w.mul_(2)
+        with record_launches() as log2:
+            y2 = layer(x, [16, 32], is_first_microbatch=False)
+        with record_launches() as log3:
+            y3 = layer(x, [16, 32], is_first_microbatch=None)
+    assert casts(log1) == 2 and casts(log2) == 1 and casts(log3) == 2
+    assert torch.equal(y1, y2) and not torch.equal(y1, y3)
+
+
+def test_fused_wgrad_accumulates_into_main_grad():
+    sp = [16, 0, 40]
+    plain = make_layer(3, K, N)
+    fused = make_layer(3, K, N, fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    for w in fused.weights():
+        w.main_grad = torch.zeros_like(w)
+    x, dy = torch.randn(56, K), torch.randn(56, N)
+    grads = [run(plain, x, sp, RECIPE, False, dy)[2] for _ in range(2)]
+    for _ in range(2):
+        run(fused, x, sp, RECIPE, False, dy)
+    for i, w in enumerate(fused.weights()):
+        assert torch.equal(w.main_grad, grads[0][i] + grads[1][i]), i
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    sp = [16, 0, 24]
+    eager = make_layer(3, K, N)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    x = torch.randn(40, K)
+    for _ in range(2):
+        assert_bits_equal(run_compiled(compiled, compiled_layer, x, sp, RECIPE),
+                          run(eager, x, sp, RECIPE, False))
+
+
+def test_row_index_gathers_then_casts():
+    """The permute is not fused into the block cast (yet): the layer gathers the rows itself and
+    gives the permuted input's results."""
+    layer = make_layer(2, K, N)
+    tokens = torch.randn(30, K)
+    idx = torch.tensor([3, 7, 7, 1] * 4 + [0, 29] * 8, dtype=torch.int64)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        a = layer(tokens, [16, 16], row_index=idx)
+        b = layer(tokens[idx], [16, 16])
+    assert torch.equal(a, b)
+
+
+def test_token_counts_and_options_are_checked_clearly():
+    layer = make_layer(2, K, N)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        with pytest.raises(ValueError, match="^m_splits: .*multiple of 8 .* expert 1 has 12"):
+            layer(torch.randn(28, K), [16, 12])
+    saver = make_layer(2, K, N, save_original_input=True)
+    with fp8_autocast(fp8_recipe=RECIPE), pytest.raises(ValueError, match="save_original_input"):
+        saver(torch.randn(32, K, requires_grad=True), [16, 16])
+    with pytest.raises(ValueError, match="2-D by 2-D"):
+        Float8BlockScaling(x_block_scaling_dim=2)
+    with pytest.raises(ValueError, match="2-D by 2-D"):
+        Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2)
+    with pytest.raises(ValueError, match="use_split_accumulator=True"):
+        Float8BlockScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False))
+    with pytest.raises(ValueError, match="backward_override"):
+        Float8BlockScaling(backward_override="high_precision")
+    with pytest.raises(ValueError, match="x_block_scaling_dim"):
+        Float8BlockScaling(x_block_scaling_dim=3)
+    with pytest.raises(TypeError, match="fp8_quant_fwd_inp"):
+        Float8BlockScaling(fp8_quant_fwd_inp=(0.0, True))
+
+
+def test_recipe_defaults_are_transformer_engines(monkeypatch):
+    r = Float8BlockScaling()
+    assert r.fp8_format is Format.E4M3 and r.block_dims == (1, 2, 1)
+    assert all(getattr(r, q) == QParams(power_2_scale=True) for q in
+               ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"))
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert Float8BlockScaling().fp8_quant_fwd_inp == QParams(power_2_scale=False)
+
+
+def test_float32_scales_reach_the_cast():
+    """QParams(power_2_scale=False): the layer's input scales are fp8_max / amax, not powers of
+    two (so the forward differs from the default recipe's)."""
+    layer = make_layer(1, K, N, bias=False)
+    x = torch.randn(16, K) * 3
+    p2 = run(copy.deepcopy(layer), x, [16], RECIPE, False)[0]
+    f32 = Float8BlockScaling(fp8_quant_fwd_inp=QParams(power_2_scale=False),
+                             fp8_quant_fwd_weight=QParams(power_2_scale=False))
+    got = run(copy.deepcopy(layer), x, [16], f32, False)[0]
+    assert not torch.equal(got, p2)
+    xq = reference.multi_block_cast_transpose(x.numpy(), [16], power_2_scale=False)
+    wq = reference.multi_block_cast_transpose([layer.weight0.detach().numpy()], align=1,
+                                              block_scaling_dim=2, power_2_scale=False)
+    assert np.array_equal(got.detach().numpy(), reference.grouped_fprop(xq, wq, out_dtype="float32"))
+
+
+@pytest.mark.gpu
+def test_gpu_block_scaling_layer_matches_cpu():
+    """The same layer on CUDA (cast kernels, cuBLASLt block-scaled GEMMs) against the CPU layer:
+    the casts are bit-exact, so only the GEMMs' float32 accumulation order differs (bounded as in
+    tests/test_grouped_gemm_block.py)."""
+    sp = [16, 0, 136]
+    cpu = make_layer(3, K, N, dtype=torch.bfloat16)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(152, K).to(torch.bfloat16)
+    dy = (torch.randn(152, N) * 1e-2).to(torch.bfloat16)
+    want = run(cpu, x, sp, RECIPE, False, dy)
+    got = run(gpu, x.cuda(), sp, RECIPE, False, dy.cuda())
+    for name, g, w in zip(("y", "dx"), got[:2], want[:2]):
+        g, w = g.float().cpu(), w.float()
+        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * w.abs().max().item()), name
+    for i in range(3):
+        g, w = got[2][i].float().cpu(), want[2][i].float()
+        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * max(w.abs().max().item(), 1e-30)), i
