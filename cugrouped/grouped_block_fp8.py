@@ -47,6 +47,21 @@ def block_scale_shapes(m: int, m_pad: int, k: int, dims: int) -> tuple[tuple[int
     raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
 
 
+def block_scale_entries(m, m_pad, k, dims: int) -> tuple:
+    """Entries of one expert's row-wise and column-wise ``scale_inv`` blocks, in plain integer
+    arithmetic (so that torch.compile's symbolic sizes pass through: no caches, no NumPy)."""
+    (a, b), (c, d) = _shapes(m, m_pad, k, dims)
+    return a * b, c * d
+
+
+def _shapes(m, m_pad, k, dims):
+    cd = lambda v: (v + BLOCK - 1) // BLOCK  # noqa: E731
+    r4 = lambda v: (v + 3) // 4 * 4           # noqa: E731
+    if dims == 1:
+        return (cd(k), r4(m)), (cd(m_pad), r4(k))
+    return (cd(m), r4(cd(k))), (cd(k), r4(cd(m_pad)))
+
+
 def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-expert entries of the row-wise and column-wise ``scale_inv`` buffers (read-only int64
     arrays; :func:`block_scale_shapes` vectorised over the experts, remembered per splits)."""
@@ -89,6 +104,7 @@ class GroupedBlockFP8:
         then sized for the worst case and the per-expert views read the counts back, a sync).
     fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
     block_scaling_dim : 1 or 2
+    total_rows : int or None -- the rows the op was given (device counts are clamped to them)
     """
 
     data: Any
@@ -101,6 +117,7 @@ class GroupedBlockFP8:
     k: int
     align: int
     block_scaling_dim: int
+    total_rows: int | None = None
 
     @property
     def num_experts(self) -> int:
@@ -115,7 +132,7 @@ class GroupedBlockFP8:
         to the rows of :attr:`data` as the kernel clamps them)."""
         if not self.splits_on_device:
             return self.m_splits, self.m_pad_splits
-        return host_counts(self.m_splits, self.data, self.align)
+        return host_counts(self.m_splits, self.data, self.align, self.total_rows)
 
     def _offsets(self):
         m, mp = self.host_splits()

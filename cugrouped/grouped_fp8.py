@@ -37,6 +37,8 @@ class GroupedFP8:
     fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
     column_sums : float32 array ``(E, k)`` or None
         With ``column_sums=True``: each expert's column sums of the unscaled input (dbias).
+    total_rows : int or None
+        The rows the op was given (with device counts, what the kernel clamped them to).
     """
 
     data: Any
@@ -50,6 +52,7 @@ class GroupedFP8:
     k: int
     align: int
     column_sums: Any = None
+    total_rows: int | None = None
 
     @property
     def num_experts(self) -> int:
@@ -64,7 +67,7 @@ class GroupedFP8:
         to the rows of :attr:`data` exactly as the kernel clamps them."""
         if not self.splits_on_device:
             return self.m_splits, self.m_pad_splits
-        return host_counts(self.m_splits, self.data, self.align)
+        return host_counts(self.m_splits, self.data, self.align, self.total_rows)
 
     def row_offsets(self) -> np.ndarray:
         """First row of each expert in :attr:`data` (length E + 1)."""
@@ -116,16 +119,18 @@ class GroupedFP8:
         return out
 
 
-def host_counts(counts, data, align: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Device counts read back to the host (a sync), clamped to the rows of ``data`` exactly as
-    the kernels clamp them, and rounded up to ``align``."""
+def host_counts(counts, data, align: int, total_rows: int | None = None
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Device counts read back to the host (a sync), clamped to the input's rows (``total_rows``,
+    else the rows of ``data``) exactly as the kernels clamp them, and rounded up to ``align``."""
     raw = counts
     if hasattr(raw, "get"):            # CuPy
         raw = raw.get()
     elif hasattr(raw, "cpu"):          # torch
         raw = raw.cpu().numpy()
     raw = np.asarray(raw, dtype=np.int64).reshape(-1)
-    rows = data.shape[0] if data is not None else int(raw.clip(0).sum())
+    rows = total_rows if total_rows is not None else \
+        data.shape[0] if data is not None else int(raw.clip(0).sum())
     ends = np.minimum(np.cumsum(raw.clip(0)), rows)
     m = np.diff(np.concatenate([[0], ends]))
     return tuple(int(v) for v in m), tuple(int(-(-v // align) * align) for v in m)

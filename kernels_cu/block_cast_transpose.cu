@@ -25,6 +25,11 @@
 // defined and reproducible. s = compute_scale(block amax, margin 0, amax_epsilon, power_2_scale)
 // (fp8.cuh; TransformerEngine's QParams, power-of-two scales by default in its recipe).
 //
+// With GATHER (template parameter; the fused MoE permute, as in pad_cast_transpose.cu) expert e's
+// rows are rows of one token matrix picked by an index array: row r of expert e is token
+// row_index[first_e + r], first_e the rows of the experts before it; an index outside the
+// matrix reads as a zero row. The permuted high-precision copy is never written.
+//
 // The grid is a flat list of 128 x 128 tiles (one 2-D block; 128 row blocks and 128 column blocks
 // of 1-D); expert e owns tiles [tile_start[e], tile_start[e+1]), row-major over (tile row, tile
 // column). An empty expert owns none: it has no bytes and no scales.
@@ -49,8 +54,9 @@ constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;   
 
 // Kernel argument block, passed by value like PctGroup (the NumPy twin is
 // cugrouped.ops.block_cast_transpose.group_dtype). sizeof = 7*8*64 + 4*65 + 4 + 4 + (4 pad)
-// + 8 + 8 = 3872 bytes (< 4 KB with the scalars). Device splits (m_dev != null): the host fills
-// the [0] entries with the bases of the whole buffers and the blocks derive the rest.
+// + 5*8 = 3904 bytes (< 4 KB with the scalars: no room for a per-expert gather offset, so the
+// blocks add the counts before their expert to row_first0). Device splits (m_dev != null): the
+// host fills the [0] entries with the bases of the whole buffers and the blocks derive the rest.
 struct BctGroup {
     const void* in[CG_BCT_MAX_EXPERTS];
     u8* out_row[CG_BCT_MAX_EXPERTS];
@@ -64,6 +70,12 @@ struct BctGroup {
     i32 first_expert;        // device splits: index of this chunk's first expert in m_dev
     const i64* m_dev;        // device splits: counts of all experts, or null
     i64 total_rows;          // device splits: rows of the input; counts are clamped to it
+    // Gather (fused MoE permute), or null: every in[e] is the token matrix (device splits:
+    // in[0]), src_rows its rows, and expert e's indices start at row_index + row_first0 + the
+    // counts of the chunk's experts before e (device splits: at row_index + its row offset).
+    const i64* row_index;
+    i64 src_rows;
+    i64 row_first0;
 };
 
 struct BctExpert {
@@ -74,7 +86,25 @@ struct BctExpert {
     float* sinv_col;
     i64 m, ld;
     i32 tile_begin;
+    const i64* idx;          // gather: this expert's row indices (null: rows in place)
+    i64 src_rows;
 };
+
+// What a gathered zero row reads: one segment (16 float32) of zeros.
+__device__ __align__(16) const u8 kBctZeroSegment[kSeg * 4] = {};
+
+// Where the segment at (row `grow` < m, column `gcol`) of the expert's input starts: in place, or
+// (GATHER) token x.idx[grow] or kBctZeroSegment for an index outside [0, src_rows) -- a select,
+// so a full tile's loads stay in one basic block.
+template <int BYTES, bool GATHER>
+CG_DEVICE const void* bct_segment_src(const BctExpert& x, i64 grow, i64 gcol) {
+    if (!GATHER) return static_cast<const char*>(x.in) + (grow * x.ld + gcol) * BYTES;
+    const i64 r = x.idx[grow];
+    const bool in_range = static_cast<u64>(r) < static_cast<u64>(x.src_rows);   // r < 0 too
+    return in_range ? static_cast<const void*>(static_cast<const char*>(x.in) +
+                                               (r * x.ld + gcol) * BYTES)
+                    : static_cast<const void*>(kBctZeroSegment);
+}
 
 CG_HOST_DEVICE i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 CG_HOST_DEVICE i64 round_up4(i64 v) { return (v + 3) / 4 * 4; }
@@ -198,7 +228,7 @@ CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
 // its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
 constexpr int bct_min_blocks(InDtype in, int dims) { return in == InDtype::F32 || dims == 1 ? 2 : 3; }
 
-template <InDtype IN, Fp8Format FMT, int DIMS>
+template <InDtype IN, Fp8Format FMT, int DIMS, bool GATHER = false>
 __global__ void __launch_bounds__(BCT_THREADS, bct_min_blocks(IN, DIMS))
 block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                             const float amax_epsilon, const i32 power_2_scale)
@@ -215,18 +245,26 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     BctExpert x;
     if (g.m_dev == nullptr) {
         const int e = expert_of_tile(g.tile_start, g.num_experts, t);
+        const i64* idx = nullptr;
+        if (GATHER) {
+            i64 first = g.row_first0;
+            for (int j = 0; j < e; ++j) first += g.m[j];   // e < 64, the same in every thread
+            idx = g.row_index + first;
+        }
         x = BctExpert{g.in[e], g.out_row[e], g.out_col[e], g.sinv_row[e], g.sinv_col[e], g.m[e],
-                      g.ld[e], g.tile_start[e]};
+                      g.ld[e], g.tile_start[e], idx, g.src_rows};
     } else {
         bct_plan_from_device_counts<DIMS>(g, k, align, plan);
         if (t >= plan.tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
         const int e = expert_of_tile(plan.tile_start, g.num_experts, t);
-        x = BctExpert{static_cast<const char*>(g.in[0]) + plan.row[e] * g.ld[0] * Traits::bytes,
+        x = BctExpert{static_cast<const char*>(g.in[0]) +
+                          (GATHER ? 0 : plan.row[e] * g.ld[0] * Traits::bytes),
                       g.out_row[0] ? g.out_row[0] + plan.row[e] * k : nullptr,
                       g.out_col[0] ? g.out_col[0] + plan.col[e] : nullptr,
                       g.sinv_row[0] ? g.sinv_row[0] + plan.srow[e] : nullptr,
                       g.sinv_col[0] ? g.sinv_col[0] + plan.scol[e] : nullptr,
-                      plan.m[e], g.ld[0], plan.tile_start[e]};
+                      plan.m[e], g.ld[0], plan.tile_start[e],
+                      GATHER ? g.row_index + plan.row[e] : nullptr, g.src_rows};
     }
     const i64 m = x.m;
     const i64 m_pad = round_up(m, align);
@@ -252,13 +290,15 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            Traits::load_raw(static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes, raw[it]);
+            Traits::load_raw(bct_segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
         }
     } else {
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            const void* src = static_cast<const char*>(x.in) + (grow * x.ld + gcol) * Traits::bytes;
+            // (rows past m read nothing: not even their index)
+            const void* src = grow < m ? bct_segment_src<Traits::bytes, GATHER>(x, grow, gcol)
+                                       : x.in;
             load_segment<IN>(src, grow < m ? ncol : 0, raw[it]);
         }
     }

@@ -164,9 +164,10 @@ def assert_same_bits(got, want, label=""):
 
 
 ALIGNS = (1, 16, 128)
-# split case x dtype x format x block shape x input form; align and fiber order rotate
+# split case x dtype x format x block shape x input form; align and fiber order rotate (align per
+# group of the 3 forms, so that every form meets every align)
 CASES = [
-    (split, dtype, fmt, dims, ALIGNS[i % 3], form, ORDERS[i % len(ORDERS)])
+    (split, dtype, fmt, dims, ALIGNS[(i // 3) % 3], form, ORDERS[i % len(ORDERS)])
     for i, (split, dtype, fmt, dims, form) in enumerate(itertools.product(
         BLOCK_SPLITS, DTYPES, ("e4m3", "e5m2"), (1, 2), ("list", "tensor", "device")))
 ]
@@ -225,6 +226,23 @@ def test_device_counts_over_more_experts_than_one_scan_pass():
         assert_same_bits(got, want, f"{dims}D")
 
 
+def test_every_form_meets_every_align():
+    seen = {(c[5], c[4]) for c in CASES}
+    assert seen == {(f, a) for f in ("list", "tensor", "device") for a in ALIGNS}
+
+
+@pytest.mark.parametrize("op", ["block", "tensor"])
+def test_columnwise_only_views_clamp_device_counts_to_the_rows(op):
+    """Without a row-wise copy the per-expert views still clamp device counts to the input's
+    rows, as the kernel does (the result records them)."""
+    x = make_inputs([110], 40, "float32", seed=7)[0]
+    cast = cugrouped.multi_block_cast_transpose if op == "block" else cugrouped.multi_pad_cast_transpose
+    got = cast(x, np.array([50, 90, 7], np.int64), splits_on_device=True, backend="emulate",
+               rowwise=False)
+    assert got.host_splits() == ((50, 60, 0), (64, 64, 0)) and got.total_rows == 110
+    assert [got.columnwise(i).shape for i in range(3)] == [(40, 64), (40, 64), (40, 0)]
+
+
 def test_device_counts_are_clamped_to_the_rows_there_are():
     xs = make_inputs([50, 60], 40, "float32", seed=6)
     x = np.concatenate(xs)
@@ -278,6 +296,65 @@ def test_torch_tensors_in_and_out():
                                                     v.numpy() if isinstance(v, torch.Tensor) else v)
                                                 for f, v in vars(got).items()})
             assert_same_bits(host, want, f"torch {backend}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused MoE permute (row_index): the kernel gathers the rows itself.
+
+def _permuted(tokens, idx):
+    """The rows a framework's index_select would give, a negative index a zero row."""
+    zero = np.zeros((1, tokens.shape[1]), tokens.dtype)
+    return np.concatenate([tokens, zero])[np.where(idx >= 0, idx, tokens.shape[0])]
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_gather_equals_permute_then_cast(dims, dtype, form):
+    rng = np.random.default_rng(zlib.crc32(repr((dims, dtype, form)).encode()))
+    tokens = make_inputs([300], 200, dtype, seed=int(rng.integers(1 << 30)))[0]
+    m_splits = [130, 0, 8, 262]
+    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)      # some zero rows
+    splits = m_splits if form == "host" else np.array(m_splits, np.int64)
+    got = cugrouped.multi_block_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
+                                               block_scaling_dim=dims,
+                                               splits_on_device=form == "device")
+    want = reference.multi_block_cast_transpose(_permuted(tokens, idx), m_splits,
+                                                block_scaling_dim=dims)
+    assert_same_bits(got, want, f"gather {dims}D {dtype} {form}")
+    ref = reference.multi_block_cast_transpose(tokens, m_splits, row_index=idx, block_scaling_dim=dims)
+    assert_same_bits(ref, want, "the reference's own gather")
+
+
+def test_gather_over_several_launches_and_strided_tokens():
+    """More experts than one argument block holds: the second chunk's indices start at its
+    row_first0 plus its own experts' counts; tokens with a row stride larger than k."""
+    rng = np.random.default_rng(21)
+    m_splits = [int(v) for v in rng.integers(0, 30, size=90)]
+    wide = make_inputs([50], 160, "float16", seed=22)[0]
+    tokens = wide[:, :136]                                   # row stride 160 elements
+    idx = rng.integers(-1, 50, sum(m_splits)).astype(np.int64)
+    with cugrouped.record_launches() as launches:
+        got = cugrouped.multi_block_cast_transpose(tokens, m_splits, row_index=idx, backend="emulate")
+    assert len(launches) == 2 and all(x.kernel.endswith("1, true>") for x in launches)
+    want = reference.multi_block_cast_transpose(_permuted(np.ascontiguousarray(tokens), idx), m_splits)
+    assert_same_bits(got, want, "chunks")
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda t, i: cugrouped.multi_block_cast_transpose([t], None, row_index=i), ValueError,
+     "row_index: gathers rows of a single"),
+    (lambda t, i: cugrouped.multi_block_cast_transpose(t, [len(i)], row_index=i.astype(np.int32)),
+     TypeError, "row_index: expected a contiguous 1-D int64"),
+    (lambda t, i: cugrouped.multi_block_cast_transpose(t, [len(i)], row_index=i + 100), ValueError,
+     "row_index: indices must be below"),
+    (lambda t, i: cugrouped.multi_block_cast_transpose(t, [len(i) + 1], row_index=i), ValueError,
+     "but row_index has"),
+])
+def test_gather_bad_input(call, exc, match):
+    t = np.ones((20, 32), np.float32)
+    with pytest.raises(exc, match=match):
+        call(t, np.arange(16, dtype=np.int64))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,6 +470,26 @@ def test_cuda_matches_reference(split, dtype, fmt, dims, align, form, order):
     host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                         for f, v in vars(got).items()})
     assert_same_bits(host, want, f"cuda {split}/{dtype}/{fmt}/{dims}D/{form}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_cuda_gather_matches_reference(form, dims):
+    import cupy
+
+    rng = np.random.default_rng(31)
+    tokens = make_inputs([300], 256, "float32", seed=32)[0]
+    m_splits = [136, 0, 8, 264] * 20                       # 80 experts: two launches
+    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)
+    splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
+    got = cugrouped.multi_block_cast_transpose(cupy.asarray(tokens), splits,
+                                               row_index=cupy.asarray(idx), block_scaling_dim=dims)
+    host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                        for f, v in vars(got).items()})
+    want = reference.multi_block_cast_transpose(_permuted(tokens, idx), m_splits,
+                                                block_scaling_dim=dims)
+    assert_same_bits(host, want, f"cuda gather {form} {dims}D")
 
 
 @pytest.mark.gpu

@@ -73,14 +73,12 @@ def test_reference_passes_against_independent_dequantization(split, dims):
     for out_dtype in OUT_DTYPES:
         y = grouped_fprop(X, W, out_dtype=out_dtype)
         assert_correctly_rounded(y, np.concatenate([a @ b.T for a, b in zip(xs, ws)]), out_dtype)
-    if dims[1] == 2 or dims == (1, 1):   # dgrad pairs dy (1-D) with w's transposed copy
-        wts = independent(W, "columnwise")
-        dx = grouped_dgrad(DY, W, out_dtype="float32")
-        assert_correctly_rounded(dx, np.concatenate([a @ b for a, b in zip(dys, wts)]), "float32")
-    if dims[0] == 1:
-        xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
-        dw = grouped_wgrad(X, DY)
-        assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
+    wts = independent(W, "columnwise")           # dgrad: dy (1-D) with w's transposed copy
+    dx = grouped_dgrad(DY, W, out_dtype="float32")
+    assert_correctly_rounded(dx, np.concatenate([a @ b for a, b in zip(dys, wts)]), "float32")
+    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")   # wgrad: x (1-D or
+    dw = grouped_wgrad(X, DY)                                                 # 2-D) with dy (1-D)
+    assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
 
 
 def test_the_copies_differ_and_each_pass_reads_its_own():
@@ -176,7 +174,9 @@ def test_short_scale_buffer_is_refused():
 
 def test_capability_rules_and_path():
     assert gg.block_scaling_unsupported(130000, 90) is None
-    assert gg.block_scaling_unsupported(120900, 100) is None
+    assert gg.block_scaling_unsupported(120900, 90) is None
+    assert "Hopper (sm_90) only" in gg.block_scaling_unsupported(130000, 100)
+    assert "Hopper (sm_90) only" in gg.block_scaling_unsupported(130000, 120)
     assert "9.0" in gg.block_scaling_unsupported(130000, 89)
     assert "12.9" in gg.block_scaling_unsupported(120800, 90)
     X, W, _ = make_block([16, 32, 8], 128, 32, seed=9)

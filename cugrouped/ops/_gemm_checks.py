@@ -91,8 +91,8 @@ def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
     what = type(g).__name__
     if getattr(g, "splits_on_device", False):
         raise ValueError(f"{arg}: its token counts live on the device; the per-expert cuBLASLt loop "
-                         f"needs them on the host (cast with host m_splits, or rebuild the {what} "
-                         "with m_splits, m_pad_splits = g.host_splits(), a sync)")
+                         f"needs them on the host: cast with host m_splits (the {what}'s buffers "
+                         "are sized for the worst case of device counts)")
     data = g.data if copy == "rowwise" else g.data_t
     if data is None:
         cast = "multi_block_cast_transpose" if isinstance(g, GroupedBlockFP8) else \

@@ -330,11 +330,16 @@ BLOCK_SCALING_MIN_VERSION = 120900   # cuBLAS 12.9: the VEC128_32F / BLK128x128_
 
 
 def block_scaling_unsupported(version: int, compute_capability: int) -> str | None:
-    """Why cuBLASLt cannot run a block-scaled FP8 GEMM here, or None (TransformerEngine's rule:
-    sm_90 or newer and cuBLAS 12.9 or newer)."""
-    if int(compute_capability) < 90:
-        return (f"block-scaled FP8 GEMMs need compute capability 9.0 or newer (Hopper); this is "
-                f"sm_{compute_capability}")
+    """Why cuBLASLt cannot run a block-scaled FP8 GEMM here, or None: Hopper (sm_90) and cuBLAS
+    12.9 or newer. On Blackwell (sm_100+) cuBLASLt has no VEC128 / BLK128x128 scale modes;
+    TransformerEngine converts to MXFP8 there, which cugrouped does not offer."""
+    cc = int(compute_capability)
+    if cc < 90:
+        return (f"block-scaled FP8 GEMMs need compute capability 9.0 (Hopper); this is sm_{cc}")
+    if cc >= 100:
+        return (f"block-scaled FP8 GEMMs run on Hopper (sm_90) only: cuBLASLt has no 128-element "
+                f"block scales on sm_{cc} (TransformerEngine emulates them with MXFP8 there, "
+                f"which cugrouped does not offer); use per-tensor FP8 scaling")
     if int(version) < BLOCK_SCALING_MIN_VERSION:
         return (f"block-scaled FP8 GEMMs need cuBLAS 12.9 or newer; libcublasLt reports "
                 f"{version}")

@@ -26,6 +26,7 @@ from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguo
                                  padded_splits)
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
+           "GATHER_KERNEL_SPEC",
            "group_dtype", "block_tile_counts", "plan_block_launches",
            "plan_block_launches_device", "block_output_sizes", "check_block_options", "check_out",
            "MAX_EXPERTS_PER_LAUNCH", "THREADS", "ALIGNS"]
@@ -40,15 +41,23 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int) -> str:
+def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False) -> str:
+    """The instantiation for one launch; the gather (``row_index``) is a template parameter
+    (``GATHER``, default false) in a module of its own, compiled only when used."""
     return (f"cg::block_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
-            f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}>")
+            f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}"
+            f"{', true' if gather else ''}>")
 
 
-# 3 dtypes x 2 formats x 2 block shapes
+def _instantiations(gather: bool) -> tuple[str, ...]:
+    # 3 dtypes x 2 formats x 2 block shapes
+    return tuple(kernel_name(d, f, n, gather) for d in _IN for f in _FMT for n in (1, 2))
+
+
 KERNEL_SPEC = _jit.register("block_cast_transpose", _jit.KernelSpec(
-    source="block_cast_transpose.cu",
-    name_expressions=tuple(kernel_name(d, f, n) for d in _IN for f in _FMT for n in (1, 2))))
+    source="block_cast_transpose.cu", name_expressions=_instantiations(False)))
+GATHER_KERNEL_SPEC = _jit.register("block_cast_transpose_gather", _jit.KernelSpec(
+    source="block_cast_transpose.cu", name_expressions=_instantiations(True)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +68,8 @@ def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
                      ("sinv_row", "<u8", e), ("sinv_col", "<u8", e),
                      ("m", "<i8", e), ("ld", "<i8", e), ("tile_start", "<i4", e + 1),
                      ("num_experts", "<i4"), ("first_expert", "<i4"), ("m_dev", "<u8"),
-                     ("total_rows", "<i8")], align=True)
+                     ("total_rows", "<i8"), ("row_index", "<u8"), ("src_rows", "<i8"),
+                     ("row_first0", "<i8")], align=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +191,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                                columnwise: bool = True, amax_epsilon: float = 0.0,
                                power_2_scale: bool = True, out=None, dtype: str | None = None,
                                splits_on_device: bool | None = None,
-                               backend: str | None = None) -> GroupedBlockFP8:
+                               backend: str | None = None, row_index=None) -> GroupedBlockFP8:
     """Pad, cast to block-scaled FP8 and transpose every expert's rows in one pass; return a
     :class:`~cugrouped.GroupedBlockFP8`.
 
@@ -200,6 +210,9 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     ``amax_epsilon``, ``power_2_scale``: TransformerEngine's ``QParams``; the recipe's default
     is power-of-two scales (exact ``scale_inv``), so ``power_2_scale=True`` here.
     ``out``: a :class:`GroupedBlockFP8` of preallocated buffers, written in place.
+    ``row_index``: the fused MoE permute, as in :func:`cugrouped.multi_pad_cast_transpose`
+    (expert ``i``'s rows are ``inputs[row_index[o_i : o_i + m_i]]``; a negative index is a zero
+    row); the permuted copy is never written.
     """
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
     if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
@@ -209,23 +222,24 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                         block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
                         columnwise=columnwise, amax_epsilon=amax_epsilon,
                         power_2_scale=power_2_scale, out=out, dtype=dtype,
-                        splits_on_device=splits_on_device, backend=backend)
+                        splits_on_device=splits_on_device, backend=backend, row_index=row_index)
     return block_cast_arrays(inputs, m_splits, fp8_format=fp8_format,
                              block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
                              columnwise=columnwise, amax_epsilon=amax_epsilon,
                              power_2_scale=power_2_scale, out=out, dtype=dtype,
-                             splits_on_device=splits_on_device, backend=backend)
+                             splits_on_device=splits_on_device, backend=backend,
+                             row_index=row_index)
 
 
 def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1, align=16,
                       rowwise=True, columnwise=True, amax_epsilon=0.0, power_2_scale=True,
                       out=None, dtype=None, splits_on_device=None, backend=None,
-                      normalized: GroupedInput | None = None) -> GroupedBlockFP8:
+                      normalized: GroupedInput | None = None, row_index=None) -> GroupedBlockFP8:
     """The op on arrays of any kind without the torch dispatch (NumPy / CuPy in and out; CUDA
     torch tensors through their pointers, all outputs given as ``out=``: the torch front)."""
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
     if normalized is None:
-        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device)
+        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
     g = normalized
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
     if out is not None:
@@ -238,7 +252,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
             raise ValueError("splits_on_device: the reference backend takes host counts")
         return ref(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim,
                    align=align, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
-                   power_2_scale=power_2_scale, out=out, dtype=dtype)
+                   power_2_scale=power_2_scale, out=out, dtype=dtype, row_index=row_index)
     xp = np if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
@@ -246,10 +260,11 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
         plans = plan_block_launches(g.m_splits, g.k)
     with _device_scope(backend, g.device):
         res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out)
-        name = kernel_name(g.dtype, fp8_format, block_scaling_dim)
+        gather = g.row_index is not None
+        name = kernel_name(g.dtype, fp8_format, block_scaling_dim, gather)
         for chunk, arg in zip(plans, _packed_groups(g, res, plans, align, block_scaling_dim)):
             if chunk.grid:
-                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale))
+                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale), gather)
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -269,14 +284,14 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
             scale_inv=out.scale_inv if rowwise else None,
             scale_inv_t=out.scale_inv_t if columnwise else None,
             m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
-            block_scaling_dim=dims)
+            block_scaling_dim=dims, total_rows=g.total_rows)
     return GroupedBlockFP8(
         data=xp.empty((sz.rows, g.k), dtype=np.uint8) if rowwise else None,
         data_t=xp.empty((sz.data_t,), dtype=np.uint8) if columnwise else None,
         scale_inv=xp.empty((sz.scale_inv,), dtype=np.float32) if rowwise else None,
         scale_inv_t=xp.empty((sz.scale_inv_t,), dtype=np.float32) if columnwise else None,
         m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
-        block_scaling_dim=dims)
+        block_scaling_dim=dims, total_rows=g.total_rows)
 
 
 _PACKED: collections.OrderedDict = collections.OrderedDict()
@@ -286,11 +301,12 @@ _PACKED_SIZE = 64
 def _packed_groups(g: GroupedInput, res: GroupedBlockFP8, plans, align: int, dims: int) -> list:
     """:func:`_pack_groups`, remembered per argument values (every value written into them)."""
     bufs = tuple(_ptr(b) for b in (res.data, res.data_t, res.scale_inv, res.scale_inv_t))
+    gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     if g.m_dev is not None:
         key = ("dev", g.num_experts, g.k, align, dims, g.base.ptr, _row_stride(g.base),
-               g.m_dev.ptr, g.total_rows, bufs)
+               g.m_dev.ptr, g.total_rows, bufs, gather)
     else:
-        key = (g.m_splits, g.k, align, dims, g.ptrs.tobytes(), g.lds.tobytes(), bufs)
+        key = (g.m_splits, g.k, align, dims, g.ptrs.tobytes(), g.lds.tobytes(), bufs, gather)
     args = _PACKED.get(key)
     if args is None:
         args = _pack_groups(g, bufs, plans, align, dims)
@@ -323,6 +339,8 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
             arg["out_row"][0], arg["out_col"][0] = data, data_t
             arg["sinv_row"][0], arg["sinv_col"][0] = sinv, sinv_t
             arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
+            if g.row_index is not None:
+                arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
             args.append(arg)
         return args
     m = np.asarray(g.m_splits, dtype=np.int64)
@@ -345,6 +363,9 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
         arg["sinv_col"][: chunk.count] = sinv_col[sl]
         arg["tile_start"][: chunk.count + 1] = chunk.tile_start
         arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
+        if g.row_index is not None:   # the chunk's first index; the blocks add the counts
+            arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
+            arg["row_first0"] = int(m[: chunk.first].sum())
         args.append(arg)
     return args
 
@@ -354,11 +375,13 @@ def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool) -> 
     return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale))
 
 
-def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale) -> None:
+def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,
+         gather=False) -> None:
+    spec = GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
     _launch.note_launch(backend, name, chunk.grid, THREADS)
     args = cuda_arguments(arg, k, align, eps, power_2_scale)
     if backend == "cuda":
-        _jit.get_function(KERNEL_SPEC, name)((chunk.grid,), (THREADS,), args)
+        _jit.get_function(spec, name)((chunk.grid,), (THREADS,), args)
     else:
-        _jit.get_emulated_function(KERNEL_SPEC, name)(
+        _jit.get_emulated_function(spec, name)(
             (chunk.grid,), (THREADS,), args, order=_launch.current_emulation_order())

@@ -12,8 +12,8 @@ Operands are either :class:`~cugrouped.GroupedFP8` results of ``multi_pad_cast_t
 table, and each expert's ``scale_inv`` is passed as cuBLASLt's A/B scale pointer, on the device),
 :class:`~cugrouped.GroupedBlockFP8` results of ``multi_block_cast_transpose`` (the same copies;
 the scale pointer is the expert's first block scale and cuBLASLt's A/B scale modes are
-``VEC128_32F`` / ``BLK128x128_32F``; sm_90+, cuBLAS 12.9+, split accumulation, token counts in
-multiples of 8, the per-expert loop), or lists of plain bfloat16 / float16 / float32 arrays (the
+``VEC128_32F`` / ``BLK128x128_32F``; Hopper (sm_90) only, cuBLAS 12.9+, split accumulation,
+token counts in multiples of 8, the per-expert loop), or lists of plain bfloat16 / float16 / float32 arrays (the
 same layer without FP8).
 
 Arrays may be NumPy (reference backend), CuPy or CUDA torch tensors (cuBLASLt): every operand,

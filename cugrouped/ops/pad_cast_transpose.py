@@ -527,6 +527,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     # the kernels (on the inputs' device) must not be handed another device's memory.
     with _device_scope(backend, g.device):
         res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
+        res.total_rows = g.total_rows
         if g.m_dev is not None:
             res.m_splits, res.m_pad_splits = g.m_dev.owner, None
         _launch_all(backend, g, res, plans, align, mode, fp8_format,

@@ -23,9 +23,8 @@ from typing import List, Optional  # noqa: UP035  (torch.library's schema infere
 import torch
 
 from .. import ops as _ops
-from ..grouped_block_fp8 import GroupedBlockFP8
+from ..grouped_block_fp8 import GroupedBlockFP8, block_scale_entries
 from ..grouped_fp8 import GroupedFP8
-from ..ops import block_cast_transpose as _bct
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
 from ..ops.scatter_rows import scatter_rows as _scatter_rows
@@ -202,10 +201,17 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
 
 
 def _block_shapes(xs, block_dims, align, rowwise, columnwise):
+    """Output shapes of fp8_block_quantize, in plain integer arithmetic: under torch.compile the
+    token counts are symbolic once they vary (no caches, no NumPy here)."""
     k = xs[0].shape[1]
-    sz = _bct.block_output_sizes([x.shape[0] for x in xs], k, align, block_dims)
-    return ((sz.rows if rowwise else 0, k), (sz.data_t if columnwise else 0,),
-            (sz.scale_inv if rowwise else 0,), (sz.scale_inv_t if columnwise else 0,))
+    rows = data_t = sinv = sinv_t = 0
+    for x in xs:
+        m = x.shape[0]
+        mp = padded(m, align)
+        a, b = block_scale_entries(m, mp, k, block_dims)
+        rows, data_t, sinv, sinv_t = rows + m, data_t + k * mp, sinv + a, sinv_t + b
+    return ((rows if rowwise else 0, k), (data_t if columnwise else 0,),
+            (sinv if rowwise else 0,), (sinv_t if columnwise else 0,))
 
 
 @_custom_op("fp8_block_quantize", mutates_args=())

@@ -109,14 +109,16 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None, splits_on_device=None,
-                               backend=None) -> GroupedBlockFP8:
+                               backend=None, row_index=None) -> GroupedBlockFP8:
     """:func:`cugrouped.multi_block_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes,
     the scales float32), all allocated by torch, computed on its current stream."""
     _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
     _pct.check_scale_options(amax_epsilon, power_2_scale, None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
-    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device)
+    if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
+        row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
+    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
     if out is None:
         sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
                                      g.total_rows)
@@ -135,7 +137,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
             xs, splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim, align=align,
             rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
             power_2_scale=power_2_scale, out=views, dtype=tag, splits_on_device=splits_on_device,
-            backend=backend, normalized=g)
+            backend=backend, normalized=g, row_index=row_index)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

@@ -244,8 +244,8 @@ class Float8BlockScaling:
     block of 128 elements of a row of the input and of the grad output (``*_block_scaling_dim=1``)
     and every 128 x 128 block of the weights (``w_block_scaling_dim=2``) gets the scale of its own
     amax, computed by the cast kernel in the pass that casts it (one launch per cast, no state);
-    the GEMMs read the block scales (cuBLASLt's ``VEC128_32F`` / ``BLK128x128_32F``) and always
-    accumulate in split (full float32) mode.
+    the GEMMs read the block scales (cuBLASLt's ``VEC128_32F`` / ``BLK128x128_32F``, on Hopper
+    only) and always accumulate in split (full float32) mode.
 
     ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight``, ``fp8_quant_bwd_grad``: :class:`QParams`,
     by default power-of-two scales (TransformerEngine's, and ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``

@@ -79,7 +79,7 @@ def _expert(x, m_pad, fmt, dims, eps, p2):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None,
-                               backend=None) -> GroupedBlockFP8:
+                               backend=None, row_index=None) -> GroupedBlockFP8:
     """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only."""
     from ..ops.block_cast_transpose import check_block_options
     from ..ops.pad_cast_transpose import check_scale_options, normalize_inputs, padded_splits
@@ -88,9 +88,16 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
-    g = normalize_inputs(inputs, m_splits, dtype)
+    g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
+    if row_index is not None:      # the permute: rows gathered, a negative index a zero row
+        tokens = rfp8.to_float32(inputs, dtype)
+        idx = np.asarray(row_index)
+        if tokens.shape[0] == 0:
+            tokens = np.zeros((1, g.k), np.float32)
+        inputs = np.where((idx >= 0)[:, None], tokens[np.maximum(idx, 0)], np.float32(0))
+        inputs, m_splits, dtype = inputs.astype(np.float32), g.m_splits, None
     xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
     m_pad = padded_splits(g.m_splits, align)
     parts = [_expert(x, mp, fp8_format, block_scaling_dim, eps, power_2_scale)
