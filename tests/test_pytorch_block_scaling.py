@@ -159,16 +159,31 @@ def test_torch_compile_fullgraph_matches_eager():
                           run(eager, x, sp, RECIPE, False))
 
 
-def test_row_index_gathers_then_casts():
-    """The permute is not fused into the block cast (yet): the layer gathers the rows itself and
-    gives the permuted input's results."""
-    layer = make_layer(2, K, N)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_row_index_is_gathered_by_the_block_cast(compiled):
+    """The permute folded into the block cast (its GATHER kernel, on the emulator here): the
+    output and every gradient equal the permuted input's, the tokens' gradient summed back."""
+    torch._dynamo.reset()
+    base = make_layer(2, K, N)
     tokens = torch.randn(30, K)
     idx = torch.tensor([3, 7, 7, 1] * 4 + [0, 29] * 8, dtype=torch.int64)
-    with fp8_autocast(fp8_recipe=RECIPE):
-        a = layer(tokens, [16, 16], row_index=idx)
-        b = layer(tokens[idx], [16, 16])
+    dy = torch.randn(32, N)
+    fused, plain = copy.deepcopy(base), copy.deepcopy(base)
+    fn = torch.compile(fused, fullgraph=True) if compiled else fused
+    t1 = tokens.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=RECIPE), cpu_cast_backend("emulate"), record_launches() as log:
+        a = fn(t1, [16, 16], row_index=idx)
+    a.backward(dy)
+    if not compiled:
+        assert any(r.kernel.endswith("1, true>") for r in log)       # the gather variant ran
+    t2 = tokens.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=RECIPE), cpu_cast_backend("emulate"):
+        b = plain(t2[idx], [16, 16])
+    b.backward(dy)
     assert torch.equal(a, b)
+    assert torch.allclose(t1.grad, t2.grad, rtol=1e-6, atol=1e-7)     # summation orders differ
+    for wa, wb in zip(fused.weights(), plain.weights()):
+        assert torch.equal(wa.grad, wb.grad)
 
 
 def test_token_counts_and_options_are_checked_clearly():

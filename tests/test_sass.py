@@ -187,3 +187,25 @@ def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtyp
             assert ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] == 64, ops
         cap = 80 if dims == 2 and dtype != "float32" else 128
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def block_gather_sass(request):
+    return _compiled(bct.GATHER_KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_cast_gather_keeps_wide_loads_issued_together(block_gather_sass, dtype, dims):
+    """The gather variants of the block cast (row_index): the row address is a select, so a full
+    tile's 16-byte loads still sit in one basic block; no local memory; the same launch bounds."""
+    arch, by_name, resources = block_gather_sass
+    loads = 16 if dtype == "float32" else 8
+    for fmt in FORMATS:
+        name = bct.kernel_name(dtype, fmt, dims, gather=True)
+        ops = _sass.memory_ops(by_name[name])
+        assert ops["LDG.E.128"] == 2 * loads, ops
+        assert _sass.longest_load_run(by_name[name]) == loads
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        cap = 80 if dims == 2 and dtype != "float32" else 128
+        assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]

@@ -150,7 +150,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if cfg.block:   # block scales: each copy has its own (x_si_t, w_si_t: the transposed's)
             x_data, x_t, x_si, x_si_t = cops.eager.fp8_block_quantize(
                 x_list, cfg.fmt_fwd, cfg.block[0], FP8_ALIGN, True, need_wgrad, cfg.cast_backend,
-                *cfg.q_inp)
+                *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
             w_data, w_t, w_si, w_si_t = wq
         else:
             x_data, x_t, x_si, _ = cops.eager.fp8_quantize(

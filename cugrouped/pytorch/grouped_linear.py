@@ -702,7 +702,7 @@ class GroupedLinear(torch.nn.Module):
         recipe = get_fp8_recipe()
         fused = recipe is not None and not self.save_original_input and \
             getattr(recipe, "backward_override", None) is None and \
-            not recipe.override_linear_precision[2] and not isinstance(recipe, Float8BlockScaling)
+            not recipe.override_linear_precision[2]
         return (inp, True) if fused else (gather_rows(inp, row_index), False)
 
     def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
