@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 import torch
 
-from cugrouped.pytorch import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from cugrouped.pytorch import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, fp8_autocast
 from cugrouped.pytorch.moe import (MoEFeedForward, all_to_all_chunks, permute_tokens,
                                    plan_routing, shard_state_dict, unpermute_tokens)
 
@@ -54,7 +54,7 @@ POOL_SIZE = 4
 SUBGROUPS = ((0, 1), (1, 3))
 RTOL = {"float64": 1e-14, "float32": 1e-6}
 RECIPES = {"none": None, "current": Float8CurrentScaling(),
-           "delayed": DelayedScaling(amax_history_len=4)}
+           "delayed": DelayedScaling(amax_history_len=4), "block": Float8BlockScaling()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +365,9 @@ CASES = {
                                  ranks=(1, 3)),
     "w4_float64_top3_relu": Case(4, (3, 8, 6, 5), activation="relu", top_k=3),
     "w2_fp8_current": Case(2, (11, 6), "current", "float32", ranks=(1, 3)),
+    # block scaling: every rank pads its experts' received rows to 16 (router counts are not)
+    "w2_fp8_block": Case(2, (11, 6), "block", "float32"),
+    "w4_fp8_block_single_a2a": Case(4, (9, 5, 13, 0), "block", "float32", all_to_all="single"),
     "w4_fp8_delayed": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2),
     "w2_fp8_delayed_geglu": Case(2, (12, 9), "delayed", "float32", activation="geglu", steps=2),
     # the ranks recompute the block in backward (cugrouped.pytorch.checkpoint), the reference

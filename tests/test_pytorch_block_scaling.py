@@ -233,6 +233,53 @@ def test_float32_scales_reach_the_cast():
     assert np.array_equal(got.detach().numpy(), reference.grouped_fprop(xq, wq, out_dtype="float32"))
 
 
+# ------------------------------------------------------------------------------------------------
+# MoEFeedForward pads each expert to 16 rows under Float8BlockScaling (router counts are arbitrary).
+
+def _moe_run(block, x, recipe, fuse):
+    from cugrouped.pytorch import MoEFeedForward  # noqa: F401  (the block's class)
+
+    m = copy.deepcopy(block)
+    m.fuse_permute = fuse
+    xi = x.clone().requires_grad_()
+    with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+        y = m(xi)
+    y.square().sum().backward()
+    return y.detach(), xi.grad, [w.grad for w in (*m.fc1.weights(), *m.fc2.weights())]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_pads_experts_for_block_scaling(top_k):
+    """Router counts that are not multiples of 8 run: the fused permute (pad rows gathered as
+    index -1, zero rows) and the default block (zero-padded expert tensors) give the same bits,
+    forward and backward, and the error against high precision is per-tensor FP8's."""
+    from cugrouped.pytorch import Float8CurrentScaling, MoEFeedForward
+
+    torch.manual_seed(top_k)
+    block = MoEFeedForward(128, 128, 4, top_k=top_k, device="cpu", bias=True)
+    x = torch.randn(37, 128)
+    probs, ids = block.router(x)
+    counts = torch.bincount(ids.reshape(-1), minlength=4).tolist()
+    assert any(c % 8 for c in counts)                      # the padding is exercised
+    fused, plain = _moe_run(block, x, RECIPE, True), _moe_run(block, x, RECIPE, False)
+    assert_bits_equal(fused, plain)
+    high = _moe_run(block, x, None, False)[0]
+    tensor = _moe_run(block, x, Float8CurrentScaling(), False)[0]
+    err = lambda y: ((y - high).norm() / high.norm()).item()  # noqa: E731
+    assert err(fused[0]) <= 1.25 * err(tensor) + 1e-3
+
+
+def test_moe_pads_only_under_block_scaling():
+    from cugrouped.pytorch import moe
+
+    with fp8_autocast(fp8_recipe=RECIPE):
+        assert moe._token_align() == 16
+    assert moe._token_align() == 1
+    padded, dest = moe._padded_rows([5, 0, 16, 17], 16, "cpu")
+    assert padded == [16, 0, 16, 32]
+    assert dest.tolist() == [*range(5), *range(16, 32), *range(32, 49)]
+
+
 @pytest.mark.gpu
 def test_gpu_block_scaling_layer_matches_cpu():
     """The same layer on CUDA (cast kernels, cuBLASLt block-scaled GEMMs) against the CPU layer:

@@ -59,6 +59,32 @@ import torch
 import torch.nn.functional as F
 
 from .grouped_linear import GroupedLinear
+from .recipe import Float8BlockScaling, get_fp8_recipe
+
+# Float8BlockScaling's GEMMs need each expert's token count in multiples of 8; the experts' rows
+# are padded with zero rows to this multiple (TransformerEngine's Fp8Padding uses 16).
+BLOCK_SCALING_TOKEN_ALIGN = 16
+
+
+def _token_align() -> int:
+    """The multiple each expert's rows are padded to under the active FP8 recipe (1: none)."""
+    return BLOCK_SCALING_TOKEN_ALIGN if isinstance(get_fp8_recipe(), Float8BlockScaling) else 1
+
+
+def _padded_rows(m_splits: Sequence[int], align: int, device) -> tuple[list[int], torch.Tensor]:
+    """Host counts padded to ``align`` and, on ``device``, the padded row of each real row (in
+    order): the real rows of expert ``e`` start at its padded offset. Built from the host counts
+    with no device sync (a small host-to-device copy)."""
+    padded = [-(-m // align) * align for m in m_splits]
+    shift, run = [], 0
+    for m, p in zip(m_splits, padded):
+        shift.append(run)
+        run += p - m
+    rows = sum(m_splits)
+    dest = torch.arange(rows, dtype=torch.int64) + torch.repeat_interleave(
+        torch.tensor(shift, dtype=torch.int64), torch.tensor(m_splits, dtype=torch.int64),
+        output_size=rows)
+    return padded, dest.to(device, non_blocking=True)
 
 __all__ = ["MoEFeedForward", "TopKRouter", "RoutingPlan", "plan_routing", "permute_tokens",
            "unpermute_tokens", "all_to_all_chunks", "shard_state_dict", "ACTIVATIONS"]
@@ -336,7 +362,11 @@ class MoEFeedForward(torch.nn.Module):
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
     enclosing :func:`~cugrouped.pytorch.fp8_autocast` (the experts only; the router stays in
-    high precision).
+    high precision). Under ``Float8BlockScaling`` each expert's rows are padded with zero rows
+    to a multiple of :data:`BLOCK_SCALING_TOKEN_ALIGN` (its GEMMs need multiples of 8), as
+    TransformerEngine's ``Fp8Padding`` does, and the padding is dropped after fc2; with
+    ``fuse_permute`` the pad rows are index -1 of the permute, zero rows the cast kernel
+    writes itself (no padded copy).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
@@ -417,8 +447,16 @@ class MoEFeedForward(torch.nn.Module):
             if x.shape[0] != plan.num_tokens:
                 raise ValueError(f"x: expected {plan.num_tokens} rows, got {x.shape[0]}")
             m_splits = plan.tokens_per_expert.tolist()           # host sync
-            h = self.fc1(x, m_splits, row_index=plan.sort_idx // self.top_k)
+            row_index = plan.sort_idx // self.top_k
+            align = _token_align()
+            if align > 1:      # pad rows: index -1, a zero row gathered by the cast kernel
+                m_splits, dest = _padded_rows(m_splits, align, x.device)
+                row_index = torch.full((sum(m_splits),), -1, dtype=torch.int64,
+                                       device=x.device).index_copy_(0, dest, row_index)
+            h = self.fc1(x, m_splits, row_index=row_index)
             y_sorted = self.fc2(self._act(h), m_splits)
+            if align > 1:
+                y_sorted = y_sorted.index_select(0, dest)
             return unpermute_tokens(y_sorted, plan, probs).reshape(shape)
         x_sorted = permute_tokens(x, plan)
         if W == 1:
@@ -466,6 +504,12 @@ class MoEFeedForward(torch.nn.Module):
         return all_to_all_chunks([back], [recv_s], [send_r], self.group)
 
     def _experts(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """fc1 -> activation -> fc2 on the list of this rank's per-expert rows."""
+        """fc1 -> activation -> fc2 on the list of this rank's per-expert rows (padded with zero
+        rows where the FP8 recipe needs it, the padding dropped again)."""
+        align = _token_align()
+        counts = [t.shape[0] for t in xs]
+        if align > 1:
+            xs = [F.pad(t, (0, 0, 0, -(-m // align) * align - m)) for t, m in zip(xs, counts)]
         h = self.fc1(xs)
-        return self.fc2([self._act(t) for t in h])
+        ys = self.fc2([self._act(t) for t in h])
+        return [y[:m] for y, m in zip(ys, counts)] if align > 1 else ys
