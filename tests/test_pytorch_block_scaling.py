@@ -237,8 +237,6 @@ def test_float32_scales_reach_the_cast():
 # MoEFeedForward pads each expert to 16 rows under Float8BlockScaling (router counts are arbitrary).
 
 def _moe_run(block, x, recipe, fuse):
-    from cugrouped.pytorch import MoEFeedForward  # noqa: F401  (the block's class)
-
     m = copy.deepcopy(block)
     m.fuse_permute = fuse
     xi = x.clone().requires_grad_()
