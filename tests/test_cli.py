@@ -46,7 +46,8 @@ def test_bench_without_gpu_says_what_it_skipped(tmp_path, capsys):
 def test_bench_layer_without_gpu_writes_nothing_and_says_so(tmp_path, capsys):
     assert main(["bench", "layer", "--quick", "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "skipped the device timings (layer forward+backward vs bf16 and torch)" in out
+    assert "skipped the device timings (layer forward+backward vs bf16 and torch, block vs " \
+        "current scaling)" in out
     assert "nothing measured, so no CSV or plot written" in out and "wrote" not in out
     assert not list((tmp_path / "b").iterdir())
 

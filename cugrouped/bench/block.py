@@ -5,6 +5,8 @@
   per-block amax, power-of-two scale, cast, zero-pad and transpose with the transposed copy's
   own blocks) and ``torch.compile`` of it. The eager peer gives the op's bits (tested on the CPU,
   ``tests/test_bench_block.py``).
+* ``block-layer``: ``GroupedLinear`` forward + backward under ``Float8BlockScaling`` against
+  ``Float8CurrentScaling``, same layer and inputs.
 * ``block-gemm``: the grouped GEMMs on block-scaled operands against the same GEMMs on
   per-tensor FP8 operands, in the same run: what block scaling costs in cuBLASLt. (torch's own
   block-scaled ``scaled_mm`` is not run: its API differs between torch versions.)
@@ -23,7 +25,7 @@ from .cast import CAST_CONFIGS, QUICK_CAST
 from .common import copy_bandwidth_gbs, host_us, median_ms
 
 __all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_block_gemm",
-           "bench_block_planning"]
+           "bench_block_planning", "bench_block_layer"]
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -191,3 +193,51 @@ def bench_block_planning(rows: list[dict]) -> None:
                          host_us=us, host_us_per_expert=us / experts))
         print(f"block cast host path, {experts:>3} experts, numpy tensor: {us:8.1f} us per call "
               f"({us / experts:.2f} us per expert)")
+
+
+def bench_block_layer(quick: bool, rows: list[dict]) -> None:
+    """``GroupedLinear`` forward + backward (input and weight gradients) under Float8BlockScaling
+    against Float8CurrentScaling, on the same bf16 layer and inputs (token counts rounded down to
+    16 per expert): what block scaling costs in a training step."""
+    try:
+        import torch
+    except ImportError:
+        print("torch not installed: the block-layer benchmark is skipped")
+        return
+    from ..pytorch import Float8BlockScaling, Float8CurrentScaling, GroupedLinear, fp8_autocast
+    from .gemm import GEMM_CONFIGS, QUICK_GEMM
+
+    configs = QUICK_GEMM if quick else GEMM_CONFIGS
+    runs = 10 if quick else 30
+    for cfg in configs:
+        m_splits = block_splits(cfg.m_splits())
+        T = sum(m_splits)
+        layer = GroupedLinear(cfg.experts, cfg.k, cfg.n, bias=False, params_dtype=torch.bfloat16,
+                              device="cuda")
+        copies = max(2, int(np.ceil(256e6 / (T * (cfg.k + cfg.n) * 2))))
+        xs = [torch.randn(T, cfg.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(copies)]
+        dy = torch.randn(T, cfg.n, device="cuda", dtype=torch.bfloat16)
+        times = {}
+        for impl, recipe in (("cugrouped-fp8-block", Float8BlockScaling()),
+                             ("cugrouped-fp8-current", Float8CurrentScaling())):
+            def step(i, recipe=recipe):
+                x = xs[i % copies]
+                with fp8_autocast(fp8_recipe=recipe):
+                    y = layer(x, m_splits)
+                return torch.autograd.grad(y, [x, *layer.weights()], dy)
+
+            try:
+                ms = median_ms(step, runs)
+            except Exception as exc:     # e.g. a cuBLAS without block scale modes
+                print(f"{cfg.name:<24} layer {impl:<22} skipped: {type(exc).__name__}: "
+                      f"{str(exc)[:120]}")
+                continue
+            times[impl] = ms
+            row = dict(op="block-layer", config=cfg.name, impl=impl, ms=ms,
+                       tflops=3 * 2 * T * cfg.k * cfg.n / ms / 1e9)
+            if impl == "cugrouped-fp8-current" and "cugrouped-fp8-block" in times:
+                row["block_over_current_time"] = times["cugrouped-fp8-block"] / ms
+            rows.append(row)
+            print(f"{cfg.name:<24} layer {impl:<22} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                  f"(forward + backward)")
