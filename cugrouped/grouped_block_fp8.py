@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .grouped_fp8 import FP8_FORMATS, decode_table, host_counts
+from .grouped_fp8 import FP8_FORMATS, GroupedSplits, decode_table
 
 __all__ = ["GroupedBlockFP8", "BLOCK", "block_scale_shapes", "block_scale_sizes", "FP8_FORMATS"]
 
@@ -86,7 +86,7 @@ def _scale_sizes(m_splits: tuple, m_pad_splits: tuple, k: int, dims: int):
 
 
 @dataclasses.dataclass
-class GroupedBlockFP8:
+class GroupedBlockFP8(GroupedSplits):
     """Block-scaled FP8 copies of E experts' rows, with their per-block ``scale_inv``.
 
     Attributes
@@ -118,21 +118,6 @@ class GroupedBlockFP8:
     align: int
     block_scaling_dim: int
     total_rows: int | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.m_splits)
-
-    @property
-    def splits_on_device(self) -> bool:
-        return not isinstance(self.m_splits, tuple)
-
-    def host_splits(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(m_splits, m_pad_splits)`` on the host (device counts: read back, a sync, and clamped
-        to the rows of :attr:`data` as the kernel clamps them)."""
-        if not self.splits_on_device:
-            return self.m_splits, self.m_pad_splits
-        return host_counts(self.m_splits, self.data, self.align, self.total_rows)
 
     def _offsets(self):
         m, mp = self.host_splits()

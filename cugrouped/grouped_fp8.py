@@ -14,8 +14,28 @@ FP8_FORMATS = ("e4m3", "e5m2")
 _FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
 
+class GroupedSplits:
+    """What both grouped results share: the experts' token counts (host tuples, or the device
+    array the op was given) and their host view."""
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.m_splits)
+
+    @property
+    def splits_on_device(self) -> bool:
+        return not isinstance(self.m_splits, tuple)
+
+    def host_splits(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(m_splits, m_pad_splits)`` as host tuples; reads device counts back (a sync), clamped
+        to the input's rows exactly as the kernel clamps them."""
+        if not self.splits_on_device:
+            return self.m_splits, self.m_pad_splits
+        return host_counts(self.m_splits, self.data, self.align, self.total_rows)
+
+
 @dataclasses.dataclass
-class GroupedFP8:
+class GroupedFP8(GroupedSplits):
     """FP8 copies of E experts' activations (or weights, or gradients) and their scales.
 
     Attributes
@@ -53,21 +73,6 @@ class GroupedFP8:
     align: int
     column_sums: Any = None
     total_rows: int | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.m_splits)
-
-    @property
-    def splits_on_device(self) -> bool:
-        return not isinstance(self.m_splits, tuple)
-
-    def host_splits(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(m_splits, m_pad_splits)`` as host tuples; reads device counts back (a sync), clamped
-        to the rows of :attr:`data` exactly as the kernel clamps them."""
-        if not self.splits_on_device:
-            return self.m_splits, self.m_pad_splits
-        return host_counts(self.m_splits, self.data, self.align, self.total_rows)
 
     def row_offsets(self) -> np.ndarray:
         """First row of each expert in :attr:`data` (length E + 1)."""

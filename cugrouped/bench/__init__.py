@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from ..ops import pad_cast_transpose as pct
-from .common import environment
+from .common import cpu_loop_us, environment
 
 __all__ = ["run_bench"]
 
@@ -49,12 +49,7 @@ def bench_planning(rows: list[dict]) -> None:
                 plans = pct.plan_launches(g.m_splits, g.k, 16)
                 pct._packed_groups(g, res, plans, 16)
 
-            once()
-            n = 200
-            t0 = time.perf_counter()
-            for _ in range(n):
-                once()
-            us = (time.perf_counter() - t0) / n * 1e6
+            us = cpu_loop_us(once)
             rows.append(dict(op="cast-host", config=f"E{experts}-{kind}-{form}", impl="cugrouped",
                              host_us=us, host_us_per_expert=us / experts))
             print(f"cast op host path, {experts:>3} experts, {kind:<5} {form:<6}: {us:8.1f} us per "

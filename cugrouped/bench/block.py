@@ -22,7 +22,7 @@ import numpy as np
 from ..ops import block_cast_transpose as bct
 from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
-from .common import copy_bandwidth_gbs, host_us, median_ms
+from .common import copy_bandwidth_gbs, cpu_loop_us, host_us, median_ms
 
 __all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_block_gemm",
            "bench_block_planning", "bench_block_layer"]
@@ -171,8 +171,6 @@ def bench_block_planning(rows: list[dict]) -> None:
     """Host cost per call of the block-scaled cast without a GPU: input checks, output
     allocation (NumPy here), launch planning and the by-value argument blocks (remembered when
     splits and buffers repeat); everything but the launch."""
-    import time
-
     for experts in (8, 64, 256):
         m = [1000 + 17 * i for i in range(experts)]
         x = np.empty((sum(m), 128), np.float32)
@@ -183,12 +181,7 @@ def bench_block_planning(rows: list[dict]) -> None:
             plans = bct.plan_block_launches(g.m_splits, g.k)
             bct._packed_groups(g, res, plans, 16, 1)
 
-        once()
-        n = 200
-        t0 = time.perf_counter()
-        for _ in range(n):
-            once()
-        us = (time.perf_counter() - t0) / n * 1e6
+        us = cpu_loop_us(once)
         rows.append(dict(op="block-cast-host", config=f"E{experts}-numpy-tensor", impl="cugrouped",
                          host_us=us, host_us_per_expert=us / experts))
         print(f"block cast host path, {experts:>3} experts, numpy tensor: {us:8.1f} us per call "

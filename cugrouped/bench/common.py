@@ -33,6 +33,16 @@ def spin(ns: int) -> None:
     _spin_kernel((1,), (1,), (np.uint64(ns),))
 
 
+def cpu_loop_us(once, n: int = 200) -> float:
+    """Mean wall time of ``once()`` in microseconds over ``n`` calls after one warm-up call (host
+    paths timed without a GPU)."""
+    once()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        once()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def host_us(fn, runs: int = 20) -> float:
     """Median host (CPU) time of one call of ``fn`` in microseconds: what the call costs the
     Python thread that enqueues it, the GPU work itself not waited for (each call starts on an

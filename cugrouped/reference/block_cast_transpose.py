@@ -19,7 +19,7 @@ import numpy as np
 
 from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_shapes
 from . import fp8 as rfp8
-from .pad_cast_transpose import _expert_arrays
+from .pad_cast_transpose import _expert_arrays, copy_into, gather_rows
 
 __all__ = ["multi_block_cast_transpose", "block_amax"]
 
@@ -92,12 +92,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
     if row_index is not None:      # the permute: rows gathered, a negative index a zero row
-        tokens = rfp8.to_float32(inputs, dtype)
-        idx = np.asarray(row_index)
-        if tokens.shape[0] == 0:
-            tokens = np.zeros((1, g.k), np.float32)
-        inputs = np.where((idx >= 0)[:, None], tokens[np.maximum(idx, 0)], np.float32(0))
-        inputs, m_splits, dtype = inputs.astype(np.float32), g.m_splits, None
+        inputs, m_splits, dtype = gather_rows(inputs, row_index, dtype, g.k), g.m_splits, None
     xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
     m_pad = padded_splits(g.m_splits, align)
     parts = [_expert(x, mp, fp8_format, block_scaling_dim, eps, power_2_scale)
@@ -118,11 +113,5 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
         from ..ops.block_cast_transpose import check_out
 
         check_out(g, align, block_scaling_dim, rowwise, columnwise, out)
-        for name in ("data", "data_t", "scale_inv", "scale_inv_t"):
-            src = getattr(res, name)
-            if src is not None:
-                dst = getattr(out, name)
-                np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
-                          src.view(np.uint8) if src.dtype.itemsize == 1 else src)
-                setattr(res, name, dst)
+        copy_into(res, out, ("data", "data_t", "scale_inv", "scale_inv_t"))
     return res

@@ -70,6 +70,16 @@ def _expert_arrays(inputs, m_splits, dtype) -> list[np.ndarray]:
     return [x[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
+def gather_rows(tokens, row_index, dtype, k: int) -> np.ndarray:
+    """The permute the fused gathers perform: float32 rows ``tokens[row_index]``, a negative
+    index a zero row (so is every row when there are no tokens)."""
+    t = rfp8.to_float32(tokens, dtype)
+    idx = np.asarray(row_index)
+    if t.shape[0] == 0:
+        t = np.zeros((1, k), np.float32)
+    return np.where((idx >= 0)[:, None], t[np.maximum(idx, 0)], np.float32(0)).astype(np.float32)
+
+
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, backend=None, amax_accumulate=False, amax_epsilon=0.0,
@@ -85,13 +95,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
-    if row_index is not None:      # the permute: rows gathered, a negative index a zero row
-        tokens = rfp8.to_float32(inputs, dtype)
-        idx = np.asarray(row_index)
-        if tokens.shape[0] == 0:       # nothing to gather: every row is a zero row
-            tokens = np.zeros((1, g.k), np.float32)
-        gathered = np.where((idx >= 0)[:, None], tokens[np.maximum(idx, 0)], np.float32(0))
-        inputs, m_splits, dtype = gathered.astype(np.float32), g.m_splits, None
+    if row_index is not None:
+        inputs, m_splits, dtype = gather_rows(inputs, row_index, dtype, g.k), g.m_splits, None
     xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
     E, k = len(xs), g.k
     m_pad = padded_splits(g.m_splits, align)
@@ -126,11 +131,17 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     if out is not None:
         names = ("data", "data_t", "amax", "scale_inv") + (("scale",) if scale is None else ()) + \
             (("column_sums",) if column_sums else ())
-        for name in names:
-            src = getattr(res, name)
-            if src is not None:
-                dst = getattr(out, name)
-                np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
-                          src.view(np.uint8) if src.dtype.itemsize == 1 else src)
-                setattr(res, name, dst)
+        copy_into(res, out, names)
     return res
+
+
+def copy_into(res, out, names) -> None:
+    """Write ``res``'s buffers ``names`` into ``out``'s (FP8 as bytes) and make ``res`` hold
+    ``out``'s: what ``out=`` means for the reference twins."""
+    for name in names:
+        src = getattr(res, name)
+        if src is not None:
+            dst = getattr(out, name)
+            np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
+                      src.view(np.uint8) if src.dtype.itemsize == 1 else src)
+            setattr(res, name, dst)
