@@ -54,7 +54,7 @@ constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;   
 
 // Kernel argument block, passed by value like PctGroup (the NumPy twin is
 // cugrouped.ops.block_cast_transpose.group_dtype). sizeof = 7*8*64 + 4*65 + 4 + 4 + (4 pad)
-// + 5*8 = 3904 bytes (< 4 KB with the scalars: no room for a per-expert gather offset, so the
+// + 5*8 = 3896 bytes (< 4 KB with the scalars: no room for a per-expert gather offset, so the
 // blocks add the counts before their expert to row_first0). Device splits (m_dev != null): the
 // host fills the [0] entries with the bases of the whole buffers and the blocks derive the rest.
 struct BctGroup {

@@ -493,6 +493,33 @@ def test_cuda_gather_matches_reference(form, dims):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_cuda_gather_from_misaligned_tokens(form, dims):
+    """bfloat16 tokens whose base is 2 bytes off 16 and whose row stride (132 elements, 264
+    bytes) is not a multiple of 16 bytes: the kernel must take its per-segment path (16-byte
+    loads there would fault or read the wrong bytes on a GPU; the emulator cannot tell)."""
+    import cupy
+
+    rng = np.random.default_rng(41)
+    T, k = 50, 132
+    host = make_inputs([T], k, "bfloat16", seed=42)[0]
+    buf = cupy.zeros(T * k + 1, dtype=cupy.uint16)
+    buf[1:] = cupy.asarray(host.view(np.uint16).reshape(-1))
+    tokens = buf[1:].reshape(T, k)                     # base 2 bytes past the allocation's
+    assert tokens.data.ptr % 16 != 0
+    m_splits = [136, 0, 24]
+    idx = rng.integers(-2, T, sum(m_splits)).astype(np.int64)
+    splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
+    got = cugrouped.multi_block_cast_transpose(tokens, splits, dtype="bfloat16",
+                                               row_index=cupy.asarray(idx), block_scaling_dim=dims)
+    hostres = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                           for f, v in vars(got).items()})
+    want = reference.multi_block_cast_transpose(_permuted(host, idx), m_splits, block_scaling_dim=dims)
+    assert_same_bits(hostres, want, f"misaligned gather {form} {dims}D")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dims", [1, 2])
 def test_cuda_large_case_over_2_31_elements(dims):
     """An expert of more than 2^31 elements and one that starts past 2^31 elements: the kernel's

@@ -174,8 +174,7 @@ def test_row_index_is_gathered_by_the_block_cast(compiled):
     with fp8_autocast(fp8_recipe=RECIPE), cpu_cast_backend("emulate"), record_launches() as log:
         a = fn(t1, [16, 16], row_index=idx)
     a.backward(dy)
-    if not compiled:
-        assert any(r.kernel.endswith("1, true>") for r in log)       # the gather variant ran
+    assert any(r.kernel.endswith("1, true>") for r in log)           # the gather variant ran
     t2 = tokens.clone().requires_grad_()
     with fp8_autocast(fp8_recipe=RECIPE), cpu_cast_backend("emulate"):
         b = plain(t2[idx], [16, 16])
@@ -273,7 +272,7 @@ def test_moe_pads_only_under_block_scaling():
     with fp8_autocast(fp8_recipe=RECIPE):
         assert moe._token_align() == 16
     assert moe._token_align() == 1
-    padded, dest = moe._padded_rows([5, 0, 16, 17], 16, "cpu")
+    padded, dest = moe._padded_rows([5, 0, 16, 17], torch.tensor([5, 0, 16, 17]), 16)
     assert padded == [16, 0, 16, 32]
     assert dest.tolist() == [*range(5), *range(16, 32), *range(32, 49)]
 
@@ -283,6 +282,9 @@ def test_gpu_block_scaling_layer_matches_cpu():
     """The same layer on CUDA (cast kernels, cuBLASLt block-scaled GEMMs) against the CPU layer:
     the casts are bit-exact, so only the GEMMs' float32 accumulation order differs (bounded as in
     tests/test_grouped_gemm_block.py)."""
+    from test_grouped_gemm_block import skip_unless_block_gemms
+
+    skip_unless_block_gemms()
     sp = [16, 0, 136]
     cpu = make_layer(3, K, N, dtype=torch.bfloat16)
     gpu = copy.deepcopy(cpu).cuda()
@@ -296,3 +298,29 @@ def test_gpu_block_scaling_layer_matches_cpu():
     for i in range(3):
         g, w = got[2][i].float().cpu(), want[2][i].float()
         assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * max(w.abs().max().item(), 1e-30)), i
+
+
+@pytest.mark.gpu
+def test_gpu_block_scaling_fused_permute_with_pad_rows_matches_cpu():
+    """The permute gathered by the CUDA block cast, with -1 (zero) rows as MoEFeedForward's
+    padding makes them, and the tokens' gradient summed back by the scatter_rows kernel: equal
+    to the CPU layer within the GEMMs' accumulation bound."""
+    from test_grouped_gemm_block import skip_unless_block_gemms
+
+    skip_unless_block_gemms()
+    cpu = make_layer(2, K, N, dtype=torch.bfloat16)
+    gpu = copy.deepcopy(cpu).cuda()
+    tokens = torch.randn(40, K).to(torch.bfloat16)
+    idx = torch.tensor([3, 7, 7, 1, -1, -1, -1, -1] * 2 + [0, 39] * 8 + [-1] * 16, dtype=torch.int64)
+    dy = (torch.randn(48, N) * 1e-2).to(torch.bfloat16)
+    out = {}
+    for name, layer, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, "cuda")):
+        t = tokens.to(dev).requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPE):
+            y = layer(t, [16, 32], row_index=idx.to(dev))
+        y.backward(dy.to(dev))
+        out[name] = (y.detach().float().cpu(), t.grad.float().cpu(),
+                     [w.grad.float().cpu() for w in layer.weights()])
+    (y0, g0, w0), (y1, g1, w1) = out["cpu"], out["gpu"]
+    for a, b in ((y1, y0), (g1, g0), *zip(w1, w0)):
+        assert torch.allclose(a, b, rtol=2**-7, atol=2**-11 * max(b.abs().max().item(), 1e-30))

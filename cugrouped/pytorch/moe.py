@@ -71,20 +71,18 @@ def _token_align() -> int:
     return BLOCK_SCALING_TOKEN_ALIGN if isinstance(get_fp8_recipe(), Float8BlockScaling) else 1
 
 
-def _padded_rows(m_splits: Sequence[int], align: int, device) -> tuple[list[int], torch.Tensor]:
-    """Host counts padded to ``align`` and, on ``device``, the padded row of each real row (in
-    order): the real rows of expert ``e`` start at its padded offset. Built from the host counts
-    with no device sync (a small host-to-device copy)."""
+def _padded_rows(m_splits: Sequence[int], counts: torch.Tensor, align: int
+                 ) -> tuple[list[int], torch.Tensor]:
+    """The host counts padded to ``align``, and the padded row of each real row (in order: the
+    real rows of expert ``e`` start at its padded offset), computed where ``counts`` (the same
+    counts, on the device) live: no sync, no host-to-device copy of per-row data."""
     padded = [-(-m // align) * align for m in m_splits]
-    shift, run = [], 0
-    for m, p in zip(m_splits, padded):
-        shift.append(run)
-        run += p - m
     rows = sum(m_splits)
-    dest = torch.arange(rows, dtype=torch.int64) + torch.repeat_interleave(
-        torch.tensor(shift, dtype=torch.int64), torch.tensor(m_splits, dtype=torch.int64),
-        output_size=rows)
-    return padded, dest.to(device, non_blocking=True)
+    pad = (-counts) % align
+    shift = torch.cumsum(pad, 0) - pad
+    dest = torch.arange(rows, dtype=torch.int64, device=counts.device) + torch.repeat_interleave(
+        shift, counts, output_size=rows)
+    return padded, dest
 
 __all__ = ["MoEFeedForward", "TopKRouter", "RoutingPlan", "plan_routing", "permute_tokens",
            "unpermute_tokens", "all_to_all_chunks", "shard_state_dict", "ACTIVATIONS"]
@@ -210,14 +208,17 @@ def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return _Permute.apply(x, plan.sort_idx, plan.inverse, plan.top_k)
 
 
-def unpermute_tokens(y: torch.Tensor, plan: RoutingPlan, probs: torch.Tensor) -> torch.Tensor:
+def unpermute_tokens(y: torch.Tensor, plan: RoutingPlan, probs: torch.Tensor,
+                     inverse: torch.Tensor | None = None) -> torch.Tensor:
     """``(T·k, hidden)`` in the plan's order -> ``(T, hidden)``: ``Σ_j probs[t, j] · y[slot t·k+j]``
-    (products in the wider of the two dtypes, result in ``y``'s dtype)."""
+    (products in the wider of the two dtypes, result in ``y``'s dtype). ``inverse`` (the row of
+    ``y`` holding each slot) replaces ``plan.inverse`` when ``y`` has extra rows (padding)."""
     T, k = plan.num_tokens, plan.top_k
-    if y.shape[0] != T * k or tuple(probs.shape) != (T, k):
+    if (y.shape[0] != T * k and inverse is None) or tuple(probs.shape) != (T, k):
         raise ValueError(f"y, probs: expected ({T * k}, hidden) and ({T}, {k}), got "
                          f"{tuple(y.shape)} and {tuple(probs.shape)}")
-    slots = y.index_select(0, plan.inverse).view(T, k, *y.shape[1:])
+    slots = y.index_select(0, plan.inverse if inverse is None else inverse).view(
+        T, k, *y.shape[1:])
     return (slots * probs.unsqueeze(-1)).sum(1).to(y.dtype)
 
 
@@ -366,7 +367,9 @@ class MoEFeedForward(torch.nn.Module):
     to a multiple of :data:`BLOCK_SCALING_TOKEN_ALIGN` (its GEMMs need multiples of 8), as
     TransformerEngine's ``Fp8Padding`` does, and the padding is dropped after fc2; with
     ``fuse_permute`` the pad rows are index -1 of the permute, zero rows the cast kernel
-    writes itself (no padded copy).
+    writes itself (no padded copy). With ``bias=True`` fc2's pad rows hold ``act(b1)``, not
+    zeros (as with TransformerEngine's padding): they carry no gradient, but enter the block
+    maxima of fc2's transposed input copy.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
@@ -449,15 +452,15 @@ class MoEFeedForward(torch.nn.Module):
             m_splits = plan.tokens_per_expert.tolist()           # host sync
             row_index = plan.sort_idx // self.top_k
             align = _token_align()
+            inverse = None
             if align > 1:      # pad rows: index -1, a zero row gathered by the cast kernel
-                m_splits, dest = _padded_rows(m_splits, align, x.device)
+                m_splits, dest = _padded_rows(m_splits, plan.tokens_per_expert, align)
                 row_index = torch.full((sum(m_splits),), -1, dtype=torch.int64,
                                        device=x.device).index_copy_(0, dest, row_index)
+                inverse = dest[plan.inverse]         # the combine reads around the pad rows
             h = self.fc1(x, m_splits, row_index=row_index)
             y_sorted = self.fc2(self._act(h), m_splits)
-            if align > 1:
-                y_sorted = y_sorted.index_select(0, dest)
-            return unpermute_tokens(y_sorted, plan, probs).reshape(shape)
+            return unpermute_tokens(y_sorted, plan, probs, inverse).reshape(shape)
         x_sorted = permute_tokens(x, plan)
         if W == 1:
             m_splits = plan.tokens_per_expert.tolist()           # host sync
@@ -508,8 +511,8 @@ class MoEFeedForward(torch.nn.Module):
         rows where the FP8 recipe needs it, the padding dropped again)."""
         align = _token_align()
         counts = [t.shape[0] for t in xs]
-        if align > 1:
-            xs = [F.pad(t, (0, 0, 0, -(-m // align) * align - m)) for t, m in zip(xs, counts)]
+        if align > 1:      # (an expert already at a multiple is not copied)
+            xs = [F.pad(t, (0, 0, 0, -m % align)) if m % align else t for t, m in zip(xs, counts)]
         h = self.fc1(xs)
         ys = self.fc2([self._act(t) for t in h])
         return [y[:m] for y, m in zip(ys, counts)] if align > 1 else ys
