@@ -104,6 +104,8 @@ class GroupedBlockFP8(GroupedSplits):
         then sized for the worst case and the per-expert views read the counts back, a sync).
     fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
     block_scaling_dim : 1 or 2
+    column_sums : float32 ``(E, k)`` or None -- with ``column_sums=True``: each expert's column
+        sums of the unscaled input (dbias, when the input is a gradient)
     total_rows : int or None -- the rows the op was given (device counts are clamped to them)
     """
 
@@ -117,6 +119,7 @@ class GroupedBlockFP8(GroupedSplits):
     k: int
     align: int
     block_scaling_dim: int
+    column_sums: Any = None
     total_rows: int | None = None
 
     def _offsets(self):

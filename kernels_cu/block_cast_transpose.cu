@@ -25,6 +25,14 @@
 // defined and reproducible. s = compute_scale(block amax, margin 0, amax_epsilon, power_2_scale)
 // (fp8.cuh; TransformerEngine's QParams, power-of-two scales by default in its recipe).
 //
+// With COLSUM (template parameter, without GATHER) it also writes colsum[e] (k,): float32 column
+// sums of the unscaled input (dbias when the input is a gradient), in a fixed order the NumPy
+// reference reproduces: per thread its 4 rows (r, r+32, r+64, r+96) in turn; the 4 row groups
+// of a warp by xor-shuffles over lane bits 3 then 4, (g0 + g1) + (g2 + g3); the 8 warps in turn;
+// the expert's tile rows in turn, by the last block of each (expert, tile column) from one
+// partial row per tile (the per-stream counters return to zero). Rows past m add +0; an empty
+// expert's row is zeroed by block 0.
+//
 // With GATHER (template parameter; the fused MoE permute, as in pad_cast_transpose.cu) expert e's
 // rows are rows of one token matrix picked by an index array: row r of expert e is token
 // row_index[first_e + r], first_e the rows of the experts before it; an index outside the
@@ -228,11 +236,22 @@ CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
 // its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
 constexpr int bct_min_blocks(InDtype in, int dims) { return in == InDtype::F32 || dims == 1 ? 2 : 3; }
 
-template <InDtype IN, Fp8Format FMT, int DIMS, bool GATHER = false>
+// COLSUM: zero the column sums of the chunk's empty experts (block 0; they own no tiles).
+CG_DEVICE void bct_zero_empty_colsums(const i64* m, int num_experts, i64 k, float* colsum) {
+    for (int j = 0; j < num_experts; ++j)
+        if (m[j] == 0)
+            for (i64 c = threadIdx.x; c < k; c += BCT_THREADS) colsum[j * k + c] = 0.f;
+}
+
+template <InDtype IN, Fp8Format FMT, int DIMS, bool GATHER = false, bool COLSUM = false>
 __global__ void __launch_bounds__(BCT_THREADS, bct_min_blocks(IN, DIMS))
 block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
-                            const float amax_epsilon, const i32 power_2_scale)
+                            const float amax_epsilon, const i32 power_2_scale,
+                            float* __restrict__ colsum,          // (experts, k) (COLSUM) or null
+                            float* __restrict__ colsum_partial,  // one 128-float row per tile
+                            int* __restrict__ colsum_count)      // experts * tiles_k, zero on entry
 {
+    static_assert(!(COLSUM && GATHER), "column sums are for gradients, which are not gathered");
     static_assert(DIMS == 1 || DIMS == 2, "1-D (1 x 128) or 2-D (128 x 128) blocks");
     using Traits = InTraits<IN>;
     __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes
@@ -240,11 +259,14 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     __shared__ float col_scale[BCT_BLOCK];                        // 1-D: the column blocks' scales
     __shared__ float warp_amax[BCT_THREADS / 32];                 // 2-D: per-warp block maxima
     __shared__ BctPlan plan;
+    __shared__ int last_block;
 
     const int t = blockIdx.x;
     BctExpert x;
+    int e;
     if (g.m_dev == nullptr) {
-        const int e = expert_of_tile(g.tile_start, g.num_experts, t);
+        if (COLSUM && blockIdx.x == 0) bct_zero_empty_colsums(g.m, g.num_experts, k, colsum);
+        e = expert_of_tile(g.tile_start, g.num_experts, t);
         const i64* idx = nullptr;
         if (GATHER) {
             i64 first = g.row_first0;
@@ -255,8 +277,9 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                       g.ld[e], g.tile_start[e], idx, g.src_rows};
     } else {
         bct_plan_from_device_counts<DIMS>(g, k, align, plan);
+        if (COLSUM && blockIdx.x == 0) bct_zero_empty_colsums(plan.m, g.num_experts, k, colsum);
         if (t >= plan.tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
-        const int e = expert_of_tile(plan.tile_start, g.num_experts, t);
+        e = expert_of_tile(plan.tile_start, g.num_experts, t);
         x = BctExpert{static_cast<const char*>(g.in[0]) +
                           (GATHER ? 0 : plan.row[e] * g.ld[0] * Traits::bytes),
                       g.out_row[0] ? g.out_row[0] + plan.row[e] * k : nullptr,
@@ -368,85 +391,134 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
         }
     }
 
-    if (!columnwise) return;   // block-uniform
-    // Column-wise scales: 1-D from the column maxima (lanes sharing columns: xor 8, 16; then the
-    // 8 warps through shared memory); 2-D the tile's.
-    float s_col[kSeg];
-    if (DIMS == 1) {
+    if (columnwise) {   // block-uniform
+        // Column-wise scales: 1-D from the column maxima (lanes sharing columns: xor 8, 16; then the
+        // 8 warps through shared memory); 2-D the tile's.
+        float s_col[kSeg];
+        if (DIMS == 1) {
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) {
+                cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 8));
+                cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 16));
+            }
+            if (lane < BCT_SEGS_PER_ROW) {
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = cmax[j];
+            }
+            __syncthreads();
+            if (threadIdx.x < BCT_BLOCK) {
+                float a = col_part[0][threadIdx.x];
+#pragma unroll
+                for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][threadIdx.x]);
+                const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+                col_scale[threadIdx.x] = s;
+                const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
+                if (cc < round_up4(k)) x.sinv_col[tr * round_up4(k) + cc] = scale_inverse(s);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[c + j];
+        } else {
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
+            if (threadIdx.x < 4) {
+                const i64 tiles_m = ceil_div(m_pad, BCT_BLOCK);
+                const i64 ld = round_up4(tiles_m);
+                const i64 row = tr + threadIdx.x;
+                if (threadIdx.x == 0 || (tr == tiles_m - 1 && row < ld))
+                    x.sinv_col[tc * ld + row] = scale_inverse(
+                        threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            opaque_words(raw[it]);
+            float v[kSeg];
+            Traits::unpack(raw[it], v);
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
+            *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
+        }
+        __syncthreads();
+
+        // Transposed bytes: runs of 32 rows of one column, one 32-byte sector of (k, m_pad) each when
+        // aligned; rows m .. m_pad are the zero padding (they read as zero and cast to zero).
+#pragma unroll
+        for (int run = 0; run < BCT_RUNS; ++run) {
+            const int idx = threadIdx.x + run * BCT_THREADS;
+            const int cc = idx % BCT_BLOCK;
+            const int rr = (idx / BCT_BLOCK) * BCT_COL_RUN;
+            const i64 ocol = col0 + cc;
+            const i64 orow = row0 + rr;
+            if (ocol < k && orow < m_pad) {
+                u8* dst = x.out_col + ocol * m_pad + orow;
+                const i64 n = m_pad - orow < BCT_COL_RUN ? m_pad - orow : BCT_COL_RUN;
+                if ((n == BCT_COL_RUN || n == BCT_COL_RUN / 2) && aligned16(dst)) {
+#pragma unroll
+                    for (int h = 0; h < BCT_COL_RUN / 16; ++h) {
+                        if (16 * h < n) {
+                            u32 words[4];
+#pragma unroll
+                            for (int w = 0; w < 4; ++w) {
+                                const int r = rr + 16 * h + 4 * w;
+                                words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
+                                           (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
+                            }
+                            reinterpret_cast<uint4*>(dst)[h] = make_uint4(words[0], words[1], words[2], words[3]);
+                        }
+                    }
+                } else {
+                    for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
+                }
+            }
+        }
+    }
+
+    // Column sums (COLSUM), in the order the header states.
+    if (COLSUM) {
+        float csum[kSeg];
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            opaque_words(raw[it]);
+            float v[kSeg];
+            Traits::unpack(raw[it], v);
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) csum[j] = it == 0 ? ftz(v[j]) : ftz(csum[j] + ftz(v[j]));
+        }
 #pragma unroll
         for (int j = 0; j < kSeg; ++j) {
-            cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 8));
-            cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 16));
+            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 8));
+            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 16));
         }
+        __syncthreads();                                  // col_part is free again
         if (lane < BCT_SEGS_PER_ROW) {
 #pragma unroll
-            for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = cmax[j];
+            for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = csum[j];
         }
         __syncthreads();
-        if (threadIdx.x < BCT_BLOCK) {
-            float a = col_part[0][threadIdx.x];
-#pragma unroll
-            for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][threadIdx.x]);
-            const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
-            col_scale[threadIdx.x] = s;
-            const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
-            if (cc < round_up4(k)) x.sinv_col[tr * round_up4(k) + cc] = scale_inverse(s);
+        const int c = threadIdx.x;
+        if (c < BCT_BLOCK) {
+            float acc = col_part[0][c];
+            for (int w = 1; w < BCT_THREADS / 32; ++w) acc = ftz(acc + col_part[w][c]);
+            colsum_partial[static_cast<i64>(t) * BCT_BLOCK + c] = acc;
+            __threadfence();
         }
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[c + j];
-    } else {
-#pragma unroll
-        for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
-        if (threadIdx.x < 4) {
-            const i64 tiles_m = ceil_div(m_pad, BCT_BLOCK);
-            const i64 ld = round_up4(tiles_m);
-            const i64 row = tr + threadIdx.x;
-            if (threadIdx.x == 0 || (tr == tiles_m - 1 && row < ld))
-                x.sinv_col[tc * ld + row] = scale_inverse(
-                    threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
-        }
-    }
-#pragma unroll
-    for (int it = 0; it < BCT_ITERS; ++it) {
-        opaque_words(raw[it]);
-        float v[kSeg];
-        Traits::unpack(raw[it], v);
-#pragma unroll
-        for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
-        *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
-    }
-    __syncthreads();
-
-    // Transposed bytes: runs of 32 rows of one column, one 32-byte sector of (k, m_pad) each when
-    // aligned; rows m .. m_pad are the zero padding (they read as zero and cast to zero).
-#pragma unroll
-    for (int run = 0; run < BCT_RUNS; ++run) {
-        const int idx = threadIdx.x + run * BCT_THREADS;
-        const int cc = idx % BCT_BLOCK;
-        const int rr = (idx / BCT_BLOCK) * BCT_COL_RUN;
-        const i64 ocol = col0 + cc;
-        const i64 orow = row0 + rr;
-        if (ocol < k && orow < m_pad) {
-            u8* dst = x.out_col + ocol * m_pad + orow;
-            const i64 n = m_pad - orow < BCT_COL_RUN ? m_pad - orow : BCT_COL_RUN;
-            if ((n == BCT_COL_RUN || n == BCT_COL_RUN / 2) && aligned16(dst)) {
-#pragma unroll
-                for (int h = 0; h < BCT_COL_RUN / 16; ++h) {
-                    if (16 * h < n) {
-                        u32 words[4];
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) {
-                            const int r = rr + 16 * h + 4 * w;
-                            words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
-                                       (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
-                        }
-                        reinterpret_cast<uint4*>(dst)[h] = make_uint4(words[0], words[1], words[2], words[3]);
-                    }
-                }
-            } else {
-                for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
+        const i64 tiles_m = ceil_div(m, BCT_BLOCK);
+        int* counter = colsum_count + static_cast<i64>(e) * tiles_k + tc;
+        if (threadIdx.x == 0) last_block = atomicAdd(counter, 1) == tiles_m - 1;
+        __syncthreads();
+        if (last_block) {
+            __threadfence();
+            if (c < BCT_BLOCK && col0 + c < k) {
+                const volatile float* part = colsum_partial;
+                const i64 first = static_cast<i64>(x.tile_begin) + tc;
+                float acc = part[first * BCT_BLOCK + c];
+                for (i64 r = 1; r < tiles_m; ++r)
+                    acc = ftz(acc + part[(first + r * tiles_k) * BCT_BLOCK + c]);
+                colsum[static_cast<i64>(e) * k + col0 + c] = acc;
             }
+            if (threadIdx.x == 0) atomicExch(counter, 0);
         }
     }
 }

@@ -148,12 +148,12 @@ def run_both(xs, m_splits, form, **kw):
 
 
 def assert_same_bits(got, want, label=""):
-    for name in ("data", "data_t", "scale_inv", "scale_inv_t"):
+    for name in ("data", "data_t", "scale_inv", "scale_inv_t", "column_sums"):
         g, w = as_bits(getattr(got, name)), as_bits(getattr(want, name))
         if w is None:
             assert g is None, f"{label} {name}"
             continue
-        if got.splits_on_device and name != "data":   # worst-case sized: the experts fill a prefix
+        if got.splits_on_device and name not in ("data", "column_sums"):   # worst-case sized
             assert g.shape[0] >= w.shape[0], f"{label} {name} too small"
             g = g[: w.shape[0]]
         assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
@@ -224,6 +224,58 @@ def test_device_counts_over_more_experts_than_one_scan_pass():
     for dims in (1, 2):
         got, want = run_both(xs, m_splits, "device", block_scaling_dim=dims)
         assert_same_bits(got, want, f"{dims}D")
+
+
+# Column sums (dbias of a gradient) in the same pass, in the kernel's fixed order.
+COLSUM_CASES = [(split, dtype, form, (1, 2)[i % 2])
+                for i, (split, dtype, form) in enumerate(itertools.product(
+                    BLOCK_SPLITS, DTYPES, ("list", "tensor", "device")))]
+
+
+@pytest.mark.parametrize("split,dtype,form,dims", COLSUM_CASES,
+                         ids=["-".join(map(str, c)) for c in COLSUM_CASES])
+def test_column_sums_emulated_match_reference(split, dtype, form, dims):
+    m_splits, xs = case_data(split, dtype)
+    got, want = run_both(xs, m_splits, form, block_scaling_dim=dims, column_sums=True)
+    assert_same_bits(got, want, f"column sums {split}/{dtype}/{form}/{dims}D")
+
+
+def test_reference_column_sums_are_the_sums():
+    """The kernel-order float32 sums are within float32 summation error of the exact sums."""
+    rng = np.random.default_rng(17)
+    m_splits, k = [0, 1, 130, 400], 136
+    xs = [(rng.standard_normal((m, k)) * np.exp2(rng.uniform(-8, 8, (m, 1)))).astype(np.float32)
+          for m in m_splits]
+    res = reference.multi_block_cast_transpose(xs, column_sums=True)
+    for i, x in enumerate(xs):
+        exact = x.astype(np.float64).sum(0)
+        bound = max(x.shape[0], 1) * 2.0**-24 * np.abs(x.astype(np.float64)).sum(0)
+        assert np.all(np.abs(res.column_sums[i] - exact) <= bound), i
+    assert not res.column_sums[0].any()
+
+
+def test_column_sums_over_chunks_with_an_all_empty_chunk():
+    """70 experts: the second launch's chunk holds only empty experts (no tiles, no launch), so
+    the op writes their zero sums itself; the first chunk's empty experts are zeroed by block 0.
+    The per-stream counters are back at zero after each launch (the op checks)."""
+    m_splits = [int(v) for v in np.random.default_rng(5).integers(0, 40, size=64)] + [0] * 6
+    m_splits[3] = 0
+    xs = make_inputs(m_splits, 64, "float32", seed=6)
+    with cugrouped.record_launches() as launches:
+        got, want = run_both(xs, m_splits, "tensor", column_sums=True)
+    assert len(launches) == 1
+    assert_same_bits(got, want, "chunks")
+    got, want = run_both(xs, m_splits, "device", column_sums=True)
+    assert_same_bits(got, want, "device chunks")
+
+
+def test_column_sums_options_are_checked():
+    x = np.ones((16, 32), np.float32)
+    with pytest.raises(TypeError, match="column_sums: expected a bool"):
+        cugrouped.multi_block_cast_transpose(x, [16], column_sums=1)
+    with pytest.raises(ValueError, match="column_sums: not with row_index"):
+        cugrouped.multi_block_cast_transpose(x, [16], column_sums=True,
+                                             row_index=np.arange(16, dtype=np.int64))
 
 
 def test_every_form_meets_every_align():
@@ -464,7 +516,7 @@ def test_cuda_matches_reference(split, dtype, fmt, dims, align, form, order):
     splits = None
     if form == "device":
         dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
-    kw = dict(fp8_format=fmt, block_scaling_dim=dims, align=align)
+    kw = dict(fp8_format=fmt, block_scaling_dim=dims, align=align, column_sums=form == "device")
     want = reference.multi_block_cast_transpose(xs, **kw)
     got = cugrouped.multi_block_cast_transpose(dxs, splits, dtype=dtype if carrier else None, **kw)
     host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)

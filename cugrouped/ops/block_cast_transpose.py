@@ -41,17 +41,22 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False) -> str:
-    """The instantiation for one launch; the gather (``row_index``) is a template parameter
-    (``GATHER``, default false) in a module of its own, compiled only when used."""
+def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False,
+                column_sums: bool = False) -> str:
+    """The instantiation for one launch; the gather (``row_index``) and the column sums are
+    template parameters (``GATHER``, ``COLSUM``, default false); the gather variants live in a
+    module of their own, compiled only when used, and have no column sums."""
+    if gather and column_sums:
+        raise ValueError("column_sums: not with row_index (gradients are not gathered)")
+    tail = ", true" if gather else ", false, true" if column_sums else ""
     return (f"cg::block_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
-            f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}"
-            f"{', true' if gather else ''}>")
+            f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}{tail}>")
 
 
 def _instantiations(gather: bool) -> tuple[str, ...]:
-    # 3 dtypes x 2 formats x 2 block shapes
-    return tuple(kernel_name(d, f, n, gather) for d in _IN for f in _FMT for n in (1, 2))
+    # 3 dtypes x 2 formats x 2 block shapes (x column sums or not, without the gather)
+    return tuple(kernel_name(d, f, n, gather, cs) for d in _IN for f in _FMT for n in (1, 2)
+                 for cs in ((False,) if gather else (False, True)))
 
 
 KERNEL_SPEC = _jit.register("block_cast_transpose", _jit.KernelSpec(
@@ -157,7 +162,8 @@ def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, colu
         raise ValueError("rowwise, columnwise: at least one must be True")
 
 
-def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise: bool, out) -> None:
+def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise: bool, out,
+              column_sums: bool = False) -> None:
     """``out`` buffers against the inputs, before anything is launched or written."""
     if not isinstance(out, GroupedBlockFP8):
         raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
@@ -166,7 +172,8 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
     want = {"data": ((sz.rows, g.k), 1) if rowwise else None,
             "data_t": ((sz.data_t,), 1) if columnwise else None,
             "scale_inv": ((sz.scale_inv,), 4) if rowwise else None,
-            "scale_inv_t": ((sz.scale_inv_t,), 4) if columnwise else None}
+            "scale_inv_t": ((sz.scale_inv_t,), 4) if columnwise else None,
+            "column_sums": ((g.num_experts, g.k), 4) if column_sums else None}
     for name, spec in want.items():
         if spec is None:
             continue
@@ -191,7 +198,8 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                                columnwise: bool = True, amax_epsilon: float = 0.0,
                                power_2_scale: bool = True, out=None, dtype: str | None = None,
                                splits_on_device: bool | None = None,
-                               backend: str | None = None, row_index=None) -> GroupedBlockFP8:
+                               backend: str | None = None, row_index=None,
+                               column_sums: bool = False) -> GroupedBlockFP8:
     """Pad, cast to block-scaled FP8 and transpose every expert's rows in one pass; return a
     :class:`~cugrouped.GroupedBlockFP8`.
 
@@ -213,6 +221,8 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     ``row_index``: the fused MoE permute, as in :func:`cugrouped.multi_pad_cast_transpose`
     (expert ``i``'s rows are ``inputs[row_index[o_i : o_i + m_i]]``; a negative index is a zero
     row); the permuted copy is never written.
+    ``column_sums``: also return each expert's float32 column sums of the unscaled input
+    (``(E, k)``; dbias of a gradient), in the same pass and a fixed order (not with ``row_index``).
     """
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
     if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
@@ -222,28 +232,34 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                         block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
                         columnwise=columnwise, amax_epsilon=amax_epsilon,
                         power_2_scale=power_2_scale, out=out, dtype=dtype,
-                        splits_on_device=splits_on_device, backend=backend, row_index=row_index)
+                        splits_on_device=splits_on_device, backend=backend, row_index=row_index,
+                        column_sums=column_sums)
     return block_cast_arrays(inputs, m_splits, fp8_format=fp8_format,
                              block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
                              columnwise=columnwise, amax_epsilon=amax_epsilon,
                              power_2_scale=power_2_scale, out=out, dtype=dtype,
                              splits_on_device=splits_on_device, backend=backend,
-                             row_index=row_index)
+                             row_index=row_index, column_sums=column_sums)
 
 
 def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1, align=16,
                       rowwise=True, columnwise=True, amax_epsilon=0.0, power_2_scale=True,
                       out=None, dtype=None, splits_on_device=None, backend=None,
-                      normalized: GroupedInput | None = None, row_index=None) -> GroupedBlockFP8:
+                      normalized: GroupedInput | None = None, row_index=None,
+                      column_sums=False) -> GroupedBlockFP8:
     """The op on arrays of any kind without the torch dispatch (NumPy / CuPy in and out; CUDA
     torch tensors through their pointers, all outputs given as ``out=``: the torch front)."""
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    if not isinstance(column_sums, (bool, np.bool_)):
+        raise TypeError(f"column_sums: expected a bool, got {column_sums!r}")
+    if column_sums and row_index is not None:
+        raise ValueError("column_sums: not with row_index (gradients are not gathered)")
     if normalized is None:
         normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
     g = normalized
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
     if out is not None:
-        check_out(g, align, block_scaling_dim, rowwise, columnwise, out)
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
         from ..reference.block_cast_transpose import multi_block_cast_transpose as ref
@@ -252,19 +268,24 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
             raise ValueError("splits_on_device: the reference backend takes host counts")
         return ref(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim,
                    align=align, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
-                   power_2_scale=power_2_scale, out=out, dtype=dtype, row_index=row_index)
+                   power_2_scale=power_2_scale, out=out, dtype=dtype, row_index=row_index,
+                   column_sums=column_sums)
     xp = np if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
     else:
         plans = plan_block_launches(g.m_splits, g.k)
     with _device_scope(backend, g.device):
-        res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out)
+        res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out,
+                       column_sums)
         gather = g.row_index is not None
-        name = kernel_name(g.dtype, fp8_format, block_scaling_dim, gather)
+        name = kernel_name(g.dtype, fp8_format, block_scaling_dim, gather, bool(column_sums))
         for chunk, arg in zip(plans, _packed_groups(g, res, plans, align, block_scaling_dim)):
+            cs = res.column_sums[chunk.first:chunk.first + chunk.count] if column_sums else None
             if chunk.grid:
-                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale), gather)
+                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale), gather, cs)
+            elif cs is not None:       # only empty experts: no tile to write their zero sums
+                cs[...] = 0
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -273,7 +294,8 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
     return res
 
 
-def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, out) -> GroupedBlockFP8:
+def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, out,
+             column_sums=False) -> GroupedBlockFP8:
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
     m_pad = padded_splits(g.m_splits, align) if g.m_splits is not None else None
     splits = g.m_splits if g.m_dev is None else g.m_dev.owner
@@ -284,14 +306,17 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
             scale_inv=out.scale_inv if rowwise else None,
             scale_inv_t=out.scale_inv_t if columnwise else None,
             m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
-            block_scaling_dim=dims, total_rows=g.total_rows)
+            block_scaling_dim=dims, column_sums=out.column_sums if column_sums else None,
+            total_rows=g.total_rows)
     return GroupedBlockFP8(
         data=xp.empty((sz.rows, g.k), dtype=np.uint8) if rowwise else None,
         data_t=xp.empty((sz.data_t,), dtype=np.uint8) if columnwise else None,
         scale_inv=xp.empty((sz.scale_inv,), dtype=np.float32) if rowwise else None,
         scale_inv_t=xp.empty((sz.scale_inv_t,), dtype=np.float32) if columnwise else None,
         m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
-        block_scaling_dim=dims, total_rows=g.total_rows)
+        block_scaling_dim=dims,
+        column_sums=xp.empty((g.num_experts, g.k), dtype=np.float32) if column_sums else None,
+        total_rows=g.total_rows)
 
 
 _PACKED: collections.OrderedDict = collections.OrderedDict()
@@ -370,18 +395,39 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
     return args
 
 
-def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool) -> tuple:
-    """``(BctGroup g, i64 k, i32 align, float amax_epsilon, i32 power_2_scale)``."""
-    return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale))
+def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool,
+                   colsum=None, grid: int = 0) -> tuple:
+    """``(BctGroup g, i64 k, i32 align, float amax_epsilon, i32 power_2_scale, float* colsum,
+    float* colsum_partial, int* colsum_count)``; the column sums' partial rows and counters
+    are per-stream scratch and workspace (:mod:`._launch`), never allocated per call."""
+    if colsum is not None:
+        tiles_k = -(-k // BLOCK)
+        count = _launch.device_workspace("block_cast_transpose.colsum",
+                                         MAX_EXPERTS_PER_LAUNCH * tiles_k)
+        partial = _launch.device_scratch("block_cast_transpose.partial", 4 * grid * BLOCK)
+        ptrs = (colsum, partial, count)
+    else:
+        ptrs = (None, None, None)
+    return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale)) + \
+        tuple(np.uint64(_ptr(a)) for a in ptrs)
 
 
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,
-         gather=False) -> None:
+         gather=False, colsum=None) -> None:
     spec = GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
     _launch.note_launch(backend, name, chunk.grid, THREADS)
-    args = cuda_arguments(arg, k, align, eps, power_2_scale)
     if backend == "cuda":
+        args = cuda_arguments(arg, k, align, eps, power_2_scale, colsum, chunk.grid)
         _jit.get_function(spec, name)((chunk.grid,), (THREADS,), args)
-    else:
-        _jit.get_emulated_function(spec, name)(
-            (chunk.grid,), (THREADS,), args, order=_launch.current_emulation_order())
+        return
+    # host buffers, made per launch and checked after it
+    tiles_k = -(-k // BLOCK)
+    count = np.zeros(chunk.count * tiles_k, np.int32) if colsum is not None else None
+    partial = np.empty(chunk.grid * BLOCK, np.float32) if colsum is not None else None
+    args = (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale)) + tuple(
+        np.uint64(0) if a is None else a for a in (colsum, partial, count))
+    _jit.get_emulated_function(spec, name)(
+        (chunk.grid,), (THREADS,), args, order=_launch.current_emulation_order())
+    if count is not None and count.any():
+        raise RuntimeError("block_cast_transpose kernel left its column-sum counters non-zero "
+                           "(kernel bug)")

@@ -200,7 +200,7 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
             torch.empty(s_cs, dtype=torch.float32, device=dev))
 
 
-def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None):
+def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None, column_sums=False):
     """Output shapes of fp8_block_quantize, in plain integer arithmetic: under torch.compile the
     token counts are symbolic once they vary (no caches, no NumPy here). ``m_splits`` (a
     gather) gives the experts' rows instead of ``xs``."""
@@ -210,8 +210,9 @@ def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None):
         mp = padded(m, align)
         a, b = block_scale_entries(m, mp, k, block_dims)
         rows, data_t, sinv, sinv_t = rows + m, data_t + k * mp, sinv + a, sinv_t + b
+    E = len(m_splits) if m_splits is not None else len(xs)
     return ((rows if rowwise else 0, k), (data_t if columnwise else 0,),
-            (sinv if rowwise else 0,), (sinv_t if columnwise else 0,))
+            (sinv if rowwise else 0,), (sinv_t if columnwise else 0,), (E if column_sums else 0, k))
 
 
 @_custom_op("fp8_block_quantize", mutates_args=())
@@ -219,42 +220,48 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
                        rowwise: bool, columnwise: bool, cast_backend: str,
                        amax_epsilon: float = 0.0, power_2_scale: bool = True,
                        row_index: Optional[torch.Tensor] = None,
-                       m_splits: Optional[List[int]] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       m_splits: Optional[List[int]] = None, column_sums: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
     """``multi_block_cast_transpose`` of the experts ``xs`` (Float8BlockScaling): returns
-    ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t)``,
-    the block scales flat in TransformerEngine's layouts (empty for a copy not asked for).
-    ``row_index`` with ``m_splits`` (the fused permute): ``xs`` is ``[tokens]``."""
+    ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t,
+    column_sums (E, k) float32 or (0, k))``, the block scales flat in TransformerEngine's
+    layouts (empty for a copy not asked for). ``row_index`` with ``m_splits`` (the fused
+    permute): ``xs`` is ``[tokens]``."""
     gather = row_index is not None
     dev = xs[0].device
-    s_data, s_t, s_si, s_sit = _block_shapes(xs, block_dims, align, rowwise, columnwise,
-                                             m_splits if gather else None)
+    s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
+                                                   m_splits if gather else None, column_sums)
     u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
     data, data_t = torch.empty(s_data, **u8), torch.empty(s_t, **u8)
     sinv, sinv_t = torch.empty(s_si, **f32), torch.empty(s_sit, **f32)
+    colsum = torch.empty(s_cs, **f32)
     out = GroupedBlockFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
                           scale_inv=sinv if rowwise else None,
                           scale_inv_t=sinv_t if columnwise else None, m_splits=(),
                           m_pad_splits=(), fp8_format=fp8_format, k=xs[0].shape[1], align=align,
-                          block_scaling_dim=block_dims)
+                          block_scaling_dim=block_dims,
+                          column_sums=colsum if column_sums else None)
     _functional.multi_block_cast_transpose(
         xs[0] if gather else list(xs), list(m_splits) if gather else None,
         fp8_format=fp8_format, block_scaling_dim=block_dims, align=align,
         rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
         power_2_scale=power_2_scale, out=out, backend=_backend(xs[0], cast_backend),
-        row_index=row_index)
-    return data, data_t, sinv, sinv_t
+        row_index=row_index, column_sums=column_sums)
+    return data, data_t, sinv, sinv_t, colsum
 
 
 @fp8_block_quantize.register_fake
 def _(xs, fp8_format, block_dims, align, rowwise, columnwise, cast_backend, amax_epsilon=0.0,
-      power_2_scale=True, row_index=None, m_splits=None):
-    s_data, s_t, s_si, s_sit = _block_shapes(xs, block_dims, align, rowwise, columnwise,
-                                             m_splits if row_index is not None else None)
+      power_2_scale=True, row_index=None, m_splits=None, column_sums=False):
+    s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
+                                                   m_splits if row_index is not None else None,
+                                                   column_sums)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
             torch.empty(s_si, dtype=torch.float32, device=dev),
-            torch.empty(s_sit, dtype=torch.float32, device=dev))
+            torch.empty(s_sit, dtype=torch.float32, device=dev),
+            torch.empty(s_cs, dtype=torch.float32, device=dev))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         # delayed scaling: this forward's input amaxes are max-merged into the pending amax that
         # the next scale update rolls in (forwards may run ahead of their backwards)
         if cfg.block:   # block scales: each copy has its own (x_si_t, w_si_t: the transposed's)
-            x_data, x_t, x_si, x_si_t = cops.eager.fp8_block_quantize(
+            x_data, x_t, x_si, x_si_t, _ = cops.eager.fp8_block_quantize(
                 x_list, cfg.fmt_fwd, cfg.block[0], FP8_ALIGN, True, need_wgrad, cfg.cast_backend,
                 *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
             w_data, w_t, w_si, w_si_t = wq
@@ -250,11 +250,9 @@ class _GroupedLinearFn(torch.autograd.Function):
             fp8_wgrad = need_wgrad and cfg.bwd_mode == "fp8"
             _, amax, scale, _ = ctx.state if ctx.state else (None,) * 4
             if cfg.block:
-                dy_data, dy_t, dy_si, dy_si_t = cops.eager.fp8_block_quantize(
+                dy_data, dy_t, dy_si, dy_si_t, colsum = cops.eager.fp8_block_quantize(
                     dy_list, cfg.fmt_bwd, cfg.block[2], FP8_ALIGN, need_dgrad or not fp8_wgrad,
-                    fp8_wgrad, cfg.cast_backend, *cfg.q_grad)
-                # (the block cast has no column sums: dbias in float32 from dy itself)
-                colsum = torch.stack([d.float().sum(0) for d in dy_list]) if need_dbias else None
+                    fp8_wgrad, cfg.cast_backend, *cfg.q_grad, None, None, need_dbias)
             else:
                 dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
                     dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,

@@ -109,7 +109,7 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None, splits_on_device=None,
-                               backend=None, row_index=None) -> GroupedBlockFP8:
+                               backend=None, row_index=None, column_sums=False) -> GroupedBlockFP8:
     """:func:`cugrouped.multi_block_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes,
     the scales float32), all allocated by torch, computed on its current stream."""
@@ -129,21 +129,23 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
             scale_inv=torch.empty((sz.scale_inv,), **f32) if rowwise else None,
             scale_inv_t=torch.empty((sz.scale_inv_t,), **f32) if columnwise else None,
             m_splits=(), m_pad_splits=(), fp8_format=fp8_format, k=g.k, align=align,
-            block_scaling_dim=block_scaling_dim)
-    fields = ("data", "data_t", "scale_inv", "scale_inv_t")
+            block_scaling_dim=block_scaling_dim,
+            column_sums=torch.empty((g.num_experts, g.k), **f32) if column_sums else None)
+    fields = ("data", "data_t", "scale_inv", "scale_inv_t", "column_sums")
     views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in fields})
     with launch_context(dev):
         res = _bct.block_cast_arrays(
             xs, splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim, align=align,
             rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
             power_2_scale=power_2_scale, out=views, dtype=tag, splits_on_device=splits_on_device,
-            backend=backend, normalized=g, row_index=row_index)
+            backend=backend, normalized=g, row_index=row_index, column_sums=column_sums)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,
         data_t=out.data_t.view(torch.uint8) if columnwise else None,
         scale_inv=out.scale_inv if rowwise else None,
         scale_inv_t=out.scale_inv_t if columnwise else None,
+        column_sums=out.column_sums if column_sums else None,
         m_splits=res.m_splits if res.m_pad_splits is not None else m_splits)
 
 

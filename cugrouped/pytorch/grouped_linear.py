@@ -458,7 +458,7 @@ class GroupedLinear(torch.nn.Module):
             out = cops.eager.fp8_block_quantize(
                 ws, recipe.fp8_format.forward, recipe.w_block_scaling_dim, 1, True,
                 need_t or is_first_microbatch is not None, cast_backend,
-                *_qparams(recipe, "fp8_quant_fwd_weight"))
+                *_qparams(recipe, "fp8_quant_fwd_weight"))[:4]
             if not recompute:
                 self._fp8_weight_cache = (key, out) if is_first_microbatch is not None else None
             return out

@@ -21,7 +21,7 @@ from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_shapes
 from . import fp8 as rfp8
 from .pad_cast_transpose import _expert_arrays, copy_into, gather_rows
 
-__all__ = ["multi_block_cast_transpose", "block_amax"]
+__all__ = ["multi_block_cast_transpose", "block_amax", "block_column_sums"]
 
 
 def _zero_padded(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -38,6 +38,37 @@ def block_amax(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
     z = np.abs(_zero_padded(x, gr * rows, gc * cols)).reshape(gr, rows, gc, cols)
     return np.fmax.reduce(np.fmax.reduce(z, axis=3, initial=np.float32(0)), axis=1,
                           initial=np.float32(0)).astype(np.float32)
+
+
+def block_column_sums(x: np.ndarray) -> np.ndarray:
+    """float32 column sums of ``x`` (float32, FTZ applied) in the block kernel's order: rows
+    padded with +0 to whole 128-row tiles; in a tile, thread rows ``r + 32 i`` (i = 0..3) in turn
+    for ``r = 4 w + g`` (warp w, row group g), then ``(g0 + g1) + (g2 + g3)``, then the 8 warps in
+    turn; then the tiles in turn. Every addition rounded to float32 and flushed."""
+    m, k = x.shape
+    if m == 0:
+        return np.zeros(k, np.float32)
+    tiles = -(-m // BLOCK)
+    z = np.zeros((tiles * BLOCK, k), np.float32)
+    z[:m] = x
+    t = z.reshape(tiles, 4, 8, 4, k)          # (tile, i, warp, group, k): row = 32 i + 4 w + g
+    f = rfp8.ftz
+    with np.errstate(invalid="ignore", over="ignore"):     # inf + -inf is NaN, as on the GPU
+        return _tile_sums(t, f, tiles)
+
+
+def _tile_sums(t, f, tiles):
+    s = t[:, 0]
+    for i in range(1, 4):
+        s = f(s + t[:, i])                       # (tile, warp, group, k)
+    g = f(f(s[:, :, 0] + s[:, :, 1]) + f(s[:, :, 2] + s[:, :, 3]))   # (tile, warp, k)
+    acc = g[:, 0]
+    for w in range(1, 8):
+        acc = f(acc + g[:, w])                   # (tile, k)
+    total = acc[0]
+    for r in range(1, tiles):
+        total = f(total + acc[r])
+    return total.astype(np.float32)
 
 
 def _expand(s: np.ndarray, rows: int, cols: int, shape) -> np.ndarray:
@@ -79,7 +110,7 @@ def _expert(x, m_pad, fmt, dims, eps, p2):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None,
-                               backend=None, row_index=None) -> GroupedBlockFP8:
+                               backend=None, row_index=None, column_sums=False) -> GroupedBlockFP8:
     """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only."""
     from ..ops.block_cast_transpose import check_block_options
     from ..ops.pad_cast_transpose import check_scale_options, normalize_inputs, padded_splits
@@ -108,10 +139,13 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
         scale_inv=cat(1, np.float32) if rowwise else None,
         scale_inv_t=cat(3, np.float32) if columnwise else None,
         m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
-        block_scaling_dim=block_scaling_dim)
+        block_scaling_dim=block_scaling_dim,
+        column_sums=np.stack([block_column_sums(x) for x in xs]) if column_sums else None,
+        total_rows=g.total_rows)
     if out is not None:
         from ..ops.block_cast_transpose import check_out
 
-        check_out(g, align, block_scaling_dim, rowwise, columnwise, out)
-        copy_into(res, out, ("data", "data_t", "scale_inv", "scale_inv_t"))
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums)
+        copy_into(res, out, ("data", "data_t", "scale_inv", "scale_inv_t") +
+                  (("column_sums",) if column_sums else ()))
     return res
