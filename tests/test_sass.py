@@ -170,7 +170,9 @@ def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtyp
     """16-byte loads, a full tile's 16 (float32) or 8 (16-bit) of them in one basic block before
     any use (and as many again on the bounds-checked path); 4 row-wise + 4 transposed 16-byte
     stores; 32 + 32 conversions of two elements on sm_89+ (the row-wise and the column-wise
-    bytes have scales of their own), none below; no local memory; the registers of the launch
+    bytes have scales of their own), none below -- ptxas may recompute a few under the 80-register
+    cap of 2-D blocks of 16-bit input (bfloat16 2-D: 76 on sm_90, 74 on sm_100, NVRTC 13.0; a
+    duplicated conversion path would be 128); no local memory; the registers of the launch
     bounds (128: 2 blocks an SM; 80 for 2-D blocks of 16-bit input)."""
     arch, by_name, resources = block_sass
     loads = 16 if dtype == "float32" else 8
@@ -182,9 +184,11 @@ def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtyp
         assert ops["STG.E.128"] == 8, ops
         assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
         f2fp = sum(v for op, v in ops.items() if op.startswith("F2FP"))
-        assert f2fp == (64 if int(arch) >= 89 else 0), ops
-        if int(arch) >= 89:
-            assert ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] == 64, ops
+        if int(arch) < 89:
+            assert f2fp == 0, ops
+        else:
+            cvt = ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"]
+            assert cvt == f2fp and (cvt == 64 or (dims == 2 and dtype != "float32" and cvt <= 80)), ops
         cap = 80 if dims == 2 and dtype != "float32" else 128
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
 
