@@ -29,37 +29,33 @@ __all__ = ["GroupedBlockFP8", "BLOCK", "block_scale_shapes", "block_scale_sizes"
 BLOCK = 128   # the scaling block length (TransformerEngine's kBlockLen; cuBLASLt's VEC128 / BLK128x128)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _r4(v: int) -> int:
-    return _cdiv(v, 4) * 4
-
-
-def block_scale_shapes(m: int, m_pad: int, k: int, dims: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of one expert's row-wise and column-wise ``scale_inv`` blocks (see the module doc):
-    the row-wise copy is ``(m, k)``, the column-wise one ``(k, m_pad)``."""
-    if dims == 1:
-        return (_cdiv(k, BLOCK), _r4(m)), (_cdiv(m_pad, BLOCK), _r4(k))
-    if dims == 2:
-        return (_cdiv(m, BLOCK), _r4(_cdiv(k, BLOCK))), (_cdiv(k, BLOCK), _r4(_cdiv(m_pad, BLOCK)))
-    raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
-
-
-def block_scale_entries(m, m_pad, k, dims: int) -> tuple:
-    """Entries of one expert's row-wise and column-wise ``scale_inv`` blocks, in plain integer
-    arithmetic (so that torch.compile's symbolic sizes pass through: no caches, no NumPy)."""
-    (a, b), (c, d) = _shapes(m, m_pad, k, dims)
-    return a * b, c * d
-
-
 def _shapes(m, m_pad, k, dims):
+    """The layouts' two shapes in plain integer arithmetic, so that Python ints, torch.compile's
+    symbolic sizes and NumPy arrays of counts (all experts at once) go through the one formula."""
     cd = lambda v: (v + BLOCK - 1) // BLOCK  # noqa: E731
     r4 = lambda v: (v + 3) // 4 * 4           # noqa: E731
     if dims == 1:
         return (cd(k), r4(m)), (cd(m_pad), r4(k))
     return (cd(m), r4(cd(k))), (cd(k), r4(cd(m_pad)))
+
+
+def _check_dims(dims) -> None:
+    if dims not in (1, 2):
+        raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
+
+
+def block_scale_shapes(m: int, m_pad: int, k: int, dims: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of one expert's row-wise and column-wise ``scale_inv`` blocks (see the module doc):
+    the row-wise copy is ``(m, k)``, the column-wise one ``(k, m_pad)``."""
+    _check_dims(dims)
+    return _shapes(m, m_pad, k, dims)
+
+
+def block_scale_entries(m, m_pad, k, dims: int) -> tuple:
+    """Entries of one expert's row-wise and column-wise ``scale_inv`` blocks (no caches, no
+    NumPy: torch.compile's symbolic sizes pass through)."""
+    (a, b), (c, d) = _shapes(m, m_pad, k, dims)
+    return a * b, c * d
 
 
 def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,16 +67,11 @@ def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.nda
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
 def _scale_sizes(m_splits: tuple, m_pad_splits: tuple, k: int, dims: int):
-    if dims not in (1, 2):
-        raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
-    m = np.asarray(m_splits, dtype=np.int64)
-    mp = np.asarray(m_pad_splits, dtype=np.int64)
-    bk, bm, bmp = -(-k // BLOCK), -(-m // BLOCK), -(-mp // BLOCK)
-    if dims == 1:
-        row, col = bk * (-(-m // 4) * 4), bmp * _r4(k)
-    else:
-        row, col = bm * _r4(bk), bk * (-(-bmp // 4) * 4)
-    row, col = row.astype(np.int64), np.asarray(col, dtype=np.int64)
+    _check_dims(dims)
+    row, col = block_scale_entries(np.asarray(m_splits, dtype=np.int64),
+                                   np.asarray(m_pad_splits, dtype=np.int64), k, dims)
+    row = np.broadcast_to(row, (len(m_splits),)).astype(np.int64)
+    col = np.broadcast_to(col, (len(m_splits),)).astype(np.int64)
     row.flags.writeable = col.flags.writeable = False
     return row, col
 
