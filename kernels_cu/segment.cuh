@@ -77,6 +77,56 @@ CG_DEVICE void opaque_words(uint4 (&w)[N]) {
 
 CG_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15u) == 0; }
 
+// One segment of a row in its raw 16-byte words, whatever the bounds: `n` valid elements (the
+// rest read as zero bits), with one vector load when the segment is whole and aligned.
+template <InDtype IN>
+CG_DEVICE void load_segment(const void* src, i64 n, uint4 (&w)[InTraits<IN>::words]) {
+    using Traits = InTraits<IN>;
+    if (n >= kSeg && aligned16(src)) {
+        Traits::load_raw(src, w);
+        return;
+    }
+    u32 u[4 * Traits::words];
+#pragma unroll
+    for (int i = 0; i < 4 * Traits::words; ++i) u[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < kSeg; ++i) {
+        if (i < n) {
+            if (Traits::bytes == 4) {
+                u[i] = static_cast<const u32*>(src)[i];
+            } else {
+                u[i / 2] |= static_cast<u32>(static_cast<const u16*>(src)[i]) << (16 * (i % 2));
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < Traits::words; ++j) w[j] = make_uint4(u[4 * j], u[4 * j + 1], u[4 * j + 2], u[4 * j + 3]);
+}
+
+// 16 floats scaled and converted to FP8, packed as one 16-byte word (byte j = element j).
+template <Fp8Format FMT>
+CG_DEVICE uint4 cast16(const float (&v)[kSeg], const float (&s)[kSeg]) {
+    u32 packed[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * s[4 * w]), ftz(v[4 * w + 1] * s[4 * w + 1]));
+        const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s[4 * w + 2]), ftz(v[4 * w + 3] * s[4 * w + 3]));
+        packed[w] = lo | (hi << 16);
+    }
+    return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
+    if (n >= kSeg && aligned16(dst)) {
+        *reinterpret_cast<uint4*>(dst) = q;
+        return;
+    }
+    const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < kSeg; ++j)   // unrolled: words[] stays in registers
+        if (j < n) dst[j] = static_cast<u8>(words[j / 4] >> (8 * (j % 4)));
+}
+
 // Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
 // binary search, the same in every thread, so no divergence).
 CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
