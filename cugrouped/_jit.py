@@ -193,20 +193,38 @@ def get_function(spec: KernelSpec, name_expression: str):
     return fn
 
 
-def warmup() -> list[str]:
-    """Compile every registered kernel for the current device ahead of use; return what was built.
-    Needs a GPU (``python -m cugrouped compile-check`` compiles for named architectures without
-    one; the CPU backends need no compilation)."""
+def warmup(names=None, parallel: bool = False) -> list[str]:
+    """Compile every registered kernel (or the modules ``names``) for the current device ahead of
+    use; return what was built. Needs a GPU (``python -m cugrouped compile-check`` compiles for
+    named architectures without one; the CPU backends need no compilation).
+
+    ``parallel``: first compile each module in a process of its own (NVRTC is single-threaded;
+    the biggest module takes ~40 s on a CI core), which fills CuPy's disk cache, then load them
+    all here from it."""
     from . import gpu_available, ops  # noqa: F401  (imports register the specs)
 
+    specs = registered()
+    names = list(specs) if names is None else list(names)
+    unknown = set(names) - set(specs)
+    if unknown:
+        raise ValueError(f"names: unknown kernel modules {sorted(unknown)}; known: {sorted(specs)}")
     if not gpu_available():
         raise RuntimeError("warmup: no CUDA GPU is visible to CuPy, so there is no device to "
                            "compile for; the CPU backends ('reference', 'emulate') need no "
                            "warm-up, and `python -m cugrouped compile-check` compiles every "
                            "kernel for sm_80/89/90/100 without a GPU")
+    if parallel and len(names) > 1:
+        import subprocess
+        import sys
 
+        procs = [subprocess.Popen([sys.executable, "-c", "import cugrouped._jit as j; "
+                                   f"j.warmup([{n!r}])"]) for n in names]
+        failed = [n for n, p in zip(names, procs) if p.wait() != 0]
+        if failed:
+            raise RuntimeError(f"warmup: compiling {failed} failed (see the output above)")
     built = []
-    for name, spec in registered().items():
+    for name in names:
+        spec = specs[name]
         for expr in spec.name_expressions:
             get_function(spec, expr)
         built.append(name)

@@ -12,6 +12,15 @@ TransformerEngine's GEMM-ready compact layouts, the ones cuBLASLt's ``VEC128_32F
 * 2-D: ``(ceil(R / 128), roundup(ceil(C / 128), 4))``, element ``[rb, cb]``.
 
 Every entry is written, the rounding-up padding too (as blocks of zeros would be scaled).
+
+MXFP8 (TransformerEngine's ``MXFP8BlockScaling``, the OCP microscaling format of sm_100 tensor
+cores; :class:`GroupedMXFP8`) gives every block of 32 elements of a row of either copy an E8M0
+scale byte ``e`` (the power of two ``2^(e - 127)``), stored in the tiled ("swizzled") layout
+cuBLASLt's ``VEC32_UE8M0`` mode reads. For an operand ``(R, C)`` row-major, its compact scale
+matrix is ``(roundup(R, 128), roundup(ceil(C / 32), 4))`` (row ``r``, block ``cb``: padding entries
+are ``0x00``, the scale of a block of zeros), cut into 128 x 4 tiles of 512 bytes, row-major over
+the tiles, each tile stored as ``(r % 32) * 16 + ((r % 128) // 32) * 4 + cb % 4``
+(:func:`mx_swizzle`, :func:`mx_unswizzle`).
 """
 
 from __future__ import annotations
@@ -24,9 +33,14 @@ import numpy as np
 
 from .grouped_fp8 import FP8_FORMATS, GroupedSplits, decode_table
 
-__all__ = ["GroupedBlockFP8", "BLOCK", "block_scale_shapes", "block_scale_sizes", "FP8_FORMATS"]
+__all__ = ["GroupedBlockFP8", "GroupedMXFP8", "BLOCK", "MX_BLOCK", "MX_DIMS", "block_scale_shapes",
+           "block_scale_sizes", "mx_swizzle", "mx_unswizzle", "FP8_FORMATS"]
 
 BLOCK = 128   # the scaling block length (TransformerEngine's kBlockLen; cuBLASLt's VEC128 / BLK128x128)
+MX_BLOCK = 32  # MXFP8's block length (cuBLASLt's VEC32_UE8M0)
+# The block_scaling_dim of MXFP8 inside cugrouped: 1 x 32 blocks of both copies, E8M0 scales in the
+# swizzled layout (the kernels' DIMS == BCT_MX). Public ops take 1 or 2; MXFP8 has its own op.
+MX_DIMS = 3
 
 
 def _shapes(m, m_pad, k, dims):
@@ -34,14 +48,35 @@ def _shapes(m, m_pad, k, dims):
     symbolic sizes and NumPy arrays of counts (all experts at once) go through the one formula."""
     cd = lambda v: (v + BLOCK - 1) // BLOCK  # noqa: E731
     r4 = lambda v: (v + 3) // 4 * 4           # noqa: E731
+    if dims == MX_DIMS:   # compact (unswizzled) shapes of the E8M0 bytes: 512 per 128 x 128 tile
+        r128 = lambda v: cd(v) * BLOCK        # noqa: E731
+        c32 = lambda v: (v + MX_BLOCK - 1) // MX_BLOCK  # noqa: E731
+        return (r128(m), r4(c32(k))), (r128(k), r4(c32(m_pad)))
     if dims == 1:
         return (cd(k), r4(m)), (cd(m_pad), r4(k))
     return (cd(m), r4(cd(k))), (cd(k), r4(cd(m_pad)))
 
 
 def _check_dims(dims) -> None:
-    if dims not in (1, 2):
+    if dims not in (1, 2, MX_DIMS):
         raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
+
+
+def mx_swizzle(compact):
+    """A compact ``(R, C)`` E8M0 scale matrix (``R % 128 == 0``, ``C % 4 == 0``) in the tiled
+    layout cuBLASLt reads, flat: ``(R/128, 4, 32, C/4, 4)`` -> ``(R/128, C/4, 32, 4, 4)``.
+    NumPy, CuPy or torch arrays."""
+    R, C = compact.shape
+    t = compact.reshape(R // BLOCK, 4, 32, C // 4, 4)
+    t = t.permute(0, 3, 2, 1, 4) if hasattr(t, "permute") else t.transpose(0, 3, 2, 1, 4)
+    return t.reshape(-1)
+
+
+def mx_unswizzle(flat, rows: int, cols: int):
+    """The inverse of :func:`mx_swizzle`: the compact ``(rows, cols)`` matrix (a copy)."""
+    t = flat.reshape(rows // BLOCK, cols // 4, 32, 4, 4)
+    t = t.permute(0, 3, 2, 1, 4) if hasattr(t, "permute") else t.transpose(0, 3, 2, 1, 4)
+    return t.reshape(rows, cols)
 
 
 def block_scale_shapes(m: int, m_pad: int, k: int, dims: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -139,21 +174,23 @@ class GroupedBlockFP8(GroupedSplits):
         cols = self._offsets()[1]
         return self.data_t[int(cols[i]):int(cols[i + 1])].reshape(self.k, self.host_splits()[1][i])
 
+    def _scales(self, i: int, col: bool):
+        """Expert ``i``'s scale entries (flat) and their 2-D shape."""
+        self._expert(i, self.data_t if col else self.data, "columnwise" if col else "rowwise")
+        off = self._offsets()[3 if col else 2]
+        m, mp = self.host_splits()
+        shape = block_scale_shapes(m[i], mp[i], self.k, self.block_scaling_dim)[int(col)]
+        return (self.scale_inv_t if col else self.scale_inv)[int(off[i]):int(off[i + 1])], shape
+
     def rowwise_scale_inv(self, i: int):
         """Expert ``i``'s row-wise scales, a 2-D view of :attr:`scale_inv` (module doc layout)."""
-        self._expert(i, self.data, "rowwise")
-        off = self._offsets()[2]
-        m, mp = self.host_splits()
-        shape = block_scale_shapes(m[i], mp[i], self.k, self.block_scaling_dim)[0]
-        return self.scale_inv[int(off[i]):int(off[i + 1])].reshape(shape)
+        flat, shape = self._scales(i, False)
+        return flat.reshape(shape)
 
     def columnwise_scale_inv(self, i: int):
         """Expert ``i``'s column-wise scales, a 2-D view of :attr:`scale_inv_t`."""
-        self._expert(i, self.data_t, "columnwise")
-        off = self._offsets()[3]
-        m, mp = self.host_splits()
-        shape = block_scale_shapes(m[i], mp[i], self.k, self.block_scaling_dim)[1]
-        return self.scale_inv_t[int(off[i]):int(off[i + 1])].reshape(shape)
+        flat, shape = self._scales(i, True)
+        return flat.reshape(shape)
 
     def dequantize(self, columnwise: bool = False) -> list:
         """Per-expert float32 ``(m_i, k)`` arrays, every byte times its block's ``scale_inv``,
@@ -181,7 +218,53 @@ class GroupedBlockFP8(GroupedSplits):
             else:
                 q, s = self.rowwise(i), self.rowwise_scale_inv(i)
                 rr, cc = arange(m)[:, None], arange(self.k)[None, :]
-            sc = s[cc // BLOCK, rr] if self.block_scaling_dim == 1 else s[rr // BLOCK, cc // BLOCK]
+            sc = self._element_scales(s, rr, cc)
             x = table[as_bytes(q)] * sc
             out.append(x.T if use_t else x)
         return out
+
+    def _element_scales(self, s, rr, cc):
+        """The dequantization factor of every element (rows rr, columns cc) from 2-D scales."""
+        return s[cc // BLOCK, rr] if self.block_scaling_dim == 1 else s[rr // BLOCK, cc // BLOCK]
+
+
+@dataclasses.dataclass
+class GroupedMXFP8(GroupedBlockFP8):
+    """MXFP8 copies of E experts' rows (TransformerEngine's ``MXFP8BlockScaling``): every block of
+    32 elements along a row of ``data`` or of ``data_t`` has an E8M0 scale byte ``e``, the value
+    ``2^(e - 127)`` that dequantizes it; written by :func:`cugrouped.multi_mxfp8_cast_transpose`.
+
+    The fields are :class:`GroupedBlockFP8`'s (``block_scaling_dim`` is :data:`MX_DIMS`), except:
+
+    scale_inv, scale_inv_t : ``uint8`` arrays, experts back to back
+        E8M0 bytes in cuBLASLt's tiled layout (module doc), expert ``i``'s block starting at a
+        multiple of 512 bytes; :meth:`rowwise_scale_inv` / :meth:`columnwise_scale_inv` give its
+        compact ``(roundup(rows, 128), roundup(ceil(cols / 32), 4))`` matrix (a copy).
+    data_t : with its own blocks (32 tokens of one feature), so its bytes are not ``data``'s
+        transposed. ``align`` (32 for the GEMMs) pads each expert's tokens.
+    """
+
+    block_scaling_dim: int = MX_DIMS
+
+    def rowwise_scale_inv(self, i: int):
+        """Expert ``i``'s row-wise E8M0 bytes, compact ``(roundup(m_i, 128), roundup(ceil(k / 32),
+        4))`` (unswizzled; a copy)."""
+        flat, shape = self._scales(i, False)
+        return mx_unswizzle(flat, *shape)
+
+    def columnwise_scale_inv(self, i: int):
+        """Expert ``i``'s E8M0 bytes of ``data_t``'s rows, compact ``(roundup(k, 128),
+        roundup(ceil(m_pad_i / 32), 4))`` (unswizzled; a copy)."""
+        flat, shape = self._scales(i, True)
+        return mx_unswizzle(flat, *shape)
+
+    def _element_scales(self, s, rr, cc):
+        """2^(e - 127) of the block of (row rr, column cc), in float32 (e = 0 is the denormal
+        2^-127; a block whose scale it is holds only zeros)."""
+        e = s[rr, cc // MX_BLOCK]
+        if hasattr(e, "to"):        # torch
+            import torch
+
+            return torch.exp2(e.to(torch.float32) - 127)      # exact: integer exponents
+        xp = np if isinstance(e, np.ndarray) else __import__("cupy")
+        return xp.ldexp(xp.ones(e.shape, xp.float32), e.astype(xp.int32) - 127)

@@ -5,6 +5,15 @@
 // elements (1-D: activations and gradients) or 128 x 128 elements (2-D: weights) has a scale of
 // its own, taken from that block's amax in the same pass. No amax pass, no second launch.
 //
+// MXFP8 (DIMS == BCT_MX; TransformerEngine's MXFP8BlockScaling, the OCP microscaling format the
+// sm_100 tensor cores read): blocks of 32 elements of a row (out_row) and of 32 rows of a column
+// (out_col: 32 tokens of one feature, along out_col's rows), each with an E8M0 scale byte
+// (fp8.cuh: mx_scale_byte), stored directly in the tiled layout cuBLASLt's VEC32_UE8M0 mode reads
+// (the "swizzled" one; cugrouped.grouped_block_fp8): for an operand (R, C) row-major, the scale
+// of block cb of row r at byte ((r / 128) * ceil(C / 128) + cb / 4) * 512 + (r % 32) * 16 +
+// ((r / 32) % 4) * 4 + cb % 4. A 128 x 128 tile of data is exactly one 512-byte scale tile of each
+// copy, so every block writes its two scale tiles whole, padding included (blocks of zeros: 0x00).
+//
 // For every expert e of a chunk (at most CG_BCT_MAX_EXPERTS per launch), input X_e of shape
 // (m_e, k) with row stride ld_e elements, element type IN (float32, float16 or bfloat16), and
 // m_pad_e = roundup(m_e, align) (align divides 128, so ceil(m_pad_e / 128) = ceil(m_e / 128)):
@@ -12,7 +21,7 @@
 //   out_col[e]   (k, m_pad_e)  FP8 bytes of X_e's transpose, its own blocks (1-D: 128 rows of one
 //                              column, so the bytes differ from out_row's; 2-D: the same blocks,
 //                              so they are out_row's bytes transposed); columns m_e.. are zero
-//   sinv_row[e]  float32 scale_inv = 1 / s of the row-wise blocks, TransformerEngine's GEMM-ready
+//   sinv_row[e]  (1-D, 2-D) float32 scale_inv = 1 / s of the row-wise blocks, TE's GEMM-ready
 //                (compact, not swizzled) layouts, which cuBLASLt's VEC128_32F / BLK128x128_32F
 //                scale modes read:
 //                  1-D: (ceil(k/128), roundup(m_e, 4))   element [kb, r]   (block kb of row r)
@@ -59,6 +68,9 @@ constexpr int BCT_ROWS_PER_ITER = BCT_THREADS / BCT_SEGS_PER_ROW;               
 constexpr int BCT_ITERS = BCT_BLOCK / BCT_ROWS_PER_ITER;                          // 4
 constexpr int BCT_COL_RUN = 32;     // transposed bytes written per thread and run
 constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;     // 2
+constexpr int BCT_MX = 3;           // DIMS of MXFP8: 1 x 32 blocks, E8M0 scales
+constexpr int MX_BLOCK = 32;        // its block length (= BCT_ROWS_PER_ITER: one iteration's rows)
+constexpr int MX_TILE_BYTES = 512;  // one 128 x 4 scale tile: the scales of a 128 x 128 data tile
 
 // Kernel argument block, passed by value like PctGroup (the NumPy twin is
 // cugrouped.ops.block_cast_transpose.group_dtype). sizeof = 7*8*64 + 4*65 + 4 + 4 + (4 pad)
@@ -69,8 +81,8 @@ struct BctGroup {
     const void* in[CG_BCT_MAX_EXPERTS];
     u8* out_row[CG_BCT_MAX_EXPERTS];
     u8* out_col[CG_BCT_MAX_EXPERTS];
-    float* sinv_row[CG_BCT_MAX_EXPERTS];
-    float* sinv_col[CG_BCT_MAX_EXPERTS];
+    void* sinv_row[CG_BCT_MAX_EXPERTS];      // float32 scale_inv, or (MXFP8) E8M0 bytes
+    void* sinv_col[CG_BCT_MAX_EXPERTS];
     i64 m[CG_BCT_MAX_EXPERTS];
     i64 ld[CG_BCT_MAX_EXPERTS];
     i32 tile_start[CG_BCT_MAX_EXPERTS + 1];
@@ -90,8 +102,8 @@ struct BctExpert {
     const void* in;
     u8* out_row;
     u8* out_col;
-    float* sinv_row;
-    float* sinv_col;
+    void* sinv_row;
+    void* sinv_col;
     i64 m, ld;
     i32 tile_begin;
     const i64* idx;          // gather: this expert's row indices (null: rows in place)
@@ -123,6 +135,7 @@ struct BctSizes { i64 tiles, sinv_row, sinv_col; };
 template <int DIMS>
 CG_HOST_DEVICE BctSizes bct_sizes(i64 m, i64 k) {
     const i64 bk = ceil_div(k, BCT_BLOCK), bm = ceil_div(m, BCT_BLOCK);
+    if (DIMS == BCT_MX) return BctSizes{bm * bk, MX_TILE_BYTES * bm * bk, MX_TILE_BYTES * bm * bk};
     if (DIMS == 1) return BctSizes{bm * bk, bk * round_up4(m), bm * round_up4(k)};
     return BctSizes{bm * bk, bm * round_up4(bk), bk * round_up4(bm)};
 }
@@ -184,7 +197,68 @@ CG_DEVICE void bct_plan_from_device_counts(const BctGroup& g, i64 k, i64 align, 
 // 16-bit variants spilled up to 1.6 KB on sm_100, NVRTC 13.0). So up to 128 registers (2 blocks),
 // except 2-D blocks of 16-bit input: 80 (3 blocks). (1-D also keeps 16 column maxima live; at 80
 // its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
-constexpr int bct_min_blocks(InDtype in, int dims) { return in == InDtype::F32 || dims == 1 ? 2 : 3; }
+constexpr int bct_min_blocks(InDtype in, int dims) { return in != InDtype::F32 && dims == 2 ? 3 : 2; }
+
+// MXFP8: cast the tile (in registers, raw) one 32-row band at a time: iteration `it`'s rows are
+// one column block, so each band is finished before the next is widened (keeping the whole tile
+// widened across the phases spilled the fp16 variants, as in the 1-D kernel). Row-wise: a block is
+// the 32 columns of this lane and its xor-1 neighbour. Column-wise: the warp's 4 rows (xor 8, 16),
+// then the 8 warps through shared memory; the bytes go to `tile` for the transposed write.
+// row_tile / col_tile: the tile's 512-byte scale tiles of the two copies.
+template <InDtype IN, Fp8Format FMT>
+CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], u8* out_row,
+                            i64 m, i64 k, i64 row0, i64 gcol, i64 ncol, int c, int r_first,
+                            u8* row_tile, u8* col_tile, u8 (&tile)[BCT_BLOCK][BCT_BLOCK],
+                            float (&col_part)[BCT_THREADS / 32][BCT_BLOCK],
+                            float (&col_scale)[BCT_BLOCK]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int it = 0; it < BCT_ITERS; ++it) {
+        float v[kSeg];
+        InTraits<IN>::unpack(raw[it], v);
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSeg; ++j) {
+            v[j] = ftz(v[j]);
+            a = fmaxf(a, fabsf(v[j]));
+        }
+        float s[kSeg];
+        if (out_row != nullptr) {
+            a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+            const u8 e = mx_scale_byte<FMT>(a);
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) s[j] = mx_element_scale(e);
+            const uint4 q = cast16<FMT>(v, s);
+            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+            if (grow < m && ncol > 0) store16(out_row + grow * k + gcol, ncol, q);
+            if (threadIdx.x % 2 == 0)   // row r_first + 32 it, block c / 32 (rows past m: 0x00)
+                row_tile[r_first * 16 + it * 4 + c / MX_BLOCK] = e;
+        }
+        if (col_tile != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) {
+                float b = fabsf(v[j]);
+                b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 8));
+                b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 16));
+                if (lane < BCT_SEGS_PER_ROW) col_part[warp][c + j] = b;
+            }
+            __syncthreads();
+            if (threadIdx.x < BCT_BLOCK) {   // column cc's block `it`: row cc of the scale tile
+                const int cc = threadIdx.x;
+                float b = col_part[0][cc];
+#pragma unroll
+                for (int w = 1; w < BCT_THREADS / 32; ++w) b = fmaxf(b, col_part[w][cc]);
+                const u8 e = mx_scale_byte<FMT>(b);
+                col_scale[cc] = mx_element_scale(e);
+                col_tile[(cc % 32) * 16 + (cc / 32) * 4 + it] = e;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) s[j] = col_scale[c + j];
+            *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s);
+        }
+    }
+}
 
 // COLSUM: zero the column sums of the chunk's empty experts (block 0; they own no tiles).
 CG_DEVICE void bct_zero_empty_colsums(const i64* m, int num_experts, i64 k, float* colsum) {
@@ -202,7 +276,10 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                             int* __restrict__ colsum_count)      // experts * tiles_k, zero on entry
 {
     static_assert(!(COLSUM && GATHER), "column sums are for gradients, which are not gathered");
-    static_assert(DIMS == 1 || DIMS == 2, "1-D (1 x 128) or 2-D (128 x 128) blocks");
+    static_assert(DIMS == 1 || DIMS == 2 || DIMS == BCT_MX,
+                  "1-D (1 x 128), 2-D (128 x 128) or MXFP8 (1 x 32, E8M0) blocks");
+    constexpr bool MX = DIMS == BCT_MX;
+    constexpr int SINV_BYTES = MX ? 1 : 4;                        // an E8M0 byte or a float32
     using Traits = InTraits<IN>;
     __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes
     __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
@@ -234,8 +311,10 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                           (GATHER ? 0 : plan.row[e] * g.ld[0] * Traits::bytes),
                       g.out_row[0] ? g.out_row[0] + plan.row[e] * k : nullptr,
                       g.out_col[0] ? g.out_col[0] + plan.col[e] : nullptr,
-                      g.sinv_row[0] ? g.sinv_row[0] + plan.srow[e] : nullptr,
-                      g.sinv_col[0] ? g.sinv_col[0] + plan.scol[e] : nullptr,
+                      g.sinv_row[0] ? static_cast<char*>(g.sinv_row[0]) + plan.srow[e] * SINV_BYTES
+                                    : nullptr,
+                      g.sinv_col[0] ? static_cast<char*>(g.sinv_col[0]) + plan.scol[e] * SINV_BYTES
+                                    : nullptr,
                       plan.m[e], g.ld[0], plan.tile_start[e],
                       GATHER ? g.row_index + plan.row[e] : nullptr, g.src_rows};
     }
@@ -276,121 +355,133 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
         }
     }
 
-    // Amax: 1-D, of each row's segment of 8 lanes (xor-shuffles 1, 2, 4) and of each column over
-    // the 128 rows; 2-D, of the whole tile. NaN is ignored (fmaxf), as in every cugrouped amax.
-    float cmax[kSeg];
+    if (MX) {
+        mx_cast_tile<IN, FMT>(raw, x.out_row, m, k, row0, gcol, ncol, c, r_first,
+                              rowwise ? static_cast<u8*>(x.sinv_row) + local * MX_TILE_BYTES : nullptr,
+                              columnwise ? static_cast<u8*>(x.sinv_col) +
+                                               (tc * ceil_div(m, BCT_BLOCK) + tr) * MX_TILE_BYTES
+                                         : nullptr,
+                              tile, col_part, col_scale);
+    } else {
+        // Amax: 1-D, of each row's segment of 8 lanes (xor-shuffles 1, 2, 4) and of each column over
+        // the 128 rows; 2-D, of the whole tile. NaN is ignored (fmaxf), as in every cugrouped amax.
+        float cmax[kSeg];
 #pragma unroll
-    for (int j = 0; j < kSeg; ++j) cmax[j] = 0.f;
-    float tile_amax = 0.f;
-    float s_row[BCT_ITERS];
-#pragma unroll
-    for (int it = 0; it < BCT_ITERS; ++it) {
-        float v[kSeg];
-        Traits::unpack(raw[it], v);
-        float a = 0.f;
-#pragma unroll
-        for (int j = 0; j < kSeg; ++j) {
-            const float av = fabsf(ftz(v[j]));
-            a = fmaxf(a, av);
-            if (DIMS == 1) cmax[j] = fmaxf(cmax[j], av);
-        }
-        if (DIMS == 1) {
-#pragma unroll
-            for (int off = 1; off < BCT_SEGS_PER_ROW; off <<= 1)
-                a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
-            s_row[it] = compute_scale<FMT>(a, 0, amax_epsilon, p2);
-        } else {
-            tile_amax = fmaxf(tile_amax, a);
-        }
-    }
-    if (DIMS == 2) {
-        tile_amax = warp_max(tile_amax);
-        if (lane == 0) warp_amax[warp] = tile_amax;
-        __syncthreads();
-        float a = warp_amax[0];
-#pragma unroll
-        for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, warp_amax[w]);
-        const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
-#pragma unroll
-        for (int it = 0; it < BCT_ITERS; ++it) s_row[it] = s;
-    }
-
-    // Row-wise bytes and their scale_inv (1-D: one per row and tile column, written by the first
-    // lane of the row, padding rows m .. roundup(m, 4) included; 2-D: one per tile).
-    if (rowwise) {
+        for (int j = 0; j < kSeg; ++j) cmax[j] = 0.f;
+        float tile_amax = 0.f;
+        float s_row[BCT_ITERS];
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
-            opaque_words(raw[it]);   // widen again below rather than keep 64 floats live
-            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            float v[kSeg], s[kSeg];
+            float v[kSeg];
             Traits::unpack(raw[it], v);
-#pragma unroll
-            for (int j = 0; j < kSeg; ++j) { v[j] = ftz(v[j]); s[j] = s_row[it]; }
-            const uint4 q = cast16<FMT>(v, s);
-            if (grow < m && ncol > 0) store16(x.out_row + grow * k + gcol, ncol, q);
-            if (DIMS == 1 && threadIdx.x % BCT_SEGS_PER_ROW == 0 && grow < round_up4(m))
-                x.sinv_row[tc * round_up4(m) + grow] = scale_inverse(s_row[it]);
-        }
-        if (DIMS == 2 && threadIdx.x < 4) {
-            // this tile's entry; the last tile column also writes the row's padding entries
-            const i64 ld = round_up4(tiles_k);
-            const i64 col = tc + threadIdx.x;
-            if (threadIdx.x == 0 || (tc == tiles_k - 1 && col < ld))
-                x.sinv_row[tr * ld + col] = scale_inverse(
-                    threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
-        }
-    }
-
-    if (columnwise) {   // block-uniform
-        // Column-wise scales: 1-D from the column maxima (lanes sharing columns: xor 8, 16; then the
-        // 8 warps through shared memory); 2-D the tile's.
-        float s_col[kSeg];
-        if (DIMS == 1) {
+            float a = 0.f;
 #pragma unroll
             for (int j = 0; j < kSeg; ++j) {
-                cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 8));
-                cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 16));
+                const float av = fabsf(ftz(v[j]));
+                a = fmaxf(a, av);
+                if (DIMS == 1) cmax[j] = fmaxf(cmax[j], av);
             }
-            if (lane < BCT_SEGS_PER_ROW) {
+            if (DIMS == 1) {
 #pragma unroll
-                for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = cmax[j];
+                for (int off = 1; off < BCT_SEGS_PER_ROW; off <<= 1)
+                    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+                s_row[it] = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+            } else {
+                tile_amax = fmaxf(tile_amax, a);
             }
+        }
+        if (DIMS == 2) {
+            tile_amax = warp_max(tile_amax);
+            if (lane == 0) warp_amax[warp] = tile_amax;
             __syncthreads();
-            if (threadIdx.x < BCT_BLOCK) {
-                float a = col_part[0][threadIdx.x];
+            float a = warp_amax[0];
 #pragma unroll
-                for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][threadIdx.x]);
-                const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
-                col_scale[threadIdx.x] = s;
-                const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
-                if (cc < round_up4(k)) x.sinv_col[tr * round_up4(k) + cc] = scale_inverse(s);
+            for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, warp_amax[w]);
+            const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+#pragma unroll
+            for (int it = 0; it < BCT_ITERS; ++it) s_row[it] = s;
+        }
+
+        // Row-wise bytes and their scale_inv (1-D: one per row and tile column, written by the first
+        // lane of the row, padding rows m .. roundup(m, 4) included; 2-D: one per tile).
+        if (rowwise) {
+#pragma unroll
+            for (int it = 0; it < BCT_ITERS; ++it) {
+                opaque_words(raw[it]);   // widen again below rather than keep 64 floats live
+                const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+                float v[kSeg], s[kSeg];
+                Traits::unpack(raw[it], v);
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) { v[j] = ftz(v[j]); s[j] = s_row[it]; }
+                const uint4 q = cast16<FMT>(v, s);
+                if (grow < m && ncol > 0) store16(x.out_row + grow * k + gcol, ncol, q);
+                if (DIMS == 1 && threadIdx.x % BCT_SEGS_PER_ROW == 0 && grow < round_up4(m))
+                    static_cast<float*>(x.sinv_row)[tc * round_up4(m) + grow] = scale_inverse(s_row[it]);
             }
-            __syncthreads();
-#pragma unroll
-            for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[c + j];
-        } else {
-#pragma unroll
-            for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
-            if (threadIdx.x < 4) {
-                const i64 tiles_m = ceil_div(m_pad, BCT_BLOCK);
-                const i64 ld = round_up4(tiles_m);
-                const i64 row = tr + threadIdx.x;
-                if (threadIdx.x == 0 || (tr == tiles_m - 1 && row < ld))
-                    x.sinv_col[tc * ld + row] = scale_inverse(
+            if (DIMS == 2 && threadIdx.x < 4) {
+                // this tile's entry; the last tile column also writes the row's padding entries
+                const i64 ld = round_up4(tiles_k);
+                const i64 col = tc + threadIdx.x;
+                if (threadIdx.x == 0 || (tc == tiles_k - 1 && col < ld))
+                    static_cast<float*>(x.sinv_row)[tr * ld + col] = scale_inverse(
                         threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
             }
         }
-#pragma unroll
-        for (int it = 0; it < BCT_ITERS; ++it) {
-            opaque_words(raw[it]);
-            float v[kSeg];
-            Traits::unpack(raw[it], v);
-#pragma unroll
-            for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
-            *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
-        }
-        __syncthreads();
 
+        if (columnwise) {   // block-uniform
+            // Column-wise scales: 1-D from the column maxima (lanes sharing columns: xor 8, 16; then the
+            // 8 warps through shared memory); 2-D the tile's.
+            float s_col[kSeg];
+            if (DIMS == 1) {
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) {
+                    cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 8));
+                    cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], 16));
+                }
+                if (lane < BCT_SEGS_PER_ROW) {
+#pragma unroll
+                    for (int j = 0; j < kSeg; ++j) col_part[warp][lane * kSeg + j] = cmax[j];
+                }
+                __syncthreads();
+                if (threadIdx.x < BCT_BLOCK) {
+                    float a = col_part[0][threadIdx.x];
+#pragma unroll
+                    for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][threadIdx.x]);
+                    const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
+                    col_scale[threadIdx.x] = s;
+                    const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
+                    if (cc < round_up4(k))
+                        static_cast<float*>(x.sinv_col)[tr * round_up4(k) + cc] = scale_inverse(s);
+                }
+                __syncthreads();
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[c + j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
+                if (threadIdx.x < 4) {
+                    const i64 tiles_m = ceil_div(m_pad, BCT_BLOCK);
+                    const i64 ld = round_up4(tiles_m);
+                    const i64 row = tr + threadIdx.x;
+                    if (threadIdx.x == 0 || (tr == tiles_m - 1 && row < ld))
+                        static_cast<float*>(x.sinv_col)[tc * ld + row] = scale_inverse(
+                            threadIdx.x == 0 ? s_row[0] : compute_scale<FMT>(0.f, 0, amax_epsilon, p2));
+                }
+            }
+#pragma unroll
+            for (int it = 0; it < BCT_ITERS; ++it) {
+                opaque_words(raw[it]);
+                float v[kSeg];
+                Traits::unpack(raw[it], v);
+#pragma unroll
+                for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
+                *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
+            }
+        }
+    }
+
+    if (columnwise) {
+        __syncthreads();
         // Transposed bytes: runs of 32 rows of one column, one 32-byte sector of (k, m_pad) each when
         // aligned; rows m .. m_pad are the zero padding (they read as zero and cast to zero).
 #pragma unroll

@@ -238,4 +238,46 @@ CG_HOST_DEVICE float scale_inverse(float s) {
     return ftz(1.f / ftz(s));
 }
 
+// ---------------------------------------------------------------------------------------------
+// MXFP8 (OCP microscaling; TransformerEngine's MXFP8BlockScaling): a block of 32 elements shares
+// an E8M0 scale byte e (the power of two 2^(e - 127), no sign, no mantissa), the one the GEMM
+// reads; the elements are multiplied by 2^(127 - e) before the FP8 conversion.
+// ---------------------------------------------------------------------------------------------
+
+// 1 / fp8_max as a float32 (TransformerEngine's max_norm_rcp): a product, not a division, so the
+// bits below are the ones the GPU uses. 1/448 and 1/57344 (both ways of rounding agree).
+template <Fp8Format F> struct MxTraits;
+template <> struct MxTraits<Fp8Format::E4M3> { static constexpr u32 max_rcp_bits = 0x3B124925u; };
+template <> struct MxTraits<Fp8Format::E5M2> { static constexpr u32 max_rcp_bits = 0x37924925u; };
+
+// float32 -> E8M0 rounding the power of two up (PTX `cvt.rp.satfinite.ue8m0x2.f32`, sm_100+, and
+// TransformerEngine's portable float_to_e8m0): the biased exponent, plus one if any mantissa bit
+// is set; NaN -> 0xFF, +inf and values above 2^127 -> 0xFE; zero -> 0x00; a denormal -> 0x00 up
+// to 2^-127, else 0x01 (not reached after FTZ). Bits only.
+CG_HOST_DEVICE u8 float_to_e8m0(float v) {
+    const u32 u = f32_bits(v) & 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return 0xFF;
+    if (u == 0x7F800000u) return 0xFE;
+    u32 e = u >> 23;
+    const u32 man = u & 0x007FFFFFu;
+    if (man > 0u && e != 0xFEu && !(e == 0u && man <= 0x00400000u)) ++e;
+    return static_cast<u8>(e);
+}
+
+// The E8M0 scale byte of a block from its amax (>= 0, NaN already ignored): amax * (1/fp8_max)
+// in float32 (FTZ, as on the GPU), rounded up to a power of two, so that amax * 2^(127 - e)
+// <= fp8_max. An all-zero block gets 0x00 (2^-127); an inf gets 0xFE.
+template <Fp8Format F>
+CG_HOST_DEVICE u8 mx_scale_byte(float amax) {
+    return float_to_e8m0(ftz(amax * bits_f32(MxTraits<F>::max_rcp_bits)));
+}
+
+// The multiplier of the elements, 2^(127 - e) (TransformerEngine's exp2f_rcp: 0xFF -> NaN,
+// 0xFE -> 2^-127), flushed as the GPU flushes a denormal operand: 0xFE (an inf in the block)
+// multiplies by 0, so finite elements become 0 and the inf NaN.
+CG_HOST_DEVICE float mx_element_scale(u8 e) {
+    const u32 bits = e == 0xFFu ? 0x7FFFFFFFu : e == 0xFEu ? 0x00400000u : (254u - e) << 23;
+    return ftz(bits_f32(bits));
+}
+
 }  // namespace cg

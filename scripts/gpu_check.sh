@@ -17,11 +17,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 # stage limits in seconds (override for a slower machine)
 TESTS_S="${CUGROUPED_GPU_TESTS_S:-210}" BENCH_S="${CUGROUPED_GPU_BENCH_S:-170}"
-BLOCK_S="${CUGROUPED_GPU_BLOCK_TESTS_S:-50}"
-# Block scaling's GPU tests (cuBLASLt's block scale modes, never run on a GPU before) in a stage
+BLOCK_S="${CUGROUPED_GPU_BLOCK_TESTS_S:-60}"
+# Block scaling's and MXFP8's GPU tests (cuBLASLt's block scale modes, never run on a GPU before;
+# MXFP8's GEMMs skip below sm_100, its casts run anywhere) in a stage
 # of their own, after the others: a CUDA fault there poisons only its own processes' contexts.
 BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
-             tests/test_pytorch_block_scaling.py)
+             tests/test_pytorch_block_scaling.py tests/test_mxfp8_cast_transpose.py
+             tests/test_grouped_gemm_mxfp8.py tests/test_pytorch_mxfp8.py)
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
 if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
@@ -51,7 +53,7 @@ stage() {
     # compile every kernel once (NVRTC -> CuPy's disk cache), so that the test workers load them
     # instead of each compiling them inside a test's time limit
     stage "kernel warm-up" 120 "$PY" -c "import cugrouped, time; t = time.time(); \
-print('compiled', cugrouped._jit.warmup(), f'in {time.time() - t:.1f} s')"
+print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1f} s')"
     extra=() tests_env=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=90); fi
     # references run on the CPU: 8 workers of 2 BLAS threads each on a 16-core host (for this

@@ -224,3 +224,16 @@ def test_emulated_kernels_are_built_once_per_process():
 def test_warmup_without_gpu_says_what_to_do_instead():
     with pytest.raises(RuntimeError, match="no CUDA GPU is visible.*compile-check"):
         cugrouped.warmup()
+
+
+def test_warmup_names_unknown_modules_before_anything_else():
+    with pytest.raises(ValueError, match=r"names: unknown kernel modules \['nope'\]; known: .*"
+                                         r"block_cast_transpose"):
+        cugrouped.warmup(["block_cast_transpose", "nope"], parallel=True)
+
+
+@pytest.mark.gpu
+def test_parallel_warmup_loads_every_module():
+    from cugrouped import _jit
+
+    assert cugrouped.warmup(parallel=True) == list(_jit.registered())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cugrouped import _compile_check, _sass
+from cugrouped.grouped_block_fp8 import MX_DIMS
 from cugrouped.ops import block_cast_transpose as bct
 from cugrouped.ops import pad_cast_transpose as pct
 
@@ -165,7 +166,7 @@ def _plain_block_spec():
     module's CI time)."""
     from cugrouped import _jit
 
-    names = tuple(bct.kernel_name(d, f, n) for d in DTYPES for f in FORMATS for n in (1, 2))
+    names = tuple(bct.kernel_name(d, f, n) for d in DTYPES for f in FORMATS for n in (1, 2, MX_DIMS))
     return _jit.KernelSpec(source=bct.KERNEL_SPEC.source, name_expressions=names)
 
 
@@ -174,7 +175,7 @@ def block_sass(request):
     return _compiled(_plain_block_spec(), request.param)
 
 
-@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dims", [1, 2, MX_DIMS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtype, dims):
     """16-byte loads, a full tile's 16 (float32) or 8 (16-bit) of them in one basic block before
@@ -183,7 +184,8 @@ def test_block_cast_wide_access_loads_together_and_hardware_fp8(block_sass, dtyp
     bytes have scales of their own), none below -- ptxas may recompute a few under the 80-register
     cap of 2-D blocks of 16-bit input (bfloat16 2-D: 76 on sm_90, 74 on sm_100, NVRTC 13.0; a
     duplicated conversion path would be 128); no local memory; the registers of the launch
-    bounds (128: 2 blocks an SM; 80 for 2-D blocks of 16-bit input)."""
+    bounds (128: 2 blocks an SM; 80 for 2-D blocks of 16-bit input). MXFP8 (MX_DIMS) the same,
+    its E8M0 scale bytes aside."""
     arch, by_name, resources = block_sass
     loads = 16 if dtype == "float32" else 8
     for fmt in FORMATS:
@@ -208,7 +210,7 @@ def block_gather_sass(request):
     return _compiled(bct.GATHER_KERNEL_SPEC, request.param)
 
 
-@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dims", [1, 2, MX_DIMS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_block_cast_gather_keeps_wide_loads_issued_together(block_gather_sass, dtype, dims):
     """The gather variants of the block cast (row_index): the row address is a select, so a full

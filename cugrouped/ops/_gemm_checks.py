@@ -13,7 +13,7 @@ import numpy as np
 
 from .._array import ArrayView, as_view
 from ..cublaslt import _enums as E
-from ..grouped_block_fp8 import GroupedBlockFP8, block_scale_sizes
+from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
 
@@ -25,7 +25,9 @@ PLAIN_DTYPES = ("bfloat16", "float16", "float32")
 _FP8_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 # cuBLASLt's scale mode of a GroupedBlockFP8 by block_scaling_dim.
 _BLOCK_MODE = {1: E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
-               2: E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}
+               2: E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+               MX_DIMS: E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0}
+MX_MODE = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
 # Block-scaled GEMMs: the token count of a 1-D-scaled left operand (cuBLAS's B, whose outer
 # dimension it is) must be a multiple of 8 (TransformerEngine asserts the same; "observed").
 BLOCK_TOKEN_MULTIPLE = 8
@@ -72,15 +74,17 @@ def _where(views: Sequence[ArrayView], arg: str) -> tuple[bool, int, str]:
 
 def _block_scales(g: GroupedBlockFP8, copy: str, arg: str) -> tuple[ArrayView, np.ndarray]:
     """The scale buffer of one copy of a GroupedBlockFP8 and each expert's first scale's offset
-    (float32 elements; every expert's block starts 16-byte aligned: its layouts round to 4)."""
+    (in entries: float32, or MXFP8's E8M0 bytes; every expert's block starts 16-byte aligned: its
+    layouts round to 4 floats, or to 512-byte tiles)."""
     name = "scale_inv" if copy == "rowwise" else "scale_inv_t"
     sizes = block_scale_sizes(g.m_splits, g.m_pad_splits, g.k, g.block_scaling_dim)[
         0 if copy == "rowwise" else 1]
     sv = as_view(getattr(g, name), arg=f"{arg}.{name}")
     total = int(sizes.sum())
-    if sv.dtype != "float32" or len(sv.shape) != 1 or sv.shape[0] < total or (
+    want = "uint8" if g.block_scaling_dim == MX_DIMS else "float32"
+    if sv.dtype != want or len(sv.shape) != 1 or sv.shape[0] < total or (
             sv.shape[0] > 1 and sv.strides != (1,)):
-        raise ValueError(f"{arg}.{name}: expected a contiguous float32 vector of at least {total} "
+        raise ValueError(f"{arg}.{name}: expected a contiguous {want} vector of at least {total} "
                          f"block scales, got {sv.dtype} {sv.shape}")
     return sv, np.cumsum(sizes) - sizes
 
@@ -95,7 +99,8 @@ def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
                          "are sized for the worst case of device counts)")
     data = g.data if copy == "rowwise" else g.data_t
     if data is None:
-        cast = "multi_block_cast_transpose" if isinstance(g, GroupedBlockFP8) else \
+        cast = ("multi_mxfp8_cast_transpose" if g.block_scaling_dim == MX_DIMS else
+                "multi_block_cast_transpose") if isinstance(g, GroupedBlockFP8) else \
             "multi_pad_cast_transpose"
         raise ValueError(f"{arg}: {need} needs the {copy} FP8 copy; cast with "
                          f"{cast}(..., {copy}=True)")
@@ -129,7 +134,7 @@ def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
         if dv.size != total or (total > 1 and dv.strides[-1] != 1):
             raise ValueError(f"{arg}.data_t: expected {total} contiguous bytes, got shape {dv.shape}")
         blocks = Blocks(dv.ptr + ends - mp * k, k, mp, mp, dtype)
-    scales = sv.ptr + 4 * first
+    scales = sv.ptr + sv.itemsize * first
     return _Operand(blocks, dtype, scales, g.fp8_format, on_device, device, kind,
                     tuple(g.m_splits), scale_mode)
 
@@ -188,6 +193,13 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
         block, tensor = (a_name, b_name) if a.scale_mode else (b_name, a_name)
         raise TypeError(f"{block} is block-scaled (GroupedBlockFP8) but {tensor} has one scale per "
                         "expert (GroupedFP8): cast both operands with the same kind of scaling")
+    if a.fmt and (a.scale_mode == MX_MODE) != (b.scale_mode == MX_MODE):
+        mx, other = (a_name, b_name) if a.scale_mode == MX_MODE else (b_name, a_name)
+        raise TypeError(f"{mx} is MXFP8 (GroupedMXFP8) but {other} is not: cast both with "
+                        "multi_mxfp8_cast_transpose")
+    if a.scale_mode == MX_MODE:
+        _check_mx_dims(a, a_name)
+        _check_mx_dims(b, b_name)
     if a.scale_mode == b.scale_mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
         raise ValueError(f"{a_name}, {b_name}: cuBLASLt has no 128x128-by-128x128 block-scaled "
                          "GEMM; cast one of them with block_scaling_dim=1")
@@ -405,6 +417,18 @@ def _check_block_tokens(op: _Operand, arg: str) -> None:
         raise ValueError(f"{arg}: block-scaled FP8 GEMMs need every expert's token count to be a "
                          f"multiple of {BLOCK_TOKEN_MULTIPLE} (cuBLASLt); expert {i} has {m}. Pad "
                          "the tokens (TransformerEngine's Fp8Padding pads to 16)")
+
+
+def _check_mx_dims(op: _Operand, arg: str) -> None:
+    """MXFP8 GEMMs: every expert's rows and columns (as the copy is stored: tokens or features,
+    and the padded tokens of a transposed copy) in multiples of :data:`MX_BLOCK`, as
+    TransformerEngine requires of MXFP8 tensors (its MoE pads tokens to 32 for this recipe)."""
+    for i, b in enumerate(op.blocks):
+        if b.rows % MX_BLOCK or b.cols % MX_BLOCK:
+            raise ValueError(f"{arg}: MXFP8 GEMMs need every expert's dimensions to be multiples "
+                             f"of {MX_BLOCK} (a whole E8M0 scale block); expert {i} is "
+                             f"({b.rows}, {b.cols}). Pad the tokens to 32 (align=32 and "
+                             "TransformerEngine's Fp8Padding) and use features in multiples of 32")
 
 
 def _place(op: _Operand) -> tuple[bool, int, str]:

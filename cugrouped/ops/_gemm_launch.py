@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..cublaslt import _enums as E
+from ..cublaslt._enums import CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 as MX_MODE
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
 from ._gemm_grouped import _launch_grouped, path_for
@@ -184,7 +185,8 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
         raise RuntimeError(f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); device "
                            f"{st.device} is sm_{st.compute_capability}")
     if vp.config.a_scale_mode or vp.config.b_scale_mode:
-        reason = block_scaling_unsupported(st.cublas_version, st.compute_capability)
+        reason = block_scaling_unsupported(st.cublas_version, st.compute_capability,
+                                           mx=vp.config.a_scale_mode == MX_MODE)
         if reason:
             raise RuntimeError(f"device {st.device}: {reason}")
     caller = st.current_stream()

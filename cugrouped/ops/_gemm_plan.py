@@ -327,19 +327,28 @@ def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
 
 
 BLOCK_SCALING_MIN_VERSION = 120900   # cuBLAS 12.9: the VEC128_32F / BLK128x128_32F scale modes
+MXFP8_MIN_VERSION = 120800           # cuBLAS 12.8: the VEC32_UE8M0 scale mode (MXFP8)
 
 
-def block_scaling_unsupported(version: int, compute_capability: int) -> str | None:
+def block_scaling_unsupported(version: int, compute_capability: int, mx: bool = False) -> str | None:
     """Why cuBLASLt cannot run a block-scaled FP8 GEMM here, or None: Hopper (sm_90) and cuBLAS
     12.9 or newer. On Blackwell (sm_100+) cuBLASLt has no VEC128 / BLK128x128 scale modes;
-    TransformerEngine converts to MXFP8 there, which cugrouped does not offer."""
+    TransformerEngine converts to MXFP8 there (``multi_mxfp8_cast_transpose``). ``mx``: MXFP8
+    operands (VEC32_UE8M0), which need sm_100 or newer and cuBLAS 12.8 or newer."""
     cc = int(compute_capability)
+    if mx:
+        if cc < 100:
+            return (f"MXFP8 GEMMs need compute capability 10.0 or newer (Blackwell); this is "
+                    f"sm_{cc} (on Hopper use Float8BlockScaling: multi_block_cast_transpose)")
+        if int(version) < MXFP8_MIN_VERSION:
+            return f"MXFP8 GEMMs need cuBLAS 12.8 or newer; libcublasLt reports {version}"
+        return None
     if cc < 90:
         return (f"block-scaled FP8 GEMMs need compute capability 9.0 (Hopper); this is sm_{cc}")
     if cc >= 100:
         return (f"block-scaled FP8 GEMMs run on Hopper (sm_90) only: cuBLASLt has no 128-element "
-                f"block scales on sm_{cc} (TransformerEngine emulates them with MXFP8 there, "
-                f"which cugrouped does not offer); use per-tensor FP8 scaling")
+                f"block scales on sm_{cc} (TransformerEngine emulates them with MXFP8 there: "
+                f"cast with multi_mxfp8_cast_transpose), or use per-tensor FP8 scaling")
     if int(version) < BLOCK_SCALING_MIN_VERSION:
         return (f"block-scaled FP8 GEMMs need cuBLAS 12.9 or newer; libcublasLt reports "
                 f"{version}")

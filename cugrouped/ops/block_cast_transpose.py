@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _jit
 from .._array import array_kind, as_view
-from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_sizes
+from ..grouped_block_fp8 import BLOCK, MX_DIMS, GroupedBlockFP8, GroupedMXFP8, block_scale_sizes
 from ..grouped_fp8 import FP8_FORMATS
 from . import _launch
 from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguous, _device_scope,
@@ -29,6 +29,7 @@ __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KE
            "GATHER_KERNEL_SPEC",
            "group_dtype", "block_tile_counts", "plan_block_launches",
            "plan_block_launches_device", "block_output_sizes", "check_block_options", "check_out",
+           "check_public_dims",
            "MAX_EXPERTS_PER_LAUNCH", "THREADS", "ALIGNS"]
 
 # Must match kernels_cu/block_cast_transpose.cu.
@@ -43,9 +44,10 @@ _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False,
                 column_sums: bool = False) -> str:
-    """The instantiation for one launch; the gather (``row_index``) and the column sums are
-    template parameters (``GATHER``, ``COLSUM``, default false); the gather variants live in a
-    module of their own, compiled only when used, and have no column sums."""
+    """The instantiation for one launch (``block_scaling_dim`` 1, 2 or ``MX_DIMS``: MXFP8); the
+    gather (``row_index``) and the column sums are template parameters (``GATHER``, ``COLSUM``,
+    default false); the gather variants live in a module of their own, compiled only when used,
+    and have no column sums."""
     if gather and column_sums:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
     tail = ", true" if gather else ", false, true" if column_sums else ""
@@ -54,8 +56,8 @@ def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: 
 
 
 def _instantiations(gather: bool) -> tuple[str, ...]:
-    # 3 dtypes x 2 formats x 2 block shapes (x column sums or not, without the gather)
-    return tuple(kernel_name(d, f, n, gather, cs) for d in _IN for f in _FMT for n in (1, 2)
+    # 3 dtypes x 2 formats x 3 block kinds (x column sums or not, without the gather)
+    return tuple(kernel_name(d, f, n, gather, cs) for d in _IN for f in _FMT for n in (1, 2, MX_DIMS)
                  for cs in ((False,) if gather else (False, True)))
 
 
@@ -104,7 +106,9 @@ def block_output_sizes(m_splits: Sequence[int] | None, k: int, align: int, dims:
         return _Sizes(sum(m_splits), k * sum(mp), int(srow.sum()), int(scol.sum()))
     E, bk = num_experts, -(-k // BLOCK)
     blocks_m = -(-total_rows // BLOCK) + E          # >= sum of ceil(m_i / 128)
-    if dims == 1:
+    if dims == MX_DIMS:                             # 512 bytes per tile, both copies
+        srow = scol = 512 * bk * blocks_m
+    elif dims == 1:
         srow, scol = bk * (total_rows + 3 * E), -(-k // 4) * 4 * blocks_m
     else:
         srow, scol = -(-bk // 4) * 4 * blocks_m, bk * (blocks_m + 3 * E)
@@ -150,9 +154,12 @@ def plan_block_launches_device(num_experts: int, total_rows: int, k: int,
 # Argument checks.
 
 def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, columnwise=True) -> None:
+    """The options of both block-scaled casts (``block_scaling_dim`` ``MX_DIMS``: MXFP8's op)."""
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
-    if block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
+    if block_scaling_dim == MX_DIMS and type(block_scaling_dim) is int:
+        pass
+    elif block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
         raise ValueError(f"block_scaling_dim: expected 1 (1 x 128 blocks: activations, gradients) "
                          f"or 2 (128 x 128 blocks: weights), got {block_scaling_dim!r}")
     if align not in ALIGNS or isinstance(align, bool):
@@ -162,6 +169,13 @@ def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, colu
         raise ValueError("rowwise, columnwise: at least one must be True")
 
 
+def check_public_dims(block_scaling_dim) -> None:
+    """``multi_block_cast_transpose`` takes 1 or 2; MXFP8 is its own op."""
+    if block_scaling_dim == MX_DIMS and not isinstance(block_scaling_dim, bool):
+        raise ValueError(f"block_scaling_dim: expected 1 or 2, got {block_scaling_dim!r} (MXFP8's "
+                         "1 x 32 blocks: cugrouped.multi_mxfp8_cast_transpose)")
+
+
 def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise: bool, out,
               column_sums: bool = False) -> None:
     """``out`` buffers against the inputs, before anything is launched or written."""
@@ -169,10 +183,11 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
         raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
                         f"got {type(out).__name__}")
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
+    si = 1 if dims == MX_DIMS else 4                 # E8M0 bytes or float32
     want = {"data": ((sz.rows, g.k), 1) if rowwise else None,
             "data_t": ((sz.data_t,), 1) if columnwise else None,
-            "scale_inv": ((sz.scale_inv,), 4) if rowwise else None,
-            "scale_inv_t": ((sz.scale_inv_t,), 4) if columnwise else None,
+            "scale_inv": ((sz.scale_inv,), si) if rowwise else None,
+            "scale_inv_t": ((sz.scale_inv_t,), si) if columnwise else None,
             "column_sums": ((g.num_experts, g.k), 4) if column_sums else None}
     for name, spec in want.items():
         if spec is None:
@@ -186,6 +201,8 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
                              f"on the inputs' device, got shape {v.shape} dtype {v.dtype}")
         if spec[1] == 4 and v.dtype != "float32":
             raise ValueError(f"out.{name}: expected float32, got {v.dtype}")
+        if name.startswith("scale") and si == 1 and v.dtype != "uint8":
+            raise ValueError(f"out.{name}: expected uint8 (E8M0 bytes), got {v.dtype}")
         if not _contiguous(v):
             raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
 
@@ -224,6 +241,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     ``column_sums``: also return each expert's float32 column sums of the unscaled input
     (``(E, k)``; dbias of a gradient), in the same pass and a fixed order (not with ``row_index``).
     """
+    check_public_dims(block_scaling_dim)
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
     if array_kind(first) == "torch":   # torch in, torch out (outputs from torch's allocator)
         from ..pytorch.functional import multi_block_cast_transpose as torch_op
@@ -299,8 +317,9 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
     m_pad = padded_splits(g.m_splits, align) if g.m_splits is not None else None
     splits = g.m_splits if g.m_dev is None else g.m_dev.owner
+    cls, sdt = (GroupedMXFP8, np.uint8) if dims == MX_DIMS else (GroupedBlockFP8, np.float32)
     if out is not None:
-        return GroupedBlockFP8(
+        return cls(
             data=_as_bytes(out.data, xp) if rowwise else None,
             data_t=_as_bytes(out.data_t, xp) if columnwise else None,
             scale_inv=out.scale_inv if rowwise else None,
@@ -308,11 +327,11 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
             m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
             block_scaling_dim=dims, column_sums=out.column_sums if column_sums else None,
             total_rows=g.total_rows)
-    return GroupedBlockFP8(
+    return cls(
         data=xp.empty((sz.rows, g.k), dtype=np.uint8) if rowwise else None,
         data_t=xp.empty((sz.data_t,), dtype=np.uint8) if columnwise else None,
-        scale_inv=xp.empty((sz.scale_inv,), dtype=np.float32) if rowwise else None,
-        scale_inv_t=xp.empty((sz.scale_inv_t,), dtype=np.float32) if columnwise else None,
+        scale_inv=xp.empty((sz.scale_inv,), dtype=sdt) if rowwise else None,
+        scale_inv_t=xp.empty((sz.scale_inv_t,), dtype=sdt) if columnwise else None,
         m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
         block_scaling_dim=dims,
         column_sums=xp.empty((g.num_experts, g.k), dtype=np.float32) if column_sums else None,
@@ -373,8 +392,9 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
     srow, scol = block_scale_sizes(g.m_splits, mp, g.k, dims)
     out_row = _offsets(data, m * g.k, 1, g.ptrs)
     out_col = _offsets(data_t, mp * g.k, 1, g.ptrs)
-    sinv_row = _offsets(sinv, srow, 4, g.ptrs)
-    sinv_col = _offsets(sinv_t, scol, 4, g.ptrs)
+    si = 1 if dims == MX_DIMS else 4                 # E8M0 bytes or float32
+    sinv_row = _offsets(sinv, srow, si, g.ptrs)
+    sinv_col = _offsets(sinv_t, scol, si, g.ptrs)
     for chunk in plans:
         sl = slice(chunk.first, chunk.first + chunk.count)
         arg = np.zeros((), dtype=dt)

@@ -22,11 +22,11 @@ from .fp8_state import DelayedScalingState
 from .grouped_linear import GroupedLinear, cpu_cast_backend, set_cpu_cast_backend
 from .moe import MoEFeedForward, shard_state_dict
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams,
-                     QParams, autocast, fp8_autocast, get_fp8_group, get_fp8_recipe,
-                     is_fp8_enabled)
+                     MXFP8BlockScaling, QParams, autocast, fp8_autocast, get_fp8_group,
+                     get_fp8_recipe, is_fp8_enabled)
 
 __all__ = ["GroupedLinear", "fp8_autocast", "autocast", "DelayedScaling", "Float8CurrentScaling",
-           "Float8BlockScaling",
+           "Float8BlockScaling", "MXFP8BlockScaling",
            "QParams", "MMParams", "Format", "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled",
            "DelayedScalingState",
            "set_cpu_cast_backend", "cpu_cast_backend", "MoEFeedForward", "shard_state_dict",

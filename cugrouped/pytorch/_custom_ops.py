@@ -23,7 +23,7 @@ from typing import List, Optional  # noqa: UP035  (torch.library's schema infere
 import torch
 
 from .. import ops as _ops
-from ..grouped_block_fp8 import GroupedBlockFP8, block_scale_entries
+from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8, block_scale_entries
 from ..grouped_fp8 import GroupedFP8
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
@@ -34,7 +34,7 @@ from ._adapters import dtype_name, launch_context, to_array
 __all__ = ["eager", "fp8_quantize", "fp8_block_quantize", "fp8_fprop", "fp8_dgrad", "fp8_wgrad", "fp8_wgrad_main_grad",
            "wgrad_main_grad", "scatter_rows_sum",
            "scale_update",
-           "padded", "fused_bias_dtype"]
+           "padded", "fused_bias_dtype", "token_align"]
 
 
 _OPS: dict[str, tuple] = {}     # name -> (custom op, its Python body)
@@ -102,14 +102,23 @@ def _gemm_view(backend: str):
     return _same if backend == "cuda" else _arr
 
 
+def token_align(block: int = 0) -> int:
+    """The token padding of the transposed copies (the wgrad GEMM reduces over it): 16, or 32
+    for MXFP8 (a whole E8M0 scale block, as TransformerEngine pads MoE tokens for it)."""
+    return 32 if block == MX_DIMS else 16
+
+
 def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int = 0):
     """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read); with
-    ``block`` (1 or 2) a GroupedBlockFP8 whose ``scale_inv`` is the block scales of the one copy
-    given (row-wise ``data`` or transposed ``data_t``)."""
+    ``block`` (1, 2, or MX_DIMS: MXFP8) a GroupedBlockFP8 (GroupedMXFP8) whose ``scale_inv`` is
+    the block scales of the one copy given (row-wise ``data`` or transposed ``data_t``);
+    ``align`` (the tokens' 16, a weight's 1) is raised to MXFP8's 32 for its tokens."""
     if block:
+        if block == MX_DIMS and align == 16:
+            align = token_align(block)
         m_pad = tuple(padded(m, align) for m in m_splits)
         rowwise = data is not None
-        return GroupedBlockFP8(data=conv(data) if rowwise else None,
+        return (GroupedMXFP8 if block == MX_DIMS else GroupedBlockFP8)(data=conv(data) if rowwise else None,
                                data_t=None if rowwise else conv(data_t),
                                scale_inv=conv(scale_inv) if rowwise else None,
                                scale_inv_t=None if rowwise else conv(scale_inv),
@@ -223,26 +232,29 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
                        m_splits: Optional[List[int]] = None, column_sums: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
-    """``multi_block_cast_transpose`` of the experts ``xs`` (Float8BlockScaling): returns
-    ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t,
-    column_sums (E, k) float32 or (0, k))``, the block scales flat in TransformerEngine's
-    layouts (empty for a copy not asked for). ``row_index`` with ``m_splits`` (the fused
+    """``multi_block_cast_transpose`` of the experts ``xs`` (Float8BlockScaling; ``block_dims``
+    ``MX_DIMS``: ``multi_mxfp8_cast_transpose``): returns ``(data (Σm, k) uint8 or (0, k),
+    data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t, column_sums (E, k) float32 or (0,
+    k))``, the block scales flat in TransformerEngine's layouts (float32; MXFP8: E8M0 bytes,
+    uint8) and empty for a copy not asked for. ``row_index`` with ``m_splits`` (the fused
     permute): ``xs`` is ``[tokens]``."""
     gather = row_index is not None
     dev = xs[0].device
     s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
                                                    m_splits if gather else None, column_sums)
     u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
+    mx = block_dims == MX_DIMS
     data, data_t = torch.empty(s_data, **u8), torch.empty(s_t, **u8)
-    sinv, sinv_t = torch.empty(s_si, **f32), torch.empty(s_sit, **f32)
+    sinv, sinv_t = torch.empty(s_si, **(u8 if mx else f32)), torch.empty(s_sit, **(u8 if mx else f32))
     colsum = torch.empty(s_cs, **f32)
-    out = GroupedBlockFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
+    out = (GroupedMXFP8 if mx else GroupedBlockFP8)(
+                          data=data if rowwise else None, data_t=data_t if columnwise else None,
                           scale_inv=sinv if rowwise else None,
                           scale_inv_t=sinv_t if columnwise else None, m_splits=(),
                           m_pad_splits=(), fp8_format=fp8_format, k=xs[0].shape[1], align=align,
                           block_scaling_dim=block_dims,
                           column_sums=colsum if column_sums else None)
-    _functional.multi_block_cast_transpose(
+    _functional._block_cast(
         xs[0] if gather else list(xs), list(m_splits) if gather else None,
         fp8_format=fp8_format, block_scaling_dim=block_dims, align=align,
         rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
@@ -258,9 +270,9 @@ def _(xs, fp8_format, block_dims, align, rowwise, columnwise, cast_backend, amax
                                                    m_splits if row_index is not None else None,
                                                    column_sums)
     dev = xs[0].device
+    sdt = torch.uint8 if block_dims == MX_DIMS else torch.float32
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
-            torch.empty(s_si, dtype=torch.float32, device=dev),
-            torch.empty(s_sit, dtype=torch.float32, device=dev),
+            torch.empty(s_si, dtype=sdt, device=dev), torch.empty(s_sit, dtype=sdt, device=dev),
             torch.empty(s_cs, dtype=torch.float32, device=dev))
 
 

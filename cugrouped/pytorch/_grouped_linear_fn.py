@@ -14,7 +14,8 @@ from . import _custom_ops as cops
 from ._gather import scatter_rows
 from .fp8_state import GRAD_OUTPUT, INPUT
 
-FP8_ALIGN = 16          # token padding of the transposed copies (the wgrad GEMM reduces over it)
+FP8_ALIGN = 16          # token padding of the transposed copies (the wgrad GEMM reduces over it;
+                        # the block recipes': cops.token_align)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         # the next scale update rolls in (forwards may run ahead of their backwards)
         if cfg.block:   # block scales: each copy has its own (x_si_t, w_si_t: the transposed's)
             x_data, x_t, x_si, x_si_t, _ = cops.eager.fp8_block_quantize(
-                x_list, cfg.fmt_fwd, cfg.block[0], FP8_ALIGN, True, need_wgrad, cfg.cast_backend,
+                x_list, cfg.fmt_fwd, cfg.block[0], cops.token_align(cfg.block[0]), True, need_wgrad,
+                cfg.cast_backend,
                 *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
             w_data, w_t, w_si, w_si_t = wq
         else:
@@ -251,7 +253,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             _, amax, scale, _ = ctx.state if ctx.state else (None,) * 4
             if cfg.block:
                 dy_data, dy_t, dy_si, dy_si_t, colsum = cops.eager.fp8_block_quantize(
-                    dy_list, cfg.fmt_bwd, cfg.block[2], FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                    dy_list, cfg.fmt_bwd, cfg.block[2], cops.token_align(cfg.block[2]),
+                    need_dgrad or not fp8_wgrad,
                     fp8_wgrad, cfg.cast_backend, *cfg.q_grad, None, None, need_dbias)
             else:
                 dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(

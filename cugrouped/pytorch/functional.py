@@ -13,13 +13,14 @@ import dataclasses
 
 import torch
 
-from ..grouped_block_fp8 import GroupedBlockFP8
+from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8
 from ..grouped_fp8 import GroupedFP8
 from ..ops import block_cast_transpose as _bct
 from ..ops import pad_cast_transpose as _pct
 from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
 
-__all__ = ["multi_pad_cast_transpose", "multi_block_cast_transpose", "grouped_gemm"]
+__all__ = ["multi_pad_cast_transpose", "multi_block_cast_transpose", "multi_mxfp8_cast_transpose",
+           "grouped_gemm"]
 
 _FIELDS = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")   # GroupedFP8 buffers
 
@@ -113,6 +114,30 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     """:func:`cugrouped.multi_block_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes,
     the scales float32), all allocated by torch, computed on its current stream."""
+    _bct.check_public_dims(block_scaling_dim)
+    return _block_cast(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim,
+                       align=align, rowwise=rowwise, columnwise=columnwise,
+                       amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, out=out,
+                       dtype=dtype, splits_on_device=splits_on_device, backend=backend,
+                       row_index=row_index, column_sums=column_sums)
+
+
+def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", align=32,
+                               rowwise=True, columnwise=True, out=None, dtype=None,
+                               splits_on_device=None, backend=None, row_index=None,
+                               column_sums=False) -> GroupedMXFP8:
+    """:func:`cugrouped.multi_mxfp8_cast_transpose` for torch tensors: as
+    :func:`multi_block_cast_transpose`, the E8M0 scales as ``uint8`` tensors."""
+    return _block_cast(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=MX_DIMS,
+                       align=align, rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype,
+                       splits_on_device=splits_on_device, backend=backend, row_index=row_index,
+                       column_sums=column_sums)
+
+
+def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, rowwise=True,
+                columnwise=True, amax_epsilon=0.0, power_2_scale=True, out=None, dtype=None,
+                splits_on_device=None, backend=None, row_index=None, column_sums=False):
+    """Both block-scaled casts on torch tensors (``block_scaling_dim`` 1, 2 or ``MX_DIMS``)."""
     _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
     _pct.check_scale_options(amax_epsilon, power_2_scale, None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
@@ -123,11 +148,13 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
         sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
                                      g.total_rows)
         u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
-        out = GroupedBlockFP8(
+        mx = block_scaling_dim == MX_DIMS
+        sdt = u8 if mx else f32                      # E8M0 bytes or float32 scale_inv
+        out = (GroupedMXFP8 if mx else GroupedBlockFP8)(
             data=torch.empty((sz.rows, g.k), **u8) if rowwise else None,
             data_t=torch.empty((sz.data_t,), **u8) if columnwise else None,
-            scale_inv=torch.empty((sz.scale_inv,), **f32) if rowwise else None,
-            scale_inv_t=torch.empty((sz.scale_inv_t,), **f32) if columnwise else None,
+            scale_inv=torch.empty((sz.scale_inv,), **sdt) if rowwise else None,
+            scale_inv_t=torch.empty((sz.scale_inv_t,), **sdt) if columnwise else None,
             m_splits=(), m_pad_splits=(), fp8_format=fp8_format, k=g.k, align=align,
             block_scaling_dim=block_scaling_dim,
             column_sums=torch.empty((g.num_experts, g.k), **f32) if column_sums else None)

@@ -41,8 +41,8 @@ from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _s
 from ._gather import check_row_index, gather_rows
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
-from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                     get_calibration_recipe, get_fp8_group, get_fp8_recipe)
+from .recipe import (BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, get_calibration_recipe,
+                     get_fp8_group, get_fp8_recipe)
 
 __all__ = ["GroupedLinear", "set_cpu_cast_backend", "cpu_cast_backend"]
 
@@ -454,9 +454,9 @@ class GroupedLinear(torch.nn.Module):
         if is_first_microbatch is False and cache is not None and cache[0] == key:
             return cache[1]
         ws = [w.detach() for w in self.weights()]
-        if isinstance(recipe, Float8BlockScaling):   # (data, data_t, block scales of each)
+        if isinstance(recipe, BLOCK_RECIPES):   # (data, data_t, block scales of each)
             out = cops.eager.fp8_block_quantize(
-                ws, recipe.fp8_format.forward, recipe.w_block_scaling_dim, 1, True,
+                ws, recipe.fp8_format.forward, recipe.block_dims[1], 1, True,
                 need_t or is_first_microbatch is not None, cast_backend,
                 *_qparams(recipe, "fp8_quant_fwd_weight"))[:4]
             if not recompute:
@@ -717,16 +717,18 @@ class GroupedLinear(torch.nn.Module):
             raise TypeError(f"inp: FP8 needs float32, bfloat16 or float16 inputs, got {first.dtype}")
         cast_backend = _CPU_CAST_BACKEND[0]
         delayed = isinstance(recipe, DelayedScaling)
-        block = isinstance(recipe, Float8BlockScaling)
+        block = isinstance(recipe, BLOCK_RECIPES)
         if block:
-            bad = [(i, m) for i, m in enumerate(splits) if m % 8]
+            name, mult = type(recipe).__name__, recipe.token_multiple
+            bad = [(i, m) for i, m in enumerate(splits) if m % mult]
             if bad:
-                raise ValueError(f"m_splits: Float8BlockScaling's GEMMs need every expert's token "
-                                 f"count to be a multiple of 8 (TransformerEngine's MoE pads to 16 "
-                                 f"with Fp8Padding); expert {bad[0][0]} has {bad[0][1]}")
+                raise ValueError(f"m_splits: {name}'s GEMMs need every expert's token count to be "
+                                 f"a multiple of {mult} (TransformerEngine's MoE pads to "
+                                 f"{recipe.token_padding} with Fp8Padding); expert {bad[0][0]} has "
+                                 f"{bad[0][1]}")
             if self.save_original_input:
-                raise ValueError("save_original_input: not supported with Float8BlockScaling "
-                                 "here (the forward keeps the transposed FP8 copy)")
+                raise ValueError(f"save_original_input: not supported with {name} here (the "
+                                 "forward keeps the transposed FP8 copy)")
         state = ()
         scale = amax = None
         if delayed and self.save_original_input and torch.is_grad_enabled() and \
@@ -744,7 +746,7 @@ class GroupedLinear(torch.nn.Module):
             state = (self.fp8_amax_history, self.fp8_amax, scale, self.fp8_scale_inv)
             n_e4m3 = num_e4m3(recipe, E)
         else:
-            assert isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling))
+            assert isinstance(recipe, (Float8CurrentScaling,) + BLOCK_RECIPES)
             n_e4m3, recompute = 0, False
         need_dgrad = torch.is_grad_enabled() and any(x.requires_grad for x in xs)
         # TransformerEngine's backward overrides: the wgrad GEMM (override_linear_precision), or

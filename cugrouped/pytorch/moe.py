@@ -59,16 +59,15 @@ import torch
 import torch.nn.functional as F
 
 from .grouped_linear import GroupedLinear
-from .recipe import Float8BlockScaling, get_fp8_recipe
-
-# Float8BlockScaling's GEMMs need each expert's token count in multiples of 8; the experts' rows
-# are padded with zero rows to this multiple (TransformerEngine's Fp8Padding uses 16).
-BLOCK_SCALING_TOKEN_ALIGN = 16
+from .recipe import BLOCK_RECIPES, get_fp8_recipe
 
 
 def _token_align() -> int:
-    """The multiple each expert's rows are padded to under the active FP8 recipe (1: none)."""
-    return BLOCK_SCALING_TOKEN_ALIGN if isinstance(get_fp8_recipe(), Float8BlockScaling) else 1
+    """The multiple each expert's rows are padded to under the active FP8 recipe (1: none): the
+    block recipes' GEMMs need token counts in multiples of 8 (Float8BlockScaling; rows padded to
+    16 as TransformerEngine's Fp8Padding does) or 32 (MXFP8BlockScaling: a whole scale block)."""
+    recipe = get_fp8_recipe()
+    return recipe.token_padding if isinstance(recipe, BLOCK_RECIPES) else 1
 
 
 def _padded_rows(m_splits: Sequence[int], counts: torch.Tensor, align: int
@@ -364,8 +363,9 @@ class MoEFeedForward(torch.nn.Module):
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
     enclosing :func:`~cugrouped.pytorch.fp8_autocast` (the experts only; the router stays in
     high precision). Under ``Float8BlockScaling`` each expert's rows are padded with zero rows
-    to a multiple of :data:`BLOCK_SCALING_TOKEN_ALIGN` (its GEMMs need multiples of 8), as
-    TransformerEngine's ``Fp8Padding`` does, and the padding is dropped after fc2; with
+    to a multiple of 16 (its GEMMs need multiples of 8), under ``MXFP8BlockScaling`` of 32 (a
+    whole scale block), as TransformerEngine's ``Fp8Padding`` does, and the padding is dropped
+    after fc2; with
     ``fuse_permute`` the pad rows are index -1 of the permute, zero rows the cast kernel
     writes itself (no padded copy). With ``bias=True`` fc2's pad rows hold ``act(b1)``, not
     zeros (as with TransformerEngine's padding): they carry no gradient, but enter the block

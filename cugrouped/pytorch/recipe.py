@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import enum
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "QParams",
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "BLOCK_RECIPES", "QParams",
            "MMParams",
            "fp8_autocast", "autocast", "get_fp8_recipe", "is_fp8_enabled", "Recipe"]
 
@@ -271,6 +272,8 @@ class Float8BlockScaling:
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
 
     margin = 0   # no margin in block scaling (a class constant, read by the layer)
+    token_multiple = 8    # what the GEMMs need of every expert's token count
+    token_padding = 16    # what MoEFeedForward pads each expert's rows to (TE's Fp8Padding)
 
     def __post_init__(self):
         _check_format(self.fp8_format)
@@ -315,7 +318,59 @@ class Float8BlockScaling:
         return (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
 
 
-Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """MXFP8 (TransformerEngine's ``MXFP8BlockScaling``, the OCP microscaling format of Blackwell's
+    tensor cores): every 32 consecutive elements along a row of the input, the weights and the
+    grad output (and along the tokens, in the transposed copies the wgrad GEMM reads) get an
+    E8M0 scale, the power of two from their own amax, computed by the cast kernel in the pass
+    that casts them (no state, no amax pass). The GEMMs read the scales in cuBLASLt's
+    ``VEC32_UE8M0`` mode, which needs sm_100 or newer and cuBLAS 12.8+ (on Hopper use
+    :class:`Float8BlockScaling`); the casts run anywhere, and on the CPU reference path.
+
+    ``fp8_format``: ``Format.E4M3`` (TransformerEngine's default: E4M3 everywhere) or
+    ``Format.HYBRID`` (E5M2 grad output). ``margin``: 0 only (the scales are powers of two from
+    each block's amax). ``fp8_dpa``, ``fp8_mha``: attention options, accepted as False only.
+    The layer's GEMMs need every expert's token count and both feature sizes to be multiples of
+    32 (TransformerEngine's MoE pads tokens to 32 for this recipe; ``MoEFeedForward`` does)."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    # read by the layer, as Float8BlockScaling's fields are
+    backward_override = None
+    override_linear_precision = (False, False, False)
+    fp8_gemm_fprop = fp8_gemm_dgrad = fp8_gemm_wgrad = MMParams(use_split_accumulator=True)
+    token_multiple = 32
+    token_padding = 32
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        if self.margin != 0 or not isinstance(self.margin, int) or isinstance(self.margin, bool):
+            raise ValueError(f"margin: MXFP8's scales are powers of two from each block's amax; "
+                             f"expected 0, got {self.margin!r}")
+        for name in ("fp8_dpa", "fp8_mha"):
+            if getattr(self, name) is not False:
+                raise ValueError(f"{name}: FP8 attention is not part of cugrouped; expected "
+                                 f"False, got {getattr(self, name)!r}")
+
+    def delayed(self) -> bool:
+        return False
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        """(input, weight, grad output) block kinds: MXFP8's everywhere."""
+        from ..grouped_block_fp8 import MX_DIMS
+
+        return (MX_DIMS,) * 3
+
+
+# The recipes whose scales are per block, computed by the cast kernels (no state).
+BLOCK_RECIPES = (Float8BlockScaling, MXFP8BlockScaling)
+
+Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling
 
 # The active autocast state. A plain module global (as in TransformerEngine): torch.compile guards
 # on it, a ContextVar it would not trace.
@@ -349,9 +404,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
         raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
-        raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling or "
-                        f"Float8BlockScaling, got {type(fp8_recipe).__name__}")
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling) + BLOCK_RECIPES):
+        raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling, "
+                        f"Float8BlockScaling or MXFP8BlockScaling, got {type(fp8_recipe).__name__}")
     _STACK.append((bool(enabled), fp8_recipe, fp8_group, calibrating))
     try:
         yield

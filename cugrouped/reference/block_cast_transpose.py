@@ -10,18 +10,24 @@ Per expert ``x`` (``(m, k)``, float32 after FTZ) and ``m_pad = roundup(m, align)
   rows of one column, rows counted in the padded expert, so they restart at every expert;
 * 2-D: 128 x 128 blocks, the same for both copies;
 * ``scale_inv = scale_inverse(scale)`` laid out as :mod:`cugrouped.grouped_block_fp8` says, the
-  layouts' padding entries included (padding rows / columns / blocks are zeros).
+  layouts' padding entries included (padding rows / columns / blocks are zeros);
+* MXFP8 (``MX_DIMS``): blocks of 32 elements along the rows of ``data`` and of ``data_t``
+  (``(k, m_pad)``, zero columns ``m..``), the E8M0 byte ``mx_scale_byte(amax)`` and the bytes
+  ``quantize(x, mx_element_scale(byte))``; the compact byte matrices padded with 0x00 and
+  swizzled (:func:`cugrouped.grouped_block_fp8.mx_swizzle`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8, block_scale_shapes
+from ..grouped_block_fp8 import (BLOCK, MX_BLOCK, MX_DIMS, GroupedBlockFP8, GroupedMXFP8,
+                                 block_scale_shapes, mx_swizzle)
 from . import fp8 as rfp8
 from .pad_cast_transpose import _expert_arrays, copy_into, gather_rows
 
-__all__ = ["multi_block_cast_transpose", "block_amax", "block_column_sums"]
+__all__ = ["multi_block_cast_transpose", "multi_mxfp8_cast_transpose", "block_amax",
+           "block_column_sums"]
 
 
 def _zero_padded(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -32,7 +38,7 @@ def _zero_padded(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
 
 def block_amax(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """``(rows, cols)``-block maxima of ``|x|`` (NaN ignored; outside ``x`` counts as zero), shape
-    ``(ceil(m / rows), ceil(k / cols))``; ``rows`` and ``cols`` are 1 or 128."""
+    ``(ceil(m / rows), ceil(k / cols))``."""
     m, k = x.shape
     gr, gc = -(-m // rows), -(-k // cols)
     z = np.abs(_zero_padded(x, gr * rows, gc * cols)).reshape(gr, rows, gc, cols)
@@ -80,9 +86,24 @@ def _scale(amax, fmt, eps, p2) -> np.ndarray:
     return rfp8.compute_scale(amax, fmt, 0, eps, p2).astype(np.float32)
 
 
+def _mx_quantize(z: np.ndarray, fmt):
+    """MXFP8 of ``z`` ``(R, C)``: its bytes and its swizzled E8M0 scales (flat)."""
+    R, C = z.shape
+    e = rfp8.mx_scale_byte(block_amax(z, 1, MX_BLOCK), fmt)              # (R, ceil(C / 32))
+    q = rfp8.quantize(z, _expand(rfp8.mx_element_scale(e), 1, MX_BLOCK, z.shape), fmt)
+    compact = np.zeros((-(-R // BLOCK) * BLOCK, -(-e.shape[1] // 4) * 4), np.uint8)
+    compact[:R, : e.shape[1]] = e
+    return q.reshape(R, C), mx_swizzle(compact)
+
+
 def _expert(x, m_pad, fmt, dims, eps, p2):
-    """(row-wise bytes, row-wise scale_inv 2-D, transposed bytes (k, m_pad), its scale_inv 2-D)."""
+    """(row-wise bytes, row-wise scale_inv 2-D, transposed bytes (k, m_pad), its scale_inv 2-D);
+    MXFP8: the scales flat (swizzled)."""
     m, k = x.shape
+    if dims == MX_DIMS:
+        q, sinv = _mx_quantize(x, fmt)
+        qt, sinv_t = _mx_quantize(np.ascontiguousarray(_zero_padded(x, m_pad, k).T), fmt)
+        return q, sinv, qt, sinv_t
     (r0, r1), (c0, c1) = block_scale_shapes(m, m_pad, k, dims)
     pad_inv = rfp8.scale_inverse(_scale(np.float32(0), fmt, eps, p2))   # a block of zeros
     if dims == 1:
@@ -132,12 +153,14 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     def cat(j, dtype):
         return np.concatenate([p[j].reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
 
-    res = GroupedBlockFP8(
+    mx = block_scaling_dim == MX_DIMS
+    sdt = np.uint8 if mx else np.float32
+    res = (GroupedMXFP8 if mx else GroupedBlockFP8)(
         data=cat(0, np.uint8).reshape(g.total_rows, g.k).view(rfp8.fp8_dtype(fp8_format))
         if rowwise else None,
         data_t=cat(2, np.uint8) if columnwise else None,
-        scale_inv=cat(1, np.float32) if rowwise else None,
-        scale_inv_t=cat(3, np.float32) if columnwise else None,
+        scale_inv=cat(1, sdt) if rowwise else None,
+        scale_inv_t=cat(3, sdt) if columnwise else None,
         m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
         block_scaling_dim=block_scaling_dim,
         column_sums=np.stack([block_column_sums(x) for x in xs]) if column_sums else None,
@@ -149,3 +172,13 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
         copy_into(res, out, ("data", "data_t", "scale_inv", "scale_inv_t") +
                   (("column_sums",) if column_sums else ()))
     return res
+
+
+def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", align=32, rowwise=True,
+                               columnwise=True, out=None, dtype=None, backend=None,
+                               row_index=None, column_sums=False) -> GroupedMXFP8:
+    """Same signature and result as :func:`cugrouped.multi_mxfp8_cast_transpose`, NumPy only."""
+    return multi_block_cast_transpose(
+        inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=MX_DIMS, align=align,
+        rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype, backend=backend,
+        row_index=row_index, column_sums=column_sums)

@@ -33,7 +33,8 @@ import numpy as np
 __all__ = [
     "FP8_MAX", "FP8_FORMAT_ID", "FP8_NAN_BYTE", "FLT_MAX", "fp8_dtype", "normalize_format",
     "ftz", "to_float32", "cast_to_fp8", "fp8_to_float", "quantize", "dequantize",
-    "compute_scale", "scale_inverse", "amax_of", "amax_usable",
+    "compute_scale", "scale_inverse", "amax_of", "amax_usable", "mx_scale_byte",
+    "mx_element_scale",
 ]
 
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -205,3 +206,32 @@ def amax_of(x) -> np.float32:
     if a.size == 0:
         return np.float32(0)
     return np.float32(np.fmax.reduce(np.abs(ftz(a)), initial=np.float32(0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8: E8M0 block scales (mirrors fp8.cuh's mx_scale_byte / mx_element_scale, written from the
+# numbers rather than the bits).
+
+def mx_scale_byte(amax, fmt) -> np.ndarray:
+    """E8M0 byte of blocks with maxima ``amax`` (float32, >= 0): ``v = ftz(amax * float32(1 /
+    fp8_max))``, then the biased exponent of the smallest power of two >= v,
+    ``ceil(log2(v)) + 127``, clamped to [0, 254]; 0 for v = 0, 254 for +inf, 255 for NaN."""
+    rcp = np.float32(1.0 / FP8_MAX[normalize_format(fmt)])
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = ftz(np.multiply(_f32(np.asarray(amax, np.float32)), rcp, dtype=np.float32))
+    mant, ex = np.frexp(v.astype(np.float64))           # v = mant * 2^ex, mant in [0.5, 1)
+    ceil_log2 = np.where(mant == 0.5, ex - 1, ex).astype(np.int64)
+    e = np.clip(ceil_log2 + 127, 0, 254)
+    e = np.where(v == 0, 0, e)
+    e = np.where(np.isinf(v), 254, e)
+    e = np.where(np.isnan(v), 255, e)
+    return e.astype(np.uint8)
+
+
+def mx_element_scale(e) -> np.ndarray:
+    """The multiplier of a block's elements, ``2^(127 - e)`` in float32 (254: 2^-127, flushed to
+    0 as the GPU flushes a denormal operand; 255: NaN)."""
+    e = np.asarray(e, dtype=np.int64)
+    with np.errstate(invalid="ignore"):
+        s = np.ldexp(np.float32(1), (127 - e).astype(np.int32)).astype(np.float32)
+    return ftz(np.where(e == 255, np.float32(np.nan), s).astype(np.float32))

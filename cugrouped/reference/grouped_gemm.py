@@ -15,7 +15,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8
+from ..grouped_block_fp8 import GroupedBlockFP8
 from ..grouped_fp8 import GroupedFP8
 from . import fp8 as rfp8
 
@@ -55,7 +55,7 @@ def _block_matrix(op: GroupedBlockFP8, i: int, m: int, copy: str) -> np.ndarray:
         q, s = op.columnwise(i)[:, :m], np.asarray(op.columnwise_scale_inv(i))
         rows, cols = op.k, m
     rr, cc = np.arange(rows)[:, None], np.arange(cols)[None, :]
-    sc = s[cc // BLOCK, rr] if op.block_scaling_dim == 1 else s[rr // BLOCK, cc // BLOCK]
+    sc = op._element_scales(s, rr, cc)      # each element's block scale (MXFP8: 2^(e - 127))
     vals = rfp8.fp8_to_float(np.asarray(q).view(np.uint8), op.fp8_format).astype(np.float64)
     x = vals * sc.astype(np.float64)
     return x if copy == "rowwise" else x.T

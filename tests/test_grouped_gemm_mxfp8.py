@@ -1,0 +1,254 @@
+"""Grouped GEMMs on MXFP8 operands (GroupedMXFP8, TransformerEngine's MXFP8BlockScaling): the
+reference against an independent float64 dequantization that reads the scales straight from
+cuBLAS's tiled layout, the checks MXFP8 GEMMs need, the descriptors (scale mode VEC32_UE8M0)
+accepted by the real libcublasLt, the launch loop's per-expert scale pointers with only the device
+calls faked, and (marked ``gpu``; sm_100+ only) the cuBLASLt path against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped
+from cugrouped.cublaslt import _enums as E
+from cugrouped.ops import grouped_gemm as gg
+from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from test_grouped_gemm import NP_DTYPE, OUT_DTYPES, _abs_sum, _assert_close, _to_np, rand
+from test_grouped_gemm import assert_correctly_rounded
+from test_mxfp8_cast_transpose import te_scale_index
+
+MX = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+# name -> (m_splits, k, n): token counts multiples of 32 (or 0), tiles of 128 whole and partial
+SPLITS = {
+    "uniform": ([128, 128, 128], 256, 128),
+    "jagged": ([32, 0, 160, 288], 288, 160),
+    "empty_first": ([0, 64, 32], 128, 64),
+    "empty_last": ([96, 256, 0], 160, 32),
+    "single": ([224], 384, 96),
+}
+
+
+def make_mx(m_splits, k, n, seed, xp=np, g_fmt="e4m3"):
+    """x (m_i, k), w (n, k), dy (m_i, n), cast to MXFP8 as TransformerEngine's recipe does
+    (E4M3 forward; the gradient E4M3 or E5M2)."""
+    rng = np.random.default_rng(seed)
+    amp = lambda m: np.exp2(rng.uniform(-6, 6, (m, 1))).astype(np.float32)  # noqa: E731
+    xs = [xp.asarray(rand(rng, (m, k)) * amp(m)) for m in m_splits]
+    ws = [xp.asarray(rand(rng, (n, k), 0.05) * amp(n)) for _ in m_splits]
+    dys = [xp.asarray(rand(rng, (m, n), 1e-3) * amp(m)) for m in m_splits]
+    X = cugrouped.multi_mxfp8_cast_transpose(xs)
+    W = cugrouped.multi_mxfp8_cast_transpose(ws, align=1)
+    DY = cugrouped.multi_mxfp8_cast_transpose(dys, fp8_format=g_fmt)
+    return X, W, DY
+
+
+def independent(op, copy):
+    """float64 per-expert (m_i, k) matrices: ml_dtypes' FP8 decode times 2^(e - 127), e read
+    from the expert's flat swizzled bytes at cuBLAS's index (te_scale_index), not through
+    cugrouped's unswizzle."""
+    dt = ml_dtypes.float8_e4m3fn if op.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    buf = np.asarray(op.scale_inv if copy == "rowwise" else op.scale_inv_t)
+    out, off = [], 0
+    for i, m in enumerate(op.m_splits):
+        if copy == "rowwise":
+            q = np.asarray(op.rowwise(i)).view(np.uint8)
+        else:
+            q = np.asarray(op.columnwise(i))
+        rows, cols = q.shape
+        cols_padded = -(-cols // 128) * 4
+        vals = q.view(dt).astype(np.float64)
+        for r in range(rows):
+            for b in range(-(-cols // 32)):
+                vals[r, 32 * b: 32 * b + 32] *= 2.0 ** (int(buf[off + te_scale_index(r, b, cols_padded)]) - 127)
+        off += -(-rows // 128) * cols_padded * 128
+        out.append(vals if copy == "rowwise" else vals[:, :m].T)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference, on the CPU.
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_reference_passes_against_independent_dequantization(split):
+    m_splits, k, n = SPLITS[split]
+    X, W, DY = make_mx(m_splits, k, n, seed=len(split))
+    xs, ws, dys = independent(X, "rowwise"), independent(W, "rowwise"), independent(DY, "rowwise")
+    for out_dtype in OUT_DTYPES:
+        y = grouped_fprop(X, W, out_dtype=out_dtype)
+        assert_correctly_rounded(y, np.concatenate([a @ b.T for a, b in zip(xs, ws)]), out_dtype)
+    wts = independent(W, "columnwise")           # dgrad: dy with w's transposed copy
+    dx = grouped_dgrad(DY, W, out_dtype="float32")
+    assert_correctly_rounded(dx, np.concatenate([a @ b for a, b in zip(dys, wts)]), "float32")
+    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
+    dw = grouped_wgrad(X, DY)
+    assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
+
+
+def test_the_copies_differ_and_wgrad_reads_the_transposed_ones():
+    X, W, DY = make_mx([160, 64], 256, 64, seed=3)
+    xs, xts = independent(X, "rowwise"), independent(X, "columnwise")
+    assert any(not np.array_equal(a, b) for a, b in zip(xs, xts))
+    dyts = independent(DY, "columnwise")
+    assert_correctly_rounded(grouped_wgrad(X, DY), np.stack([d.T @ a for a, d in zip(xts, dyts)]),
+                             "float32")
+
+
+def test_reference_bias_and_accumulate():
+    X, W, DY = make_mx([32, 0, 64], 128, 32, seed=4)
+    bias = np.random.default_rng(0).standard_normal((3, 32)).astype(ml_dtypes.bfloat16)
+    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
+    y = grouped_fprop(X, W, bias, out_dtype="bfloat16")
+    exact = np.concatenate([a @ b.T + bias[i].astype(np.float64) for i, (a, b) in enumerate(zip(xs, ws))])
+    assert_correctly_rounded(y, exact, "bfloat16")
+    main = [np.full((32, 128), 0.5, np.float32) for _ in range(3)]
+    grouped_wgrad(X, DY, out=main, accumulate=True)
+    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
+    for i, (a, d) in enumerate(zip(xts, dyts)):
+        if a.shape[0]:
+            assert_correctly_rounded(main[i], d.T @ a + 0.5, "float32")
+        else:
+            assert np.all(main[i] == 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and planning.
+
+def test_problem_carries_the_scale_modes_and_byte_scale_pointers():
+    X, W, DY = make_mx([32, 0, 160], 256, 64, seed=5)
+    for p in (gg.check_fprop(X, W, fast_accum=True), gg.check_dgrad(DY, W), gg.check_wgrad(X, DY)):
+        assert (p.left_scale_mode, p.right_scale_mode, p.fast_accum) == (MX, MX, False)
+    p = gg.check_fprop(X, W)
+    base = np.asarray(X.scale_inv).ctypes.data
+    assert list(p.left_scale) == [base, base + 2 * 512, base + 2 * 512]   # 2 tiles, 0, 4 tiles
+    wbase = np.asarray(W.scale_inv).ctypes.data
+    assert list(p.right_scale) == [wbase + 2 * 512 * i for i in range(3)]
+    _, blocks = gg.outputs(p, None, np)
+    attrs = gg.plan_arrays(p, blocks).config.attributes()
+    assert (attrs["A_SCALE_MODE"], attrs["B_SCALE_MODE"], attrs["FAST_ACCUM"]) == (MX, MX, 0)
+
+
+def test_bad_mx_operands_are_refused_clearly():
+    ones = lambda m, k: [np.ones((m, k), np.float32)]  # noqa: E731
+    W = cugrouped.multi_mxfp8_cast_transpose(ones(64, 128), align=1)
+    with pytest.raises(ValueError, match=r"multiples of 32 .* expert 0 is \(16, 128\)"):
+        gg.check_fprop(cugrouped.multi_mxfp8_cast_transpose(ones(16, 128), align=16), W)
+    with pytest.raises(ValueError, match=r"w: MXFP8 GEMMs need .* \(48, 128\)"):
+        gg.check_fprop(cugrouped.multi_mxfp8_cast_transpose(ones(32, 128)),
+                       cugrouped.multi_mxfp8_cast_transpose(ones(48, 128), align=1))
+    with pytest.raises(TypeError, match="w is MXFP8 .* but x is not"):
+        gg.check_fprop(cugrouped.multi_block_cast_transpose(ones(32, 128)), W)
+    with pytest.raises(TypeError, match="w is block-scaled"):
+        gg.check_fprop(cugrouped.multi_pad_cast_transpose(ones(32, 128)), W)
+    X = cugrouped.multi_mxfp8_cast_transpose(ones(32, 128))
+    with pytest.raises(ValueError, match=r"x\.scale_inv: expected a contiguous uint8 vector"):
+        gg.check_fprop(dataclasses.replace(X, scale_inv=np.zeros(512, np.float32)), W)
+    with pytest.raises(ValueError, match="cast with multi_mxfp8_cast_transpose"):
+        gg.check_wgrad(cugrouped.multi_mxfp8_cast_transpose(ones(32, 128), columnwise=False), X)
+
+
+def test_capability_rules():
+    assert gg.block_scaling_unsupported(120800, 100, mx=True) is None
+    assert gg.block_scaling_unsupported(130000, 120, mx=True) is None
+    assert "10.0" in gg.block_scaling_unsupported(130000, 90, mx=True)
+    assert "12.8" in gg.block_scaling_unsupported(120700, 100, mx=True)
+    assert "multi_mxfp8_cast_transpose" in gg.block_scaling_unsupported(130000, 100)
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_descriptors_accept_the_mx_scale_mode(pass_name, out_dtype):
+    """Every attribute the op sets for an MXFP8 pass, the VEC32_UE8M0 scale modes included, is
+    accepted by the real libcublasLt with its size and value (descriptors need no GPU)."""
+    from cugrouped import cublaslt
+    from cugrouped.cublaslt import descriptors as D
+
+    try:
+        cublaslt.lib()
+    except OSError as exc:  # pragma: no cover - the test environment installs nvidia-cublas
+        pytest.skip(f"libcublasLt not installed: {exc}")
+    X, W, DY = make_mx([32, 0, 160], 256, 64, seed=10)
+    bias = np.zeros((3, 64), NP_DTYPE[gg.bias_dtype_for(out_dtype, True)])
+    problem = {"fprop": lambda: gg.check_fprop(X, W, bias, out_dtype=out_dtype),
+               "dgrad": lambda: gg.check_dgrad(DY, W, out_dtype=out_dtype),
+               "wgrad": lambda: gg.check_wgrad(X, DY, out_dtype=out_dtype)}[pass_name]()
+    _, blocks = gg.outputs(problem, None, np)
+    plan = gg.plan_problem(problem, blocks)
+    for call in plan.calls:
+        desc, *_ = gg.build_descriptors(plan.config, call, gg.workspace_bytes_for(100))
+        for name, value in plan.config.attributes().items():
+            assert desc.get(name) == value, name
+        assert (desc.get("A_SCALE_MODE"), desc.get("B_SCALE_MODE")) == (MX, MX)
+        assert desc.get("A_SCALE_POINTER") == call.a_scale_ptr != 0
+        assert desc.get("B_SCALE_POINTER") == call.b_scale_ptr != 0
+    D.clear_caches()
+
+
+def test_host_loop_sets_every_experts_scales_and_refuses_hopper():
+    from cugrouped.bench.gemm import host_loop_state
+    from cugrouped.cublaslt import descriptors as D
+
+    st = host_loop_state()
+    seen = []
+    st.matmul = lambda *args: seen.append(args) or 0
+    X, W, _ = make_mx([32, 0, 160, 64], 128, 32, seed=11)
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    vp = gg.plan_arrays(p, blocks)
+    st.cublas_version, st.compute_capability = 130000, 100
+    gg._launch_plan(vp, p, blocks, st)
+    assert len(seen) == 3
+    for c in vp.calls():
+        desc = D.expert_desc(vp.config, c.expert)
+        assert (desc.get("A_SCALE_POINTER"), desc.get("B_SCALE_POINTER")) == (c.a_scale_ptr, c.b_scale_ptr)
+        assert c.b_scale_ptr == p.left_scale[c.expert]
+    st.compute_capability = 90
+    with pytest.raises(RuntimeError, match="MXFP8 GEMMs need compute capability 10.0"):
+        gg._launch_plan(vp, p, blocks, st)
+    assert len(seen) == 3
+    D.clear_caches()
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (skipped here and on Hopper; run by scripts/gpu_check.sh on sm_100+). Tolerance as for
+# the 128-blocks: the reference is exact up to its output rounding; cuBLASLt accumulates in
+# float32 with the block scales applied per 32-element step, an error below 2^-11 of sum |a b|.
+
+def _host(g):
+    import cupy
+
+    dt = ml_dtypes.float8_e4m3fn if g.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    get = lambda a: None if a is None else cupy.asnumpy(a)  # noqa: E731
+    data = get(g.data)
+    return dataclasses.replace(g, data=None if data is None else data.view(dt), data_t=get(g.data_t),
+                               scale_inv=get(g.scale_inv), scale_inv_t=get(g.scale_inv_t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", SPLITS)
+def test_gpu_mx_passes_vs_reference(split):
+    import cupy
+
+    from cugrouped.cublaslt import version
+
+    reason = gg.block_scaling_unsupported(version(), int(cupy.cuda.Device().compute_capability),
+                                          mx=True)
+    if reason:
+        pytest.skip(reason)
+    m_splits, k, n = SPLITS[split]
+    X, W, DY = make_mx(m_splits, k, n, seed=len(split), xp=cupy, g_fmt="e5m2")
+    hX, hW, hDY = _host(X), _host(W), _host(DY)
+    xs, ws, dys = independent(hX, "rowwise"), independent(hW, "rowwise"), independent(hDY, "rowwise")
+    for out_dtype in OUT_DTYPES:
+        y = grouped_fprop(X, W, out_dtype=out_dtype)
+        _assert_close(_to_np(y, out_dtype), grouped_fprop(hX, hW, out_dtype=out_dtype),
+                      _abs_sum(xs, ws, "fprop"), out_dtype, 2**-11)
+        dx = grouped_dgrad(DY, W, out_dtype=out_dtype)
+        _assert_close(_to_np(dx, out_dtype), grouped_dgrad(hDY, hW, out_dtype=out_dtype),
+                      _abs_sum(dys, independent(hW, "columnwise"), "dgrad"), out_dtype, 2**-11)
+    dw = grouped_wgrad(X, DY)
+    _assert_close(cupy.asnumpy(dw), grouped_wgrad(hX, hDY),
+                  _abs_sum(independent(hDY, "columnwise"), independent(hX, "columnwise"), "wgrad"),
+                  "float32", 2**-11)

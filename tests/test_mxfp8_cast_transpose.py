@@ -1,0 +1,309 @@
+"""multi_mxfp8_cast_transpose (TransformerEngine's MXFP8BlockScaling): the reference against a
+per-block computation and the cuBLASLt scale layout written out here, the CUDA kernel on the CPU
+emulator bit for bit against the reference (split taxonomy x dtypes x formats x input forms,
+column sums, the gather, chunks), E8M0 edge cases, bad input, and the GPU twin (``gpu``)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped
+from cugrouped import reference
+from cugrouped.grouped_block_fp8 import MX_DIMS, mx_swizzle, mx_unswizzle
+from cugrouped.reference import fp8 as rfp8
+from test_block_cast_transpose import BLOCK_SPLITS, _permuted, assert_same_bits
+from test_pad_cast_transpose import DTYPES, ORDERS, make_inputs
+
+FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def te_scale_index(r: int, c: int, cols_padded: int) -> int:
+    """TransformerEngine's gemm_swizzled_scale_idx / cuBLAS's 1D block scaling factors layout:
+    128 x 4 tiles of 512 bytes, row-major over the tiles, (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+    inside one."""
+    return ((r // 128) * (cols_padded // 4) + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+
+
+def mx_by_hand(z, fmt):
+    """MXFP8 of z (R, C) written out block by block in float64 arithmetic, independent of
+    cugrouped: per 32 elements of a row the smallest power of two 2^p with amax / 2^p <= fp8_max,
+    the byte p + 127 at te_scale_index, the elements x / 2^p rounded to FP8 (ml_dtypes after
+    clamping). For finite inputs away from the exact power-of-two boundaries."""
+    dt, fmax = FP8[fmt]
+    R, C = z.shape
+    nb = -(-C // 32)
+    cols = -(-nb // 4) * 4
+    scales = np.zeros(-(-R // 128) * 128 * cols, np.uint8)
+    q = np.zeros((R, C), np.uint8)
+    for r in range(R):
+        for b in range(nb):
+            blk = z[r, 32 * b: 32 * b + 32].astype(np.float64)
+            amax = float(np.max(np.abs(blk)))
+            p = -127 if amax == 0 else max(-127, math.ceil(math.log2(amax / fmax)))
+            scales[te_scale_index(r, b, cols)] = p + 127
+            y = np.clip(blk / 2.0**p, -fmax, fmax).astype(np.float32)
+            q[r, 32 * b: 32 * b + 32] = y.astype(dt).view(np.uint8)
+    return q, scales
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_reference_is_the_mx_quantization_written_out(fmt):
+    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
+    m_splits, k = [37, 0, 150], 72
+    x = (rng.standard_normal((sum(m_splits), k)) *
+         np.exp2(rng.integers(-20, 20, (sum(m_splits), 1)))).astype(np.float32)
+    got = reference.multi_mxfp8_cast_transpose(x, m_splits, fp8_format=fmt, align=32)
+    assert got.scale_inv.dtype == np.uint8 and isinstance(got, cugrouped.GroupedMXFP8)
+    for i, (o, m) in enumerate(zip((0, 37, 37), m_splits)):
+        q, s = mx_by_hand(x[o:o + m], fmt)
+        assert np.array_equal(np.asarray(got.rowwise(i)).view(np.uint8), q)
+        lo = sum(-(-mm // 128) * -(-k // 128) * 512 for mm in m_splits[:i])
+        assert np.array_equal(got.scale_inv[lo: lo + s.size], s)
+        m_pad = -(-m // 32) * 32
+        xt = np.zeros((k, m_pad), np.float32)
+        xt[:, :m] = x[o:o + m].T
+        qt, st = mx_by_hand(xt, fmt)
+        assert np.array_equal(np.asarray(got.columnwise(i)), qt)
+        assert np.array_equal(got.scale_inv_t[lo: lo + st.size], st)
+
+
+def test_swizzle_round_trips_and_matches_the_layout_formula():
+    rng = np.random.default_rng(1)
+    compact = rng.integers(0, 255, (256, 8)).astype(np.uint8)
+    flat = mx_swizzle(compact)
+    for r, c in itertools.product(range(256), range(8)):
+        assert flat[te_scale_index(r, c, 8)] == compact[r, c]
+    assert np.array_equal(mx_unswizzle(flat, 256, 8), compact)
+    torch = pytest.importorskip("torch")
+    assert np.array_equal(mx_swizzle(torch.from_numpy(compact)).numpy(), flat)
+
+
+def test_scale_bytes_at_the_e8m0_edges():
+    """One non-zero element per 32-block, its magnitude at the edges of the E8M0 rounding: exact
+    powers of two times fp8_max, one ulp either side, FTZ-denormal products, the largest float,
+    inf; the kernel's bytes are the reference's, and the reference's are TE's rule."""
+    for fmt, (dt, fmax) in FP8.items():
+        vals = []
+        for p in (-130, -127, -126, -100, -1, 0, 1, 50, 118):
+            base = np.float32(fmax * 2.0**p) if fmax * 2.0**p < 3.4e38 else np.float32(3.4e38)
+            vals += [base, np.nextafter(base, np.float32(0)), np.nextafter(base, np.float32(np.inf))]
+        vals += [np.float32(3.4028235e38), np.float32(np.inf), np.float32(1e-45), np.float32(0)]
+        x = np.zeros((len(vals), 64), np.float32)
+        x[:, 5] = vals
+        x[:, 40] = -np.float32(1.5)                       # the second block: a plain value
+        got = cugrouped.multi_mxfp8_cast_transpose(x, [len(vals)], fp8_format=fmt, backend="emulate")
+        want = reference.multi_mxfp8_cast_transpose(x, [len(vals)], fp8_format=fmt)
+        assert_same_bits(got, want, fmt)
+        e = got.rowwise_scale_inv(0)[: len(vals), 0]
+        v = rfp8.ftz(np.array(vals, np.float32) * np.float32(1 / fmax))
+        for vi, ei, xi in zip(v, e, vals):
+            if np.isinf(vi):
+                assert ei == 254
+            elif vi == 0:
+                assert ei == 0
+            else:   # smallest e with v <= 2^(e - 127), clamped to [0, 254]
+                assert 2.0 ** (int(ei) - 127) >= vi and (ei == 0 or 2.0 ** (int(ei) - 128) < vi), xi
+        assert np.all(got.rowwise_scale_inv(0)[: len(vals), 1] == rfp8.mx_scale_byte(np.float32(1.5), fmt))
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA kernel on the CPU emulator, bit for bit.
+
+def run_both(xs, m_splits, form, **kw):
+    args = (xs, None) if form == "list" else (np.concatenate(xs, axis=0), list(m_splits))
+    want = reference.multi_mxfp8_cast_transpose(*args, **kw)
+    if form == "device":
+        got = cugrouped.multi_mxfp8_cast_transpose(args[0], np.array(m_splits, np.int64),
+                                                   splits_on_device=True, backend="emulate", **kw)
+        assert got.m_pad_splits is None
+    else:
+        got = cugrouped.multi_mxfp8_cast_transpose(*args, backend="emulate", **kw)
+    return got, want
+
+
+ALIGNS = (32, 1, 16, 128)
+# split case x dtype x input form; the format, align and fiber order rotate
+CASES = [
+    (split, dtype, ("e4m3", "e5m2")[i % 2], ALIGNS[(i // 3) % 4], form, ORDERS[i % len(ORDERS)])
+    for i, (split, dtype, form) in enumerate(itertools.product(
+        BLOCK_SPLITS, DTYPES, ("list", "tensor", "device")))
+]
+
+
+def case_data(split, dtype):
+    m_splits, k = BLOCK_SPLITS[split]
+    seed = zlib.crc32(repr((split, dtype, "mx")).encode())
+    return m_splits, make_inputs(m_splits, k, dtype, seed, specials=split in ("skewed", "edges"))
+
+
+@pytest.mark.parametrize("split,dtype,fmt,align,form,order", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_emulated_kernel_matches_reference(split, dtype, fmt, align, form, order):
+    m_splits, xs = case_data(split, dtype)
+    with cugrouped.emulation_order(order):
+        got, want = run_both(xs, m_splits, form, fp8_format=fmt, align=align,
+                             column_sums=form != "list")
+    assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/align={align}/{form}")
+    for i, m in enumerate(m_splits):        # the transposed copy's padding columns are zeros
+        assert not np.asarray(got.columnwise(i))[:, m:].any()
+
+
+@pytest.mark.parametrize("which", ["rowwise", "columnwise"])
+def test_one_sided_copies(which):
+    m_splits, xs = case_data("edges", "bfloat16")
+    got, want = run_both(xs, m_splits, "tensor", rowwise=which == "rowwise",
+                         columnwise=which == "columnwise")
+    assert_same_bits(got, want, which)
+    assert (got.data is None) == (which == "columnwise") and (got.data_t is None) == (which == "rowwise")
+
+
+def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
+    rng = np.random.default_rng(5)
+    m_splits = [int(v) for v in rng.integers(0, 140, size=150)]
+    m_splits[70:75] = [0] * 5
+    xs = make_inputs(m_splits, 72, "float16", seed=6)
+    for form in ("list", "device"):
+        with cugrouped.record_launches() as launches:
+            got, want = run_both(xs, m_splits, form, column_sums=True)
+        assert_same_bits(got, want, form)
+        assert len(launches) == 3 and all(", 3, false, true>" in x.kernel for x in launches), form
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_gather_equals_permute_then_cast(dtype, form):
+    rng = np.random.default_rng(zlib.crc32(repr(("mx", dtype, form)).encode()))
+    tokens = make_inputs([300], 200, dtype, seed=int(rng.integers(1 << 30)))[0]
+    m_splits = [130, 0, 8, 262]
+    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)      # some zero rows
+    splits = m_splits if form == "host" else np.array(m_splits, np.int64)
+    got = cugrouped.multi_mxfp8_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
+                                               splits_on_device=form == "device")
+    want = reference.multi_mxfp8_cast_transpose(_permuted(tokens, idx), m_splits)
+    assert_same_bits(got, want, f"gather {dtype} {form}")
+
+
+def test_out_buffers_are_written_in_place_and_dequantize():
+    m_splits, xs = case_data("skewed", "float32")
+    x = np.concatenate(xs)
+    out = cugrouped.multi_mxfp8_cast_transpose(np.zeros_like(x), m_splits, backend="emulate")
+    res = cugrouped.multi_mxfp8_cast_transpose(x, m_splits, out=out, backend="emulate")
+    assert res.scale_inv is out.scale_inv and res.data_t is out.data_t
+    assert_same_bits(res, reference.multi_mxfp8_cast_transpose(x, m_splits), "out=")
+    finite = np.isfinite(x).all(axis=1)
+    for i, (d, dt) in enumerate(zip(res.dequantize(), res.dequantize(columnwise=True))):
+        o = sum(m_splits[:i])
+        xi, ok = x[o:o + m_splits[i]], finite[o:o + m_splits[i]]
+        amax = np.abs(xi[ok]).max() if ok.any() else 0
+        # e4m3 keeps 3 mantissa bits: within 2^-4 of each block's power-of-two range
+        assert np.all(np.abs(d[ok] - xi[ok]) <= 2.0**-3 * np.maximum(np.abs(xi[ok]), 2.0**-9 * amax))
+        assert np.all(np.abs(dt[ok] - xi[ok]) <= 2.0**-3 * np.maximum(np.abs(xi[ok]), 2.0**-9 * amax))
+
+
+def test_torch_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(300, 136, dtype=torch.bfloat16)
+    want = reference.multi_mxfp8_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
+                                                [100, 0, 200], dtype="bfloat16")
+    for backend in ("reference", "emulate"):
+        for splits in ([100, 0, 200], torch.tensor([100, 0, 200])):
+            got = cugrouped.multi_mxfp8_cast_transpose(x, splits, backend=backend)
+            assert got.data.dtype == torch.float8_e4m3fn and got.scale_inv.dtype == torch.uint8
+            assert isinstance(got, cugrouped.GroupedMXFP8)
+            host = cugrouped.GroupedMXFP8(**{f: (v.view(torch.uint8).numpy() if f == "data" else
+                                                 v.numpy() if isinstance(v, torch.Tensor) else v)
+                                             for f, v in vars(got).items()})
+            assert_same_bits(host, want, f"torch {backend}")
+
+
+def test_launch_count_and_sizes():
+    with cugrouped.record_launches() as launches:
+        r = cugrouped.multi_mxfp8_cast_transpose(np.ones((300, 200), np.float32), [0, 130, 170],
+                                                 backend="emulate")
+    assert len(launches) == 1 and launches[0].grid == 2 * 2 + 2 * 2
+    assert r.scale_inv.shape == r.scale_inv_t.shape == (8 * 512,)
+    assert r.data_t.shape == (200 * (160 + 192),) and r.m_pad_splits == (0, 160, 192)
+    assert r.rowwise_scale_inv(1).shape == (256, 8) and r.columnwise_scale_inv(2).shape == (256, 8)
+
+
+X = np.ones((10, 32), np.float32)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: cugrouped.multi_mxfp8_cast_transpose(X, [10], align=48), ValueError, "align"),
+    (lambda: cugrouped.multi_mxfp8_cast_transpose(X, [10], fp8_format="e3m4"), ValueError,
+     "fp8_format"),
+    (lambda: cugrouped.multi_mxfp8_cast_transpose(X, [11]), ValueError, "m_splits"),
+    (lambda: cugrouped.multi_block_cast_transpose(X, [10], block_scaling_dim=MX_DIMS), ValueError,
+     "multi_mxfp8_cast_transpose"),
+    (lambda: cugrouped.multi_mxfp8_cast_transpose(X, [10], row_index=np.arange(10), column_sums=True),
+     ValueError, "column_sums"),
+])
+def test_bad_input_is_rejected_clearly(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
+def test_bad_out_buffer_is_rejected_before_anything_is_written(backend):
+    out = cugrouped.multi_mxfp8_cast_transpose(X, [10], backend="emulate")
+    good = out.scale_inv
+    out.scale_inv = np.zeros(good.size, np.float32)          # float32 where E8M0 bytes belong
+    before = {n: np.array(getattr(out, n)) for n in ("data", "data_t", "scale_inv_t")}
+    with pytest.raises(ValueError, match=r"out\.scale_inv"):
+        cugrouped.multi_mxfp8_cast_transpose(X * 3, [10], out=out, backend=backend)
+    for n, b in before.items():
+        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b.view(np.uint8)), n
+
+
+# ------------------------------------------------------------------------------------------------
+# The same matrix on a GPU (skipped here; run by scripts/gpu_check.sh).
+
+GPU_CASES = [c for c in CASES if c[4] != "tensor"]
+
+
+def _to_host(res):
+    import cupy
+
+    return cugrouped.GroupedMXFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                     for f, v in vars(res).items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,dtype,fmt,align,form,order", GPU_CASES,
+                         ids=["-".join(map(str, c)) for c in GPU_CASES])
+def test_cuda_matches_reference(split, dtype, fmt, align, form, order):
+    import cupy
+
+    m_splits, xs = case_data(split, dtype)
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    splits = None
+    if form == "device":
+        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    kw = dict(fp8_format=fmt, align=align, column_sums=form == "device")
+    want = reference.multi_mxfp8_cast_transpose(xs, **kw)
+    got = cugrouped.multi_mxfp8_cast_transpose(dxs, splits, dtype=dtype if carrier else None, **kw)
+    assert_same_bits(_to_host(got), want, f"cuda {split}/{dtype}/{fmt}/{form}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_cuda_gather_matches_reference(form):
+    import cupy
+
+    rng = np.random.default_rng(33)
+    tokens = make_inputs([300], 256, "float16", seed=34)[0]
+    m_splits = [136, 0, 8, 264] * 20                       # 80 experts: two launches
+    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)
+    splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
+    got = cugrouped.multi_mxfp8_cast_transpose(cupy.asarray(tokens), splits,
+                                               row_index=cupy.asarray(idx))
+    want = reference.multi_mxfp8_cast_transpose(_permuted(tokens, idx), m_splits)
+    assert_same_bits(_to_host(got), want, f"cuda gather {form}")
