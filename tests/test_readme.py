@@ -31,7 +31,7 @@ def test_readme_examples_run():
     for i, block in enumerate(python_blocks()):
         exec(compile(block, f"README.md python block {i}", "exec"), ns)
         seen.append(dict(ns))
-    ops, gemms, block, layer = seen[0], seen[1], seen[2], seen[3]
+    ops, gemms, block, mx, layer = seen[0], seen[1], seen[2], seen[3], seen[4]
     # the cast op: the middle expert is empty, its transposed block (k, 0)
     res, k, n = ops["res"], ops["k"], ops["n"]
     assert res.data.shape == (589, k) and res.columnwise(1).shape == (k, 0)
@@ -46,6 +46,13 @@ def test_readme_examples_run():
     exact = np.concatenate([a @ b.T for a, b in zip(xb.dequantize(), wb.dequantize())])
     assert block["yb"].shape == (592, n)
     assert np.allclose(block["yb"].astype(np.float32), exact, rtol=2**-7, atol=1e-2)
+    # MXFP8: E8M0 bytes, 512 per 128 x 128 tile (4 x 2 + 1 x 2 tiles), the compact view's shape
+    xm, wm = mx["xm"], mx["wm"]
+    assert xm.scale_inv.dtype == np.uint8 and xm.scale_inv.size == 10 * 512
+    assert xm.rowwise_scale_inv(0).shape == (512, 8)
+    exact = np.concatenate([a @ b.T for a, b in zip(xm.dequantize(), wm.dequantize())])
+    assert mx["ym"].shape == (608, n)
+    assert np.allclose(mx["ym"].astype(np.float32), exact, rtol=2**-7, atol=1e-2)
     # the layer: list in, list out; gradients reached the parameters
     assert [tuple(t.shape) for t in layer["ys"]] == [(96, 128), (0, 128), (33, 128), (7, 128)]
     assert layer["x"].grad is not None and layer["layer"].weight0.grad is not None
