@@ -3,8 +3,8 @@
 Timing: CUDA events around each call, median of many runs after warm-up, inputs rotated over
 several copies so that the working set exceeds the L2 cache. Peers run in the same process on the
 same data. Without a GPU the command times what can run on the CPU (host-side launch planning per
-call) and says what it skipped. One module per op: ``cast``, ``gemm``, ``layer``, and ``block``
-(block scaling: its cast and its GEMMs).
+call) and says what it skipped. One module per op: ``cast``, ``gemm``, ``layer``, ``block``
+(block scaling: its cast and its GEMMs) and ``mxfp8`` (MXFP8: its cast and its GEMMs).
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
         section("gemm-host", bench_host_loop, rows)
     if not gpu_available():
         skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select, "
-                           "block-scaled cast vs torch eager/compile",
-                   "gemm": "gemm vs the torch peers, block-scaled vs per-tensor FP8 GEMMs",
+                           "block-scaled and MXFP8 casts vs torch eager/compile",
+                   "gemm": "gemm vs the torch peers, block-scaled and MXFP8 vs per-tensor FP8 "
+                           "GEMMs",
                    "layer": "layer forward+backward vs bf16 and torch, block vs current scaling"}
         names = "; ".join(v for k, v in skipped.items() if what in (k, "all"))
         print(f"bench {what}: no GPU here; skipped the device timings ({names}). Run "
@@ -130,6 +131,12 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
             section("block-gemm", bench_block_gemm, quick, rows)
         if what in ("layer", "all"):
             section("block-layer", bench_block_layer, quick, rows)
+        from .mxfp8 import bench_mx_cast, bench_mx_gemm
+
+        if what in ("cast", "all"):
+            section("mx-cast", bench_mx_cast, quick, rows)
+        if what in ("gemm", "all"):
+            section("mx-gemm", bench_mx_gemm, quick, rows)
     if out and not rows:
         print(f"bench {what}: nothing measured, so no CSV or plot written to {out}")
     elif out:
