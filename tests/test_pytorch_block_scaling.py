@@ -49,13 +49,14 @@ def loop_reference(layer, x, dy, splits, recipe=RECIPE):
     added in float32 and rounded once; dbias the grad output's column sums in the block cast's
     order (the reference's, itself checked against exact sums in test_block_cast_transpose)."""
     fwd, bwd = recipe.fp8_format.forward, recipe.fp8_format.backward
-    dims = recipe.block_dims
+    dims = recipe.block_dims               # (MXFP8BlockScaling: MXFP8 everywhere, tokens padded to 32)
+    align = recipe.token_padding
     ws = [_bits(w.detach()) for w in layer.weights()]
-    xq = reference.multi_block_cast_transpose(_bits(x), splits, fp8_format=fwd,
+    xq = reference.multi_block_cast_transpose(_bits(x), splits, fp8_format=fwd, align=align,
                                               block_scaling_dim=dims[0])
     wq = reference.multi_block_cast_transpose(ws, align=1, fp8_format=fwd,
                                               block_scaling_dim=dims[1])
-    dyq = reference.multi_block_cast_transpose(_bits(dy), splits, fp8_format=bwd,
+    dyq = reference.multi_block_cast_transpose(_bits(dy), splits, fp8_format=bwd, align=align,
                                                block_scaling_dim=dims[2], column_sums=True)
     y = reference.grouped_fprop(xq, wq, out_dtype="float32").astype(np.float64)
     off = np.concatenate([[0], np.cumsum(splits)])

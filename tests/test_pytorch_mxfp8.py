@@ -12,34 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from cugrouped import reference
 from cugrouped.ops import record_launches
 from cugrouped.pytorch import Format, MXFP8BlockScaling, cpu_cast_backend, fp8_autocast
-from test_pytorch_block_scaling import _bits, _moe_run, block_varied
+from test_pytorch_block_scaling import _moe_run, block_varied, loop_reference
 from test_pytorch_grouped_linear import assert_bits_equal, make_layer, run, run_compiled
 
 K, N = 256, 160          # two 128-tiles of k; n = 160: a partial tile, 5 scale blocks
 SPLITS = {"uneven": [32, 64, 160], "empty_first": [0, 96, 32], "empty_middle": [32, 0, 128],
           "single": [288]}
 RECIPE = MXFP8BlockScaling()
-
-
-def loop_reference(layer, x, dy, splits, recipe=RECIPE):
-    """The layer as a per-expert loop of the reference ops: MXFP8-cast the input, the weights
-    (align 1) and the grad output (with column sums: dbias), then the three GEMMs; bias added in
-    float32 and rounded once."""
-    fwd, bwd = recipe.fp8_format.forward, recipe.fp8_format.backward
-    ws = [_bits(w.detach()) for w in layer.weights()]
-    xq = reference.multi_mxfp8_cast_transpose(_bits(x), splits, fp8_format=fwd)
-    wq = reference.multi_mxfp8_cast_transpose(ws, align=1, fp8_format=fwd)
-    dyq = reference.multi_mxfp8_cast_transpose(_bits(dy), splits, fp8_format=bwd, column_sums=True)
-    y = reference.grouped_fprop(xq, wq, out_dtype="float32").astype(np.float64)
-    off = np.concatenate([[0], np.cumsum(splits)])
-    for i, b in enumerate(layer.biases()):
-        y[off[i]:off[i + 1]] += _bits(b.detach()).astype(np.float64)
-    dx = reference.grouped_dgrad(dyq, wq, out_dtype="float32")
-    dw = reference.grouped_wgrad(xq, dyq)
-    return y, dx, dw, dyq.column_sums
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -53,7 +34,8 @@ def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
     x = torch.randn(sum(sp), K, generator=g) * torch.exp2(torch.randint(-4, 4, (sum(sp), 1), generator=g))
     dy = torch.randn(sum(sp), N, generator=g) * 1e-2
     y, dx, dws, dbs = run(layer, x, sp, recipe, False, dy)
-    ry, rdx, rdw, rdb = loop_reference(layer, x, dy, sp, recipe)
+    ry, rdx, rdw, rdb = loop_reference(layer, x, dy, sp, recipe)   # (the block test's loop: MXFP8
+                                                                   # casts for this recipe)
     assert np.array_equal(y.detach().numpy(), ry.astype(np.float32))
     assert np.array_equal(dx.numpy(), rdx)
     for i in range(E):

@@ -24,8 +24,8 @@ from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
 from .common import copy_bandwidth_gbs, cpu_loop_us, host_us, median_ms
 
-__all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_block_gemm",
-           "bench_block_planning", "bench_block_layer"]
+__all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_cast_vs_torch",
+           "bench_block_gemm", "bench_scaled_gemm", "bench_block_planning", "bench_block_layer"]
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -71,10 +71,21 @@ def torch_block_peer(m_splits, fmt: str = "e4m3", align: int = 16):
 
 
 def bench_block_cast(quick: bool, rows: list[dict]) -> None:
+    bench_cast_vs_torch(quick, rows, op="block-cast", scaling="block1d",
+                        cast=lambda x, m: bct.multi_block_cast_transpose(x, m),
+                        peer=torch_block_peer, sizes=lambda m, k: bct.block_output_sizes(m, k, 16, 1),
+                        scale_bytes=4)
+
+
+def bench_cast_vs_torch(quick: bool, rows: list[dict], *, op: str, scaling: str, cast, peer,
+                        sizes, scale_bytes: int) -> None:
+    """One scaled cast (``cast(x, m_splits)``) against its torch eager peer (``peer(m_splits)``,
+    the same work) and ``torch.compile`` of it, on bf16 inputs rotated past L2; GB/s from the
+    bytes moved (``sizes(m_splits, k)``: the op's buffer sizes; ``scale_bytes`` per scale)."""
     try:
         import torch
     except ImportError:
-        print("torch not installed: the block-cast benchmark needs bfloat16 torch inputs; skipped")
+        print(f"torch not installed: the {op} benchmark needs bfloat16 torch inputs; skipped")
         return
     configs = QUICK_CAST if quick else CAST_CONFIGS
     bw = copy_bandwidth_gbs()
@@ -85,46 +96,58 @@ def bench_block_cast(quick: bool, rows: list[dict]) -> None:
         xt = [torch.randn((T, cfg.k), device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
 
         def ours(i):
-            return bct.multi_block_cast_transpose(xt[i % copies], m_splits)
+            return cast(xt[i % copies], m_splits)
 
         ms = median_ms(ours, 30)
         hus = host_us(ours)
-        sz = bct.block_output_sizes(m_splits, cfg.k, 16, 1)
-        traffic = T * cfg.k * 2 + sz.rows * cfg.k + sz.data_t + 4 * (sz.scale_inv + sz.scale_inv_t)
+        sz = sizes(m_splits, cfg.k)
+        traffic = (T * cfg.k * 2 + sz.rows * cfg.k + sz.data_t +
+                   scale_bytes * (sz.scale_inv + sz.scale_inv_t))
         gbs = traffic / ms / 1e6
-        row = dict(op="block-cast", config=cfg.name, scaling="block1d", impl="cugrouped", ms=ms,
+        row = dict(op=op, config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms,
                    gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
                    host_us_per_expert=hus / cfg.experts)
         rows.append(row)
-        print(f"{cfg.name:<22} block1d  cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
+        print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
               f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
-        eager = torch_block_peer(m_splits)
+        eager = peer(m_splits)
         peers = {"torch-eager": eager}
         if not quick:
             peers["torch-compile"] = torch.compile(eager, dynamic=False)
         else:
-            print(f"{cfg.name:<22} block1d  torch-compile  skipped in --quick (its compile time "
-                  f"is the GPU check's); run without --quick for it")
+            print(f"{cfg.name:<22} {scaling:<8} torch-compile  skipped in --quick (its compile "
+                  f"time is the GPU check's); run without --quick for it")
         for impl, fn in peers.items():
             pms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
-            rows.append(dict(op="block-cast", config=cfg.name, scaling="block1d", impl=impl,
+            rows.append(dict(op=op, config=cfg.name, scaling=scaling, impl=impl,
                              ms=pms, speedup_of_cugrouped=pms / ms))
-            print(f"{cfg.name:<22} block1d  {impl:<14} {pms:8.3f} ms   cugrouped is "
+            print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {pms:8.3f} ms   cugrouped is "
                   f"{pms / ms:5.2f}x faster")
 
 
 def bench_block_gemm(quick: bool, rows: list[dict]) -> None:
+    from .. import multi_block_cast_transpose as block_cast
+
+    bench_scaled_gemm(quick, rows, op="block-gemm", impl="cugrouped-fp8-block", multiple=16,
+                      cast=lambda a, m, **kw: block_cast(a, m, **kw),
+                      weight_cast=lambda w: block_cast(w, align=1, block_scaling_dim=2))
+
+
+def bench_scaled_gemm(quick: bool, rows: list[dict], *, op: str, impl: str, multiple: int, cast,
+                      weight_cast) -> None:
+    """The three grouped GEMMs on one kind of scaled operands (``cast(a, m_splits, dtype=)`` for
+    activations and gradients, ``weight_cast(w)``) against the same GEMMs on per-tensor FP8
+    operands, same data (token counts rounded down to ``multiple`` per expert)."""
     import cupy
 
     from .. import grouped_dgrad, grouped_fprop, grouped_wgrad
-    from .. import multi_block_cast_transpose as block_cast
     from .. import multi_pad_cast_transpose as tensor_cast
     from .gemm import GEMM_CONFIGS, QUICK_GEMM
 
     configs = QUICK_GEMM if quick else GEMM_CONFIGS
     runs = 10 if quick else 30
     for cfg in configs:
-        m_splits = block_splits(cfg.m_splits())
+        m_splits = [m - m % multiple for m in cfg.m_splits()]
         T, E_ = sum(m_splits), cfg.experts
         rng = cupy.random.default_rng(1)
         x = rng.standard_normal((T, cfg.k), dtype=np.float32).astype(cupy.float16).view(cupy.uint16)
@@ -132,11 +155,10 @@ def bench_block_gemm(quick: bool, rows: list[dict]) -> None:
             .view(cupy.uint16)
         w = [(rng.standard_normal((cfg.n, cfg.k), dtype=np.float32) * 0.02) for _ in range(E_)]
         ops = {
-            "cugrouped-fp8-block": (block_cast(x, m_splits, dtype="float16"),
-                                    block_cast(dy, m_splits, dtype="float16"),
-                                    block_cast(w, align=1, block_scaling_dim=2)),
-            "cugrouped-fp8": (tensor_cast(x, m_splits, dtype="float16"),
-                              tensor_cast(dy, m_splits, dtype="float16"),
+            impl: (cast(x, m_splits, dtype="float16"), cast(dy, m_splits, dtype="float16"),
+                   weight_cast(w)),
+            "cugrouped-fp8": (tensor_cast(x, m_splits, dtype="float16", align=multiple),
+                              tensor_cast(dy, m_splits, dtype="float16", align=multiple),
                               tensor_cast(w, align=1)),
         }
         y = cupy.empty((T, cfg.n), cupy.uint16)
@@ -145,25 +167,25 @@ def bench_block_gemm(quick: bool, rows: list[dict]) -> None:
         flops = 2 * T * cfg.k * cfg.n
         for pass_name in ("fprop", "dgrad", "wgrad"):
             times = {}
-            for impl, (X, DY, W) in ops.items():
+            for name, (X, DY, W) in ops.items():
                 fn = {"fprop": lambda i: grouped_fprop(X, W, out=y, fast_accum=False),
                       "dgrad": lambda i: grouped_dgrad(DY, W, out=dx),
                       "wgrad": lambda i: grouped_wgrad(X, DY, out=dw)}[pass_name]
                 try:
                     ms = median_ms(fn, runs)
-                except Exception as exc:     # e.g. a cuBLAS without block scale modes
-                    print(f"{cfg.name:<24} {pass_name:<5} {impl:<20} skipped: "
+                except Exception as exc:     # e.g. a cuBLAS or GPU without these scale modes
+                    print(f"{cfg.name:<24} {pass_name:<5} {name:<20} skipped: "
                           f"{type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                times[impl] = ms
+                times[name] = ms
                 hus = host_us(fn)
-                row = dict(op="block-gemm", config=cfg.name, pass_name=pass_name, impl=impl,
+                row = dict(op=op, config=cfg.name, pass_name=pass_name, impl=name,
                            ms=ms, tflops=flops / ms / 1e9, host_us=hus,
                            host_us_per_expert=hus / E_)
-                if impl == "cugrouped-fp8" and "cugrouped-fp8-block" in times:
-                    row["block_over_tensor_time"] = times["cugrouped-fp8-block"] / ms
+                if name == "cugrouped-fp8" and impl in times:
+                    row["scaled_over_tensor_time"] = times[impl] / ms
                 rows.append(row)
-                print(f"{cfg.name:<24} {pass_name:<5} {impl:<20} {ms:8.3f} ms "
+                print(f"{cfg.name:<24} {pass_name:<5} {name:<20} {ms:8.3f} ms "
                       f"{row['tflops']:7.1f} TFLOP/s (split accumulation; host {hus:6.1f} us)")
 
 

@@ -15,14 +15,11 @@ TransformerEngine pads to 32).
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..ops import mxfp8_cast_transpose as mxc
-from ..ops import block_cast_transpose as bct
-from ..ops import pad_cast_transpose as pct
 from ..grouped_block_fp8 import MX_DIMS
-from .cast import CAST_CONFIGS, QUICK_CAST
-from .common import copy_bandwidth_gbs, host_us, median_ms
+from ..ops import block_cast_transpose as bct
+from ..ops import mxfp8_cast_transpose as mxc
+from ..ops import pad_cast_transpose as pct
+from .block import bench_cast_vs_torch, bench_scaled_gemm
 
 __all__ = ["torch_mx_peer", "mx_splits", "bench_mx_cast", "bench_mx_gemm"]
 
@@ -76,97 +73,24 @@ def torch_mx_peer(m_splits, fmt: str = "e4m3", align: int = 32):
 
 
 def bench_mx_cast(quick: bool, rows: list[dict]) -> None:
-    try:
-        import torch
-    except ImportError:
-        print("torch not installed: the mx-cast benchmark needs bfloat16 torch inputs; skipped")
-        return
-    configs = QUICK_CAST if quick else CAST_CONFIGS
-    bw = copy_bandwidth_gbs()
-    for cfg in configs:
-        m_splits = cfg.m_splits()
-        T = sum(m_splits)
-        copies = max(2, int(np.ceil(256e6 / (T * cfg.k * 2))))          # > L2 in rotation
-        xt = [torch.randn((T, cfg.k), device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-
-        def ours(i):
-            return mxc.multi_mxfp8_cast_transpose(xt[i % copies], m_splits)
-
-        ms = median_ms(ours, 30)
-        hus = host_us(ours)
-        sz = bct.block_output_sizes(m_splits, cfg.k, 32, MX_DIMS)
-        traffic = T * cfg.k * 2 + sz.rows * cfg.k + sz.data_t + sz.scale_inv + sz.scale_inv_t
-        gbs = traffic / ms / 1e6
-        row = dict(op="mx-cast", config=cfg.name, scaling="mxfp8", impl="cugrouped", ms=ms,
-                   gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
-                   host_us_per_expert=hus / cfg.experts)
-        rows.append(row)
-        print(f"{cfg.name:<22} mxfp8    cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
-              f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
-        eager = torch_mx_peer(m_splits)
-        peers = {"torch-eager": eager}
-        if not quick:
-            peers["torch-compile"] = torch.compile(eager, dynamic=False)
-        else:
-            print(f"{cfg.name:<22} mxfp8    torch-compile  skipped in --quick (its compile time "
-                  f"is the GPU check's); run without --quick for it")
-        for impl, fn in peers.items():
-            pms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
-            rows.append(dict(op="mx-cast", config=cfg.name, scaling="mxfp8", impl=impl,
-                             ms=pms, speedup_of_cugrouped=pms / ms))
-            print(f"{cfg.name:<22} mxfp8    {impl:<14} {pms:8.3f} ms   cugrouped is "
-                  f"{pms / ms:5.2f}x faster")
+    bench_cast_vs_torch(quick, rows, op="mx-cast", scaling="mxfp8",
+                        cast=lambda x, m: mxc.multi_mxfp8_cast_transpose(x, m), peer=torch_mx_peer,
+                        sizes=lambda m, k: bct.block_output_sizes(m, k, 32, MX_DIMS), scale_bytes=1)
 
 
 def bench_mx_gemm(quick: bool, rows: list[dict]) -> None:
-    """The three grouped GEMMs on MXFP8 operands against per-tensor FP8 ones, same data."""
+    """The three grouped GEMMs on MXFP8 operands against per-tensor FP8 ones, same data; sm_100+
+    (elsewhere one line says why it was skipped)."""
     import cupy
 
-    from .. import grouped_dgrad, grouped_fprop, grouped_wgrad
-    from .. import multi_pad_cast_transpose as tensor_cast
     from ..cublaslt import version
     from ..ops.grouped_gemm import block_scaling_unsupported
-    from .gemm import GEMM_CONFIGS, QUICK_GEMM
 
     reason = block_scaling_unsupported(version(), int(cupy.cuda.Device().compute_capability),
                                        mx=True)
     if reason:
         print(f"mx-gemm skipped: {reason}")
         return
-    mx_cast = mxc.multi_mxfp8_cast_transpose
-    configs = QUICK_GEMM if quick else GEMM_CONFIGS
-    runs = 10 if quick else 30
-    for cfg in configs:
-        m_splits = mx_splits(cfg.m_splits())
-        T, E_ = sum(m_splits), cfg.experts
-        rng = cupy.random.default_rng(1)
-        x = rng.standard_normal((T, cfg.k), dtype=np.float32).astype(cupy.float16).view(cupy.uint16)
-        dy = (rng.standard_normal((T, cfg.n), dtype=np.float32) * 1e-3).astype(cupy.float16) \
-            .view(cupy.uint16)
-        w = [(rng.standard_normal((cfg.n, cfg.k), dtype=np.float32) * 0.02) for _ in range(E_)]
-        ops = {
-            "cugrouped-fp8-mx": (mx_cast(x, m_splits, dtype="float16"),
-                                 mx_cast(dy, m_splits, dtype="float16"), mx_cast(w, align=1)),
-            "cugrouped-fp8": (tensor_cast(x, m_splits, dtype="float16", align=32),
-                              tensor_cast(dy, m_splits, dtype="float16", align=32),
-                              tensor_cast(w, align=1)),
-        }
-        y = cupy.empty((T, cfg.n), cupy.uint16)
-        dx = cupy.empty((T, cfg.k), cupy.uint16)
-        dw = cupy.empty((E_, cfg.n, cfg.k), cupy.float32)
-        flops = 2 * T * cfg.k * cfg.n
-        for pass_name in ("fprop", "dgrad", "wgrad"):
-            for impl, (X, DY, W) in ops.items():
-                fn = {"fprop": lambda i: grouped_fprop(X, W, out=y, fast_accum=False),
-                      "dgrad": lambda i: grouped_dgrad(DY, W, out=dx),
-                      "wgrad": lambda i: grouped_wgrad(X, DY, out=dw)}[pass_name]
-                try:
-                    ms = median_ms(fn, runs)
-                except Exception as exc:
-                    print(f"{cfg.name:<24} {pass_name:<5} {impl:<18} skipped: "
-                          f"{type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                rows.append(dict(op="mx-gemm", config=cfg.name, pass_name=pass_name, impl=impl,
-                                 ms=ms, tflops=flops / ms / 1e9))
-                print(f"{cfg.name:<24} {pass_name:<5} {impl:<18} {ms:8.3f} ms "
-                      f"{flops / ms / 1e9:7.1f} TFLOP/s")
+    bench_scaled_gemm(quick, rows, op="mx-gemm", impl="cugrouped-fp8-mx", multiple=32,
+                      cast=lambda a, m, **kw: mxc.multi_mxfp8_cast_transpose(a, m, **kw),
+                      weight_cast=lambda w: mxc.multi_mxfp8_cast_transpose(w, align=1))
