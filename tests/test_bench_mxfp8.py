@@ -1,6 +1,5 @@
 """The MXFP8 benchmark's pieces that run without a GPU: the torch eager peer computes the op's
-bits (so the benchmark compares equal work, the swizzle of the scales included), and the token
-rounding of the GEMM rows."""
+bits (so the benchmark compares equal work, the swizzle of the scales included)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import numpy as np
 import pytest
 
 from cugrouped import reference
-from cugrouped.bench.mxfp8 import mx_splits, torch_mx_peer
+from cugrouped.bench.mxfp8 import torch_mx_peer
 
 torch = pytest.importorskip("torch")
 
@@ -31,7 +30,3 @@ def test_torch_eager_peer_gives_the_ops_bits(fmt):
         assert np.array_equal(qt.view(torch.uint8).numpy(), want.columnwise(i))
         assert np.array_equal(st.numpy(), want.scale_inv_t[ot[i]:ot[i + 1]])
     assert o[-1] == want.scale_inv.size and ot[-1] == want.scale_inv_t.size
-
-
-def test_mx_splits_round_down_to_32():
-    assert mx_splits([0, 31, 32, 130, 1000]) == [0, 0, 32, 128, 992]

@@ -21,14 +21,9 @@ from ..ops import mxfp8_cast_transpose as mxc
 from ..ops import pad_cast_transpose as pct
 from .block import bench_cast_vs_torch, bench_scaled_gemm
 
-__all__ = ["torch_mx_peer", "mx_splits", "bench_mx_cast", "bench_mx_gemm"]
+__all__ = ["torch_mx_peer", "bench_mx_cast", "bench_mx_gemm"]
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-
-
-def mx_splits(m_splits) -> list[int]:
-    """Each expert's tokens rounded down to a multiple of 32."""
-    return [m - m % 32 for m in m_splits]
 
 
 def torch_mx_peer(m_splits, fmt: str = "e4m3", align: int = 32):
