@@ -59,7 +59,8 @@ def _shapes(m, m_pad, k, dims):
 
 def _check_dims(dims) -> None:
     if dims not in (1, 2, MX_DIMS):
-        raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dims!r}")
+        raise ValueError(f"block_scaling_dim: expected 1 or 2 (or MX_DIMS, {MX_DIMS}: MXFP8), "
+                         f"got {dims!r}")
 
 
 def mx_swizzle(compact):
@@ -147,6 +148,11 @@ class GroupedBlockFP8(GroupedSplits):
     block_scaling_dim: int
     column_sums: Any = None
     total_rows: int | None = None
+
+    def __post_init__(self):
+        if self.block_scaling_dim == MX_DIMS and not isinstance(self, GroupedMXFP8):
+            raise ValueError("block_scaling_dim: MXFP8's block kind belongs to GroupedMXFP8 "
+                             "(E8M0 bytes in the swizzled layout), not GroupedBlockFP8")
 
     def _offsets(self):
         m, mp = self.host_splits()
@@ -246,6 +252,11 @@ class GroupedMXFP8(GroupedBlockFP8):
 
     block_scaling_dim: int = MX_DIMS
 
+    def __post_init__(self):
+        if self.block_scaling_dim != MX_DIMS:
+            raise ValueError(f"block_scaling_dim: a GroupedMXFP8's is MX_DIMS ({MX_DIMS}), got "
+                             f"{self.block_scaling_dim!r}")
+
     def rowwise_scale_inv(self, i: int):
         """Expert ``i``'s row-wise E8M0 bytes, compact ``(roundup(m_i, 128), roundup(ceil(k / 32),
         4))`` (unswizzled; a copy)."""
@@ -260,7 +271,7 @@ class GroupedMXFP8(GroupedBlockFP8):
 
     def _element_scales(self, s, rr, cc):
         """2^(e - 127) of the block of (row rr, column cc), in float32 (e = 0 is the denormal
-        2^-127; a block whose scale it is holds only zeros)."""
+        2^-127: the scale of a block of zeros, or of values below fp8_max * 2^-127)."""
         e = s[rr, cc // MX_BLOCK]
         if hasattr(e, "to"):        # torch
             import torch

@@ -265,16 +265,24 @@ CG_HOST_DEVICE u8 float_to_e8m0(float v) {
 }
 
 // The E8M0 scale byte of a block from its amax (>= 0, NaN already ignored): amax * (1/fp8_max)
-// in float32 (FTZ, as on the GPU), rounded up to a power of two, so that amax * 2^(127 - e)
-// <= fp8_max. An all-zero block gets 0x00 (2^-127); an inf gets 0xFE.
+// in float32, rounded up to a power of two, so that amax * 2^(127 - e) <= fp8_max (up to the
+// rounding of the product), clamped to [0, 254]. An all-zero block gets 0x00 (2^-127); an inf
+// gets 0xFE. A tiny amax (< 2^-64) is scaled by 2^64 first and the exponent taken back after:
+// its product would otherwise be a denormal, which FTZ flushes to 0 -- byte 0x00 for an amax up
+// to 2x too large for it, and elements saturating. (Without FTZ TransformerEngine's product
+// keeps that exponent; with both, the bytes agree but at the product's rounding in that range.)
 template <Fp8Format F>
 CG_HOST_DEVICE u8 mx_scale_byte(float amax) {
-    return float_to_e8m0(ftz(amax * bits_f32(MxTraits<F>::max_rcp_bits)));
+    const bool tiny = f32_bits(amax) < 0x1F800000u;                    // amax < 2^-64
+    const float a = tiny ? ftz(amax * bits_f32(0x5F800000u)) : amax;   // exact: times 2^64
+    const int e = float_to_e8m0(ftz(a * bits_f32(MxTraits<F>::max_rcp_bits))) - (tiny ? 64 : 0);
+    return static_cast<u8>(e < 0 ? 0 : e);
 }
 
-// The multiplier of the elements, 2^(127 - e) (TransformerEngine's exp2f_rcp: 0xFF -> NaN,
-// 0xFE -> 2^-127), flushed as the GPU flushes a denormal operand: 0xFE (an inf in the block)
-// multiplies by 0, so finite elements become 0 and the inf NaN.
+// The multiplier of the elements, 2^(127 - e) (0xFF -> NaN, 0xFE -> 2^-127), flushed as the GPU
+// flushes a denormal operand: 0xFE (an inf in the block) multiplies by 0, so finite elements
+// become 0 and the inf NaN. Byte 0x00 multiplies by 2^127, so a block of tiny non-zero values
+// keeps its bytes (TransformerEngine's exp2f_rcp multiplies such a block by 1, i.e. to zeros).
 CG_HOST_DEVICE float mx_element_scale(u8 e) {
     const u32 bits = e == 0xFFu ? 0x7FFFFFFFu : e == 0xFEu ? 0x00400000u : (254u - e) << 23;
     return ftz(bits_f32(bits));

@@ -211,6 +211,32 @@ def test_host_loop_sets_every_experts_scales_and_refuses_hopper():
     D.clear_caches()
 
 
+def test_memo_keys_mx_operands_by_their_buffers():
+    """The per-call memo serves MXFP8 operands (the layer builds new GroupedMXFP8 views every
+    call): a repeat is a hit, other scale buffers a miss, and never a block-scaled operand's key."""
+    X, W, _ = make_mx([32, 64], 128, 32, seed=12)
+    first = gg.checked("fprop", (X, W, None), dict(out_dtype=None, fast_accum=True))
+    again = gg.checked("fprop", (dataclasses.replace(X), W, None), dict(out_dtype=None, fast_accum=True))
+    assert again.problem is first.problem
+    moved = dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv).copy())
+    other = gg.checked("fprop", (moved, W, None), dict(out_dtype=None, fast_accum=True))
+    assert other.problem is not first.problem
+    from cugrouped.ops import _gemm_memo
+
+    assert _gemm_memo._operand_key(X, "rowwise")[0] is cugrouped.GroupedMXFP8
+
+
+def test_block_results_and_mx_results_keep_their_kinds():
+    """A GroupedBlockFP8 cannot claim MXFP8's block kind (its views would read swizzled bytes as
+    a compact layout), nor a GroupedMXFP8 another."""
+    X, _, _ = make_mx([32], 128, 32, seed=13)
+    fields = {f.name: getattr(X, f.name) for f in dataclasses.fields(X)}
+    with pytest.raises(ValueError, match="GroupedMXFP8"):
+        cugrouped.GroupedBlockFP8(**fields)
+    with pytest.raises(ValueError, match="block_scaling_dim"):
+        dataclasses.replace(X, block_scaling_dim=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # On a GPU (skipped here and on Hopper; run by scripts/gpu_check.sh on sm_100+). Tolerance as for
 # the 128-blocks: the reference is exact up to its output rounding; cuBLASLt accumulates in

@@ -86,30 +86,40 @@ def test_swizzle_round_trips_and_matches_the_layout_formula():
 
 def test_scale_bytes_at_the_e8m0_edges():
     """One non-zero element per 32-block, its magnitude at the edges of the E8M0 rounding: exact
-    powers of two times fp8_max, one ulp either side, FTZ-denormal products, the largest float,
-    inf; the kernel's bytes are the reference's, and the reference's are TE's rule."""
+    powers of two times fp8_max, one ulp either side, the range where amax / fp8_max is a float32
+    denormal (FTZ would flush it), the smallest normal, the largest float, inf. The kernel's bytes
+    are the reference's, and every finite block's byte is the smallest that does not saturate
+    its maximum (up to the rounding of amax * (1 / fp8_max))."""
     for fmt, (dt, fmax) in FP8.items():
         vals = []
-        for p in (-130, -127, -126, -100, -1, 0, 1, 50, 118):
+        for p in (-140, -130, -127, -126.5, -126, -125, -100, -64, -63.5, -1, 0, 1, 50, 118):
             base = np.float32(fmax * 2.0**p) if fmax * 2.0**p < 3.4e38 else np.float32(3.4e38)
             vals += [base, np.nextafter(base, np.float32(0)), np.nextafter(base, np.float32(np.inf))]
-        vals += [np.float32(3.4028235e38), np.float32(np.inf), np.float32(1e-45), np.float32(0)]
+        vals += [np.float32(3.4028235e38), np.float32(2.0**-126), np.float32(np.inf), np.float32(0)]
         x = np.zeros((len(vals), 64), np.float32)
         x[:, 5] = vals
         x[:, 40] = -np.float32(1.5)                       # the second block: a plain value
         got = cugrouped.multi_mxfp8_cast_transpose(x, [len(vals)], fp8_format=fmt, backend="emulate")
         want = reference.multi_mxfp8_cast_transpose(x, [len(vals)], fp8_format=fmt)
         assert_same_bits(got, want, fmt)
-        e = got.rowwise_scale_inv(0)[: len(vals), 0]
-        v = rfp8.ftz(np.array(vals, np.float32) * np.float32(1 / fmax))
-        for vi, ei, xi in zip(v, e, vals):
-            if np.isinf(vi):
+        e = got.rowwise_scale_inv(0)[: len(vals), 0].astype(int)
+        a = rfp8.ftz(np.array(vals, np.float32)).astype(np.float64)   # the kernel's amax
+        slack = 1 + 2.0**-22                              # the product's float32 rounding
+        for ai, ei, xi in zip(a, e, vals):
+            if np.isinf(ai):
                 assert ei == 254
-            elif vi == 0:
+            elif ai == 0:
                 assert ei == 0
-            else:   # smallest e with v <= 2^(e - 127), clamped to [0, 254]
-                assert 2.0 ** (int(ei) - 127) >= vi and (ei == 0 or 2.0 ** (int(ei) - 128) < vi), xi
+            else:
+                assert ai * 2.0 ** (127 - ei) <= fmax * slack, (fmt, xi, ei)          # fits
+                assert ei == 0 or ai * 2.0 ** (128 - ei) > fmax / slack, (fmt, xi, ei)  # smallest
         assert np.all(got.rowwise_scale_inv(0)[: len(vals), 1] == rfp8.mx_scale_byte(np.float32(1.5), fmt))
+        # and the bytes: no finite block saturates beyond its own rounding (decoded in float64:
+        # FLT_MAX's block rounds up to 2^128, past float32)
+        q = np.asarray(got.rowwise(0))[:, 5].view(np.uint8).view(dt).astype(np.float64)
+        d = q * 2.0 ** (e - 127.0)
+        fin = np.isfinite(a) & (a > 0)
+        assert np.all(np.abs(d[fin] - a[fin]) <= 2.0**-3 * a[fin]), fmt
 
 
 # ------------------------------------------------------------------------------------------------

@@ -241,7 +241,8 @@ class GemmConfig:
     Types are cudaDataType_t values; ``bias_type`` is None without the bias epilogue;
     ``scaled`` means A/B scale pointers are used (FP8); ``a_scale_mode`` / ``b_scale_mode`` are
     ``cublasLtMatmulMatrixScale_t`` values, 0 (one float32 scale per matrix) or the block modes
-    ``VEC128_32F`` / ``BLK128x128_32F`` (TransformerEngine's Float8BlockScaling).
+    ``VEC128_32F`` / ``BLK128x128_32F`` (TransformerEngine's Float8BlockScaling) and
+    ``VEC32_UE8M0`` (MXFP8).
     """
 
     a_type: int

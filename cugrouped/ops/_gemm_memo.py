@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..grouped_block_fp8 import GroupedBlockFP8
+from ..grouped_block_fp8 import GroupedBlockFP8, GroupedMXFP8
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_checks import check_alignment, check_dgrad, check_fprop, check_wgrad, new_output, outputs
 from ._gemm_plan import Blocks, Problem, VecPlan, plan_arrays
@@ -87,12 +87,12 @@ def _operand_key(x, copy: str):
         return (GroupedFP8, x.fp8_format, x.k, m, x.m_pad_splits,
                 None if (a := (x.data if copy == "rowwise" else x.data_t)) is None
                 else _array_key(a), _array_key(x.scale_inv))
-    if type(x) is GroupedBlockFP8:
+    if type(x) in (GroupedBlockFP8, GroupedMXFP8):
         m = x.m_splits
         if type(m) is not tuple:
             raise _NoKey
         data, scales = (x.data, x.scale_inv) if copy == "rowwise" else (x.data_t, x.scale_inv_t)
-        return (GroupedBlockFP8, x.fp8_format, x.k, m, x.m_pad_splits, x.block_scaling_dim,
+        return (type(x), x.fp8_format, x.k, m, x.m_pad_splits, x.block_scaling_dim,
                 None if data is None else _array_key(data),
                 None if scales is None else _array_key(scales))
     if isinstance(x, (GroupedFP8, GroupedBlockFP8)):   # a subclass may compute its fields

@@ -196,7 +196,8 @@ class Problem:
 
     @property
     def block_scaled(self) -> bool:
-        """FP8 operands with a scale per 1 x 128 / 128 x 128 block (GroupedBlockFP8)."""
+        """FP8 operands with a scale per 1 x 128 / 128 x 128 block (GroupedBlockFP8) or per 32
+        elements (GroupedMXFP8)."""
         return bool(self.left_scale_mode or self.right_scale_mode)
 
 

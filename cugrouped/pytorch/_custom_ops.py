@@ -112,10 +112,8 @@ def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int 
     """A GroupedFP8 over torch buffers (for the GEMMs: only the fields they read); with
     ``block`` (1, 2, or MX_DIMS: MXFP8) a GroupedBlockFP8 (GroupedMXFP8) whose ``scale_inv`` is
     the block scales of the one copy given (row-wise ``data`` or transposed ``data_t``);
-    ``align`` (the tokens' 16, a weight's 1) is raised to MXFP8's 32 for its tokens."""
+    ``align``: the tokens' (:func:`token_align`) or a weight's 1."""
     if block:
-        if block == MX_DIMS and align == 16:
-            align = token_align(block)
         m_pad = tuple(padded(m, align) for m in m_splits)
         rowwise = data is not None
         return (GroupedMXFP8 if block == MX_DIMS else GroupedBlockFP8)(data=conv(data) if rowwise else None,
@@ -300,7 +298,8 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
     conv = _gemm_view(backend)
-    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, 16, conv, x_block)
+    xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
+                  x_block)
     wg = _grouped(w_data, None, w_scale_inv, [n] * E, k, w_format, 1, conv, w_block)
     with launch_context(x_data.device):
         _ops.grouped_fprop(xg, wg, [conv(b) for b in bias] if bias else None, out=conv(y),
@@ -330,7 +329,8 @@ def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format
                 backend, fast_accum=False, dy_block=0, w_block=0):
     E, n = len(m_splits), dy_data.shape[1]
     conv = _gemm_view(backend)
-    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, 16, conv, dy_block)
+    dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, token_align(dy_block),
+                   conv, dy_block)
     wg = _grouped(None, w_t, w_scale_inv, [n] * E, k, w_format, 1, conv, w_block)
     with launch_context(dy_data.device):
         _ops.grouped_dgrad(dyg, wg, out=conv(dx), out_dtype=dtype_name(dx.dtype),
@@ -347,8 +347,10 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
            accumulate, out_dtype, backend, fast_accum=False, x_block=0, dy_block=0):
     """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
     conv = _gemm_view(backend)
-    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, 16, conv, x_block)
-    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, 16, conv, dy_block)
+    xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
+                  x_block)
+    dyg = _grouped(None, dy_t, dy_scale_inv, m_splits, n, dy_format, token_align(dy_block),
+                   conv, dy_block)
     out = [conv(g) for g in out] if isinstance(out, (list, tuple)) else conv(out)
     with launch_context(x_t.device):
         _ops.grouped_wgrad(xg, dyg, out=out, accumulate=accumulate, out_dtype=out_dtype,

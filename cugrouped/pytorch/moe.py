@@ -59,7 +59,11 @@ import torch
 import torch.nn.functional as F
 
 from .grouped_linear import GroupedLinear
-from .recipe import BLOCK_RECIPES, get_fp8_recipe
+from .recipe import BLOCK_RECIPES, Float8BlockScaling, get_fp8_recipe
+
+# Float8BlockScaling's padding of each expert's rows (kept for importers; each block recipe
+# carries its own as ``token_padding``: 16 here, 32 for MXFP8BlockScaling).
+BLOCK_SCALING_TOKEN_ALIGN = Float8BlockScaling.token_padding
 
 
 def _token_align() -> int:

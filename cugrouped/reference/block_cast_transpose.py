@@ -132,7 +132,9 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None,
                                backend=None, row_index=None, column_sums=False) -> GroupedBlockFP8:
-    """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only."""
+    """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only
+    (``block_scaling_dim=MX_DIMS``: :func:`multi_mxfp8_cast_transpose`'s MXFP8, which has no
+    ``amax_epsilon`` or ``power_2_scale``)."""
     from ..ops.block_cast_transpose import check_block_options
     from ..ops.pad_cast_transpose import check_scale_options, normalize_inputs, padded_splits
 

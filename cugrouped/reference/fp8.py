@@ -213,14 +213,19 @@ def amax_of(x) -> np.float32:
 # numbers rather than the bits).
 
 def mx_scale_byte(amax, fmt) -> np.ndarray:
-    """E8M0 byte of blocks with maxima ``amax`` (float32, >= 0): ``v = ftz(amax * float32(1 /
-    fp8_max))``, then the biased exponent of the smallest power of two >= v,
-    ``ceil(log2(v)) + 127``, clamped to [0, 254]; 0 for v = 0, 254 for +inf, 255 for NaN."""
+    """E8M0 byte of blocks with maxima ``amax`` (float32, >= 0): ``v = amax * float32(1 /
+    fp8_max)`` rounded to float32 as if the exponent range were unbounded (no denormal, no
+    flush: a tiny product keeps its exponent), then the biased exponent of the smallest power of
+    two >= v, ``ceil(log2(v)) + 127``, clamped to [0, 254]; 0 for v = 0, 254 for +inf, 255 for
+    NaN."""
     rcp = np.float32(1.0 / FP8_MAX[normalize_format(fmt)])
+    a = _f32(np.asarray(amax, np.float32))
+    tiny = a < np.float32(2.0**-64)
     with np.errstate(over="ignore", invalid="ignore"):
-        v = ftz(np.multiply(_f32(np.asarray(amax, np.float32)), rcp, dtype=np.float32))
+        # 2^64 a is exact and the product normal, so it is the product's float32 rounding
+        v = np.multiply(np.where(tiny, a * np.float32(2.0**64), a), rcp, dtype=np.float32)
     mant, ex = np.frexp(v.astype(np.float64))           # v = mant * 2^ex, mant in [0.5, 1)
-    ceil_log2 = np.where(mant == 0.5, ex - 1, ex).astype(np.int64)
+    ceil_log2 = np.where(mant == 0.5, ex - 1, ex).astype(np.int64) - np.where(tiny, 64, 0)
     e = np.clip(ceil_log2 + 127, 0, 254)
     e = np.where(v == 0, 0, e)
     e = np.where(np.isinf(v), 254, e)
