@@ -149,6 +149,24 @@ def test_bad_mx_operands_are_refused_clearly():
         gg.check_wgrad(cugrouped.multi_mxfp8_cast_transpose(ones(32, 128), columnwise=False), X)
 
 
+def test_misaligned_scale_buffers_are_refused():
+    """Each expert's scale pointer must be 16-byte aligned (experts start at multiples of 512
+    bytes, so the buffer's own address decides): an offset view is refused naming the operand."""
+    X, W, _ = make_mx([32, 64], 128, 32, seed=14)
+    raw = np.zeros(X.scale_inv.size + 16, np.uint8)
+    shifted = raw[1:1 + X.scale_inv.size]
+    shifted[:] = X.scale_inv
+    p = gg.check_fprop(dataclasses.replace(X, scale_inv=shifted), W)   # (the checks the CUDA
+    _, blocks = gg.outputs(p, None, np)                                # path runs before a call)
+    with pytest.raises(ValueError, match="left operand's block scales of expert 0: .* not "
+                                         "16-byte aligned"):
+        gg.check_alignment(p, blocks)
+    aligned = raw[16:16 + X.scale_inv.size]
+    aligned[:] = X.scale_inv
+    p = gg.check_fprop(dataclasses.replace(X, scale_inv=aligned), W)
+    gg.check_alignment(p, gg.outputs(p, None, np)[1])
+
+
 def test_capability_rules():
     assert gg.block_scaling_unsupported(120800, 100, mx=True) is None
     assert gg.block_scaling_unsupported(130000, 120, mx=True) is None

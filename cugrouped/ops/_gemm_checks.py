@@ -529,6 +529,16 @@ def check_alignment(problem: Problem, out) -> None:
                 bad.append((i, 2 * order + 1, f"{name} of expert {i}: row stride "
                             f"{int(b.ld[i]) * b.itemsize} bytes is not a multiple of "
                             f"{FP8_MULTIPLE} (FP8 GEMMs need it)"))
+    if problem.block_scaled:   # each expert's first block scale (cuBLASLt reads them 16-aligned)
+        for order, (name, ptrs) in enumerate((("left operand's block scales", problem.left_scale),
+                                              ("right operand's block scales", problem.right_scale)),
+                                             start=6):
+            p = np.asarray(ptrs, dtype=np.int64)
+            mis = np.nonzero(p % FP8_MULTIPLE)[0]
+            if mis.size:
+                i = int(mis[0])
+                bad.append((i, order, f"{name} of expert {i}: address {int(p[i]):#x} is not "
+                            f"{FP8_MULTIPLE}-byte aligned (cuBLASLt's block-scaled GEMMs need it)"))
     if bad:  # the error the per-expert scan in expert order would meet first
         raise ValueError(min(bad)[2])
 
