@@ -44,7 +44,8 @@ import numpy as np
 import pytest
 import torch
 
-from cugrouped.pytorch import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, fp8_autocast
+from cugrouped.pytorch import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                               MXFP8BlockScaling, fp8_autocast)
 from cugrouped.pytorch.moe import (MoEFeedForward, all_to_all_chunks, permute_tokens,
                                    plan_routing, shard_state_dict, unpermute_tokens)
 
@@ -54,7 +55,8 @@ POOL_SIZE = 4
 SUBGROUPS = ((0, 1), (1, 3))
 RTOL = {"float64": 1e-14, "float32": 1e-6}
 RECIPES = {"none": None, "current": Float8CurrentScaling(),
-           "delayed": DelayedScaling(amax_history_len=4), "block": Float8BlockScaling()}
+           "delayed": DelayedScaling(amax_history_len=4), "block": Float8BlockScaling(),
+           "mx": MXFP8BlockScaling()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +370,8 @@ CASES = {
     # block scaling: every rank pads its experts' received rows to 16 (router counts are not)
     "w2_fp8_block": Case(2, (11, 6), "block", "float32"),
     "w4_fp8_block_single_a2a": Case(4, (9, 5, 13, 0), "block", "float32", all_to_all="single"),
+    # MXFP8: padded to 32 rows; features in whole 32-element scale blocks
+    "w2_mxfp8": Case(2, (11, 6), "mx", "float32", hidden=32, ffn=64),
     "w4_fp8_delayed": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2),
     "w2_fp8_delayed_geglu": Case(2, (12, 9), "delayed", "float32", activation="geglu", steps=2),
     # the ranks recompute the block in backward (cugrouped.pytorch.checkpoint), the reference
