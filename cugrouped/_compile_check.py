@@ -5,13 +5,23 @@ without a GPU, but NVRTC itself needs neither. This module feeds CuPy's own NVRT
 exact flags ``RawModule`` would use (``assemble_cupy_compiler_options`` + ``-ftz=true`` + ``-arch`` +
 ``--device-as-default-execution-space``), so what is checked here is what runs on the GPU, and adds
 ``-Xptxas=-v`` to read registers, spills, stack and shared memory per kernel from the NVRTC log.
+
+Compiles run in threads (NVRTC releases the GIL) and are remembered on disk, keyed by the exact
+source, flags, instantiations and NVRTC version (``CUGROUPED_COMPILE_CACHE``, default
+``$CUGROUPED_CACHE_DIR/nvrtc``, i.e. ``~/.cache/cugrouped/nvrtc``; ``0`` turns it off): the test suite's SASS checks then read what
+``compile-check`` compiled instead of compiling it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import os
+import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from . import _jit, _sources
 
@@ -55,19 +65,49 @@ def offline_options(spec: _jit.KernelSpec, arch: str, *, verbose_ptxas: bool = T
 
 
 def compile_offline(spec: _jit.KernelSpec, arch: str, method: str = "cubin"):
-    """Compile ``spec`` for ``arch`` with NVRTC; return (image bytes, {name expr: mangled}, log)."""
+    """Compile ``spec`` for ``arch`` with NVRTC; return (image bytes, {name expr: mangled}, log).
+    A compile already on disk (module doc) is read back instead; errors are never stored."""
+    from cupy.cuda import nvrtc
     from cupy.cuda.compiler import _NVRTCProgram
 
     options = offline_options(spec, arch, verbose_ptxas=(method == "cubin"))
     if method == "ptx":
         options = tuple(o.replace(f"-arch=sm_{arch}", f"-arch=compute_{arch}") for o in options)
     code = _jit.code_for(spec)
+    key = hashlib.sha256(repr((code, spec.source, options, spec.name_expressions, method,
+                               nvrtc.getVersion())).encode()).hexdigest()
+    cache = _cache_dir()
+    path = cache / f"{key}.pkl" if cache else None
+    if path is not None and path.is_file():
+        try:
+            return pickle.loads(path.read_bytes())
+        except Exception:       # a torn or foreign file: compile again and replace it
+            pass
     _jit._announce(spec, code, options, f"sm_{arch}")
     prog = _NVRTCProgram(code, f"{spec.source}.cu", name_expressions=list(spec.name_expressions),
                          method=method)
     log = io.StringIO()
     image, mapping = prog.compile(options, log)
-    return image, mapping, log.getvalue()
+    result = (image, mapping, log.getvalue())
+    if path is not None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.{id(result)}.tmp")
+            tmp.write_bytes(pickle.dumps(result))
+            tmp.replace(path)   # atomic: a reader sees a whole file or none
+        except OSError:
+            pass
+    return result
+
+
+def _cache_dir() -> Path | None:
+    where = os.environ.get("CUGROUPED_COMPILE_CACHE", "")
+    if where == "0":
+        return None
+    if where:
+        return Path(where)
+    base = os.environ.get("CUGROUPED_CACHE_DIR", "")
+    return (Path(base) if base else Path.home() / ".cache" / "cugrouped") / "nvrtc"
 
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+a?)'")
@@ -121,31 +161,42 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
     echo("-" * len(header))
     failures = 0
     count = 0
-    for spec_name, spec in specs.items():
-        for arch in archs:
-            try:
-                image, mapping, log = compile_offline(spec, arch)
-            except Exception as exc:  # CompileException carries the NVRTC log
-                failures += 1
-                echo(f"sm_{arch:<3}  COMPILE ERROR in {spec.source}:\n{exc}")
-                continue
-            found = parse_ptxas_log(log, arch, mapping)
-            if sass:
-                from ._sass import disassemble_image, summary
+    jobs = [(spec, arch) for spec in specs.values() for arch in archs]
 
-                code = disassemble_image(image, mapping)
-            missing = set(spec.name_expressions) - {r.name for r in found}
-            for name in sorted(missing):
-                failures += 1
-                echo(f"sm_{arch:<3}  NO PTXAS REPORT for {name}")
-            for r in found:
-                count += 1
-                flag = "   <-- SPILLS" if r.spills else ""
-                failures += bool(r.spills)
-                echo(f"sm_{arch:<3}  {r.registers:>4}  {r.spill_stores:>5}/{r.spill_loads:<5}  "
-                     f"{r.stack_bytes:>5}  {r.shared_bytes:>6}  {r.name}{flag}")
-                if sass:
-                    echo(f"{'':>42}SASS: {summary(code[r.name])}")
+    def run(job):
+        try:
+            return compile_offline(*job)
+        except Exception as exc:  # CompileException carries the NVRTC log
+            return exc
+
+    # all compiles in threads (NVRTC releases the GIL), reported in a fixed order; the first one
+    # alone (NVRTC opens libnvrtc-builtins on first use: two threads racing there, one failed)
+    results = [run(jobs[0])]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results += list(pool.map(run, jobs[1:]))
+    for (spec, arch), result in zip(jobs, results):
+        if isinstance(result, Exception):
+            failures += 1
+            echo(f"sm_{arch:<3}  COMPILE ERROR in {spec.source}:\n{result}")
+            continue
+        image, mapping, log = result
+        found = parse_ptxas_log(log, arch, mapping)
+        if sass:
+            from ._sass import disassemble_image, summary
+
+            code = disassemble_image(image, mapping)
+        missing = set(spec.name_expressions) - {r.name for r in found}
+        for name in sorted(missing):
+            failures += 1
+            echo(f"sm_{arch:<3}  NO PTXAS REPORT for {name}")
+        for r in found:
+            count += 1
+            flag = "   <-- SPILLS" if r.spills else ""
+            failures += bool(r.spills)
+            echo(f"sm_{arch:<3}  {r.registers:>4}  {r.spill_stores:>5}/{r.spill_loads:<5}  "
+                 f"{r.stack_bytes:>5}  {r.shared_bytes:>6}  {r.name}{flag}")
+            if sass:
+                echo(f"{'':>42}SASS: {summary(code[r.name])}")
     echo(f"compile-check: {count} kernel compiles over {len(archs)} architectures, "
          f"{failures} problem(s)")
     return 1 if failures else 0

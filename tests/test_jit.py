@@ -94,6 +94,33 @@ def test_offline_nvrtc_compile_reports_resources_and_catches_errors(tmp_path, mo
     assert res[0].registers > 0 and res[0].spills == 0
 
 
+def test_offline_compiles_are_remembered_on_disk(tmp_path, monkeypatch):
+    """A compile is stored under CUGROUPED_COMPILE_CACHE and read back (NVRTC not called again);
+    another instantiation list is another entry; ``0`` turns the cache off; a torn file is
+    compiled again."""
+    from cupy.cuda import compiler
+
+    spec = _jit.registered()["scale_update"]
+    monkeypatch.setenv("CUGROUPED_COMPILE_CACHE", str(tmp_path))
+    first = _compile_check.compile_offline(spec, "90")
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    calls = []
+    real = compiler._NVRTCProgram.compile
+    monkeypatch.setattr(compiler._NVRTCProgram, "compile",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert _compile_check.compile_offline(spec, "90") == first and calls == []
+    one = _jit.KernelSpec(spec.source, spec.name_expressions[:1])
+    _compile_check.compile_offline(one, "90")
+    assert calls == [1] and len(list(tmp_path.glob("*.pkl"))) == 2
+    next(tmp_path.glob("*.pkl")).write_bytes(b"torn")
+    _compile_check.compile_offline(spec, "90")
+    _compile_check.compile_offline(one, "90")
+    assert len(calls) == 2                      # the torn one compiled again, the other read
+    monkeypatch.setenv("CUGROUPED_COMPILE_CACHE", "0")
+    _compile_check.compile_offline(spec, "90")
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("name", ["scale_update", "grouped_gemm_setup"])
 def test_small_kernels_compile_for_every_arch_without_spills(name):
     """Every instantiation of the small kernels, every architecture, through the offline NVRTC
