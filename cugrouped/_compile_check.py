@@ -76,6 +76,7 @@ def compile_offline(spec: _jit.KernelSpec, arch: str, method: str = "cubin"):
     code = _jit.code_for(spec)
     key = hashlib.sha256(repr((code, spec.source, options, spec.name_expressions, method,
                                nvrtc.getVersion())).encode()).hexdigest()
+    _jit._announce(spec, code, options, f"sm_{arch}")   # (the JIT knobs' dump, cached or not)
     cache = _cache_dir()
     path = cache / f"{key}.pkl" if cache else None
     if path is not None and path.is_file():
@@ -83,7 +84,6 @@ def compile_offline(spec: _jit.KernelSpec, arch: str, method: str = "cubin"):
             return pickle.loads(path.read_bytes())
         except Exception:       # a torn or foreign file: compile again and replace it
             pass
-    _jit._announce(spec, code, options, f"sm_{arch}")
     prog = _NVRTCProgram(code, f"{spec.source}.cu", name_expressions=list(spec.name_expressions),
                          method=method)
     log = io.StringIO()
