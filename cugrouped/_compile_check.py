@@ -75,7 +75,7 @@ def compile_offline(spec: _jit.KernelSpec, arch: str, method: str = "cubin"):
         options = tuple(o.replace(f"-arch=sm_{arch}", f"-arch=compute_{arch}") for o in options)
     code = _jit.code_for(spec)
     key = hashlib.sha256(repr((code, spec.source, options, spec.name_expressions, method,
-                               nvrtc.getVersion())).encode()).hexdigest()
+                               nvrtc.getVersion(), _nvrtc_identity())).encode()).hexdigest()
     _jit._announce(spec, code, options, f"sm_{arch}")   # (the JIT knobs' dump, cached or not)
     cache = _cache_dir()
     path = cache / f"{key}.pkl" if cache else None
@@ -107,7 +107,29 @@ def _cache_dir() -> Path | None:
     if where:
         return Path(where)
     base = os.environ.get("CUGROUPED_CACHE_DIR", "")
-    return (Path(base) if base else Path.home() / ".cache" / "cugrouped") / "nvrtc"
+    if base:
+        return Path(base) / "nvrtc"
+    home = os.path.expanduser("~")
+    return None if home == "~" else Path(home) / ".cache" / "cugrouped" / "nvrtc"   # no home: off
+
+
+_NVRTC_ID: list = []
+
+
+def _nvrtc_identity() -> tuple:
+    """The loaded libnvrtc's path, size and mtime (its version says major.minor only; a patch
+    release may change ptxas's registers): part of the cache key."""
+    if not _NVRTC_ID:
+        ident: tuple = ()
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            st = os.stat(load_nvidia_dynamic_lib("nvrtc").abs_path)
+            ident = (load_nvidia_dynamic_lib("nvrtc").abs_path, st.st_size, st.st_mtime_ns)
+        except Exception:   # another loader (a CUDA toolkit through CuPy): the version only
+            pass
+        _NVRTC_ID.append(ident)
+    return _NVRTC_ID[0]
 
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+a?)'")
@@ -162,6 +184,9 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
     failures = 0
     count = 0
     jobs = [(spec, arch) for spec in specs.values() for arch in archs]
+    if not jobs:
+        echo("compile-check: no architectures given")
+        return 1
 
     def run(job):
         try:
@@ -172,7 +197,8 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
     # all compiles in threads (NVRTC releases the GIL), reported in a fixed order; the first one
     # alone (NVRTC opens libnvrtc-builtins on first use: two threads racing there, one failed)
     results = [run(jobs[0])]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cores or 1, 8))) as pool:
         results += list(pool.map(run, jobs[1:]))
     for (spec, arch), result in zip(jobs, results):
         if isinstance(result, Exception):

@@ -20,6 +20,7 @@ Environment knobs (documented in the README):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import sys
@@ -103,7 +104,8 @@ def _announce(spec: KernelSpec, code: str, options: tuple[str, ...], where: str)
     if dump:
         out = Path(dump)
         out.mkdir(parents=True, exist_ok=True)
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{spec.source}-{where}")
+        names = hashlib.sha256("\n".join(spec.name_expressions).encode()).hexdigest()[:8]
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{spec.source}-{names}-{where}")
         (out / f"{stem}.cu").write_text(code)
         (out / f"{stem}.options.txt").write_text("\n".join(options) + "\n"
                                                  + "\n".join(spec.name_expressions) + "\n")

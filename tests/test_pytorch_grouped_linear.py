@@ -697,7 +697,7 @@ def test_bad_input_names_the_argument(call, exc, match):
 
 def test_fp8_needs_multiples_of_16():
     with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
-        with pytest.raises(ValueError, match="in_features: FP8 GEMMs need a multiple of 16, got 24"):
+        with pytest.raises(ValueError, match="in_features: .*FP8 GEMMs need a multiple of 16, got 24"):
             make_layer(2, k=24)(torch.randn(4, 24), [2, 2])
         with pytest.raises(ValueError, match="out_features"):
             make_layer(2, n=40)(torch.randn(4, 32), [2, 2])

@@ -66,6 +66,55 @@ def test_bfloat16_layer_and_the_emulated_kernels():
     assert_bits_equal(emu, ref)
 
 
+def test_is_first_microbatch_caches_the_mx_weights():
+    layer = make_layer(2, K, N)
+    x = torch.randn(64, K)
+    casts = lambda log: sum(1 for r in log if "block_cast" in r.kernel)  # noqa: E731
+    with fp8_autocast(fp8_recipe=RECIPE), torch.no_grad(), cpu_cast_backend("emulate"):
+        with record_launches() as log1:
+            y1 = layer(x, [32, 32], is_first_microbatch=True)
+        for w in layer.weights():
+            w.mul_(2)
+        with record_launches() as log2:
+            y2 = layer(x, [32, 32], is_first_microbatch=False)
+        with record_launches() as log3:
+            y3 = layer(x, [32, 32], is_first_microbatch=None)
+    assert casts(log1) == 2 and casts(log2) == 1 and casts(log3) == 2
+    assert torch.equal(y1, y2) and not torch.equal(y1, y3)
+
+
+def test_fused_wgrad_accumulates_into_main_grad():
+    sp = [32, 0, 64]
+    plain = make_layer(3, K, N)
+    fused = make_layer(3, K, N, fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    for w in fused.weights():
+        w.main_grad = torch.zeros_like(w)
+    x, dy = torch.randn(96, K), torch.randn(96, N)
+    grads = [run(plain, x, sp, RECIPE, False, dy)[2] for _ in range(2)]
+    for _ in range(2):
+        run(fused, x, sp, RECIPE, False, dy)
+    for i, w in enumerate(fused.weights()):
+        assert torch.equal(w.main_grad, grads[0][i] + grads[1][i]), i
+
+
+def test_checkpoint_recomputes_the_same_bits():
+    from cugrouped.pytorch import checkpoint
+
+    sp = [32, 64]
+    layer = make_layer(2, K, N)
+    x = torch.randn(96, K)
+    outs = []
+    for ckpt in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPE):
+            y = checkpoint(layer, xi, sp) if ckpt else layer(xi, sp)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, [w.grad for w in layer.weights()]))
+    assert_bits_equal(outs[0], outs[1])
+
+
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     eager = make_layer(3, K, N)
@@ -98,7 +147,8 @@ def test_token_counts_and_options_are_checked_clearly():
                                              "pads to 32 .* expert 1 has 16"):
             layer(torch.randn(48, K), [32, 16])
     odd = make_layer(1, K, 48)                       # 48 output features: not whole blocks
-    with fp8_autocast(fp8_recipe=RECIPE), pytest.raises(ValueError, match="multiples of 32"):
+    with fp8_autocast(fp8_recipe=RECIPE), pytest.raises(
+            ValueError, match="^out_features: MXFP8BlockScaling's FP8 GEMMs need a multiple of 32, got 48"):
         odd(torch.randn(32, K), [32])
     with pytest.raises(ValueError, match="margin"):
         MXFP8BlockScaling(margin=1)

@@ -15,6 +15,8 @@ TransformerEngine pads to 32).
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..grouped_block_fp8 import MX_DIMS
 from ..ops import block_cast_transpose as bct
 from ..ops import mxfp8_cast_transpose as mxc
@@ -35,13 +37,13 @@ def torch_mx_peer(m_splits, fmt: str = "e4m3", align: int = 32):
 
     f8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     fmax = FP8_MAX[fmt]
-    rcp = torch.tensor(1.0 / fmax, dtype=torch.float32)
+    rcp = float(np.float32(1.0 / fmax))      # a float32 value: the product is rounded as ours
     m_pad = pct.padded_splits(m_splits, align)
 
     def quantize(z):      # (R, C) float32, C % 128 == 0 -> bytes, swizzled E8M0 scales
         R, C = z.shape
         r = z.view(R, C // 32, 32)
-        v = r.abs().amax(-1) * rcp.to(z.device)
+        v = r.abs().amax(-1) * rcp
         mant, ex = torch.frexp(v)                                  # v = mant * 2^ex
         e = torch.where(mant == 0.5, ex - 1, ex) + 127             # the power of two rounded up
         e = torch.where(v == 0, torch.zeros_like(e), e.clamp(0, 254))

@@ -709,10 +709,13 @@ class GroupedLinear(torch.nn.Module):
                      first, accumulate_main_grad, row_index=None):
         E, k, n = self.num_gemms, self.in_features, self.out_features
         fuse, lazy, main_grads = fused
-        if k % 16:
-            raise ValueError(f"in_features: FP8 GEMMs need a multiple of 16, got {k}")
-        if n % 16:
-            raise ValueError(f"out_features: FP8 GEMMs need a multiple of 16, got {n}")
+        fm = getattr(recipe, "feature_multiple", 16)    # MXFP8: whole 32-element scale blocks
+        if k % fm:
+            raise ValueError(f"in_features: {type(recipe).__name__}'s FP8 GEMMs need a multiple of "
+                             f"{fm}, got {k}")
+        if n % fm:
+            raise ValueError(f"out_features: {type(recipe).__name__}'s FP8 GEMMs need a multiple "
+                             f"of {fm}, got {n}")
         if first.dtype not in FP8_DTYPES:
             raise TypeError(f"inp: FP8 needs float32, bfloat16 or float16 inputs, got {first.dtype}")
         cast_backend = _CPU_CAST_BACKEND[0]

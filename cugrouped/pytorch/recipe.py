@@ -345,6 +345,7 @@ class MXFP8BlockScaling:
     fp8_gemm_fprop = fp8_gemm_dgrad = fp8_gemm_wgrad = MMParams(use_split_accumulator=True)
     token_multiple = 32
     token_padding = 32
+    feature_multiple = 32   # in_features, out_features: whole scale blocks
 
     def __post_init__(self):
         _check_format(self.fp8_format)
