@@ -80,19 +80,21 @@ class Case:
     ranks: tuple[int, ...] | None = None    # pool ranks forming the group (None: all of them)
     recompute: bool = False          # the ranks run the block under cugrouped's checkpoint
     all_to_all: str = "per_expert"   # MoEFeedForward's all_to_all (the ranks' blocks)
+    fuse_permute: bool = False       # the ranks' blocks (the one-process reference never)
 
-    def block(self, group=None) -> MoEFeedForward:
+    def block(self, group=None, reference: bool = False) -> MoEFeedForward:
         return MoEFeedForward(self.hidden, self.ffn, self.num_experts, self.top_k,
                               activation=self.activation, bias=self.bias, router_bias=True,
                               group=group, params_dtype=getattr(torch, self.dtype), device="cpu",
-                              all_to_all=self.all_to_all)
+                              all_to_all=self.all_to_all,
+                              fuse_permute=self.fuse_permute and not reference)
 
 
 def make_global(case: Case):
     """(global block, x (Σ tokens, hidden), dy) with the routing forced as the case says."""
     torch.manual_seed(1234)
     dtype = getattr(torch, case.dtype)
-    block = case.block()
+    block = case.block(reference=True)
     with torch.no_grad():
         block.router.weight.copy_(torch.round(torch.randn_like(block.router.weight) * 8) / 16)
         block.router.weight[case.cold_expert].zero_()
@@ -372,6 +374,12 @@ CASES = {
     "w4_fp8_block_single_a2a": Case(4, (9, 5, 13, 0), "block", "float32", all_to_all="single"),
     # MXFP8: padded to 32 rows; features in whole 32-element scale blocks
     "w2_mxfp8": Case(2, (11, 6), "mx", "float32", hidden=32, ffn=64),
+    # the single exchange's regroup (and padding) folded into fc1's cast (row_index)
+    "w2_float64_single_a2a_fused": Case(2, (11, 6), all_to_all="single", fuse_permute=True),
+    "w4_fp8_block_single_a2a_fused": Case(4, (9, 5, 13, 0), "block", "float32",
+                                          all_to_all="single", fuse_permute=True),
+    "w4_fp8_current_single_a2a_fused": Case(4, (9, 5, 13, 2), "current", "float32",
+                                            all_to_all="single", fuse_permute=True),
     "w4_fp8_delayed": Case(4, (9, 5, 13, 2), "delayed", "float32", steps=2),
     "w2_fp8_delayed_geglu": Case(2, (12, 9), "delayed", "float32", activation="geglu", steps=2),
     # the ranks recompute the block in backward (cugrouped.pytorch.checkpoint), the reference

@@ -361,7 +361,10 @@ class MoEFeedForward(torch.nn.Module):
         rows, so the permuted copy of the tokens is never made. Same outputs; the input gradient
         is summed back in float32 in a fixed order (deterministic, no atomics), the same bits as
         the default block for ``top_k <= 2`` and within float32 summation order above.
-        With ``W > 1`` the tokens are exchanged before the experts and this has no effect.
+        With ``W > 1`` the tokens are exchanged before the experts (their permute is the
+        all-to-all's send order); with ``all_to_all="single"`` fc1 then reads the received rows
+        through the experts' order, so the regrouped copy (and the padded one, under the block
+        recipes) is never made either: the same bits as without.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
@@ -502,13 +505,54 @@ class MoEFeedForward(torch.nn.Module):
         send_r = [sum(send[r * L:(r + 1) * L]) for r in range(W)]
         recv_s = [sum(recv[s * L:(s + 1) * L]) for s in range(W)]
         received = all_to_all_chunks([x_sorted], [send_r], [recv_s], self.group)
-        by_source = received.split(recv)                        # [s·L + l]
         m_splits = [sum(recv[s * L + l] for s in range(W)) for l in range(L)]
+        if self.fuse_permute:
+            return all_to_all_chunks([self._experts_regrouped(received, recv, m_splits)],
+                                     [recv_s], [send_r], self.group)
+        by_source = received.split(recv)                        # [s·L + l]
         grouped = torch.cat([by_source[s * L + l] for l in range(L) for s in range(W)])
         y = self._experts(list(grouped.split(m_splits)))
         y_parts = [p for l in range(L) for p in y[l].split([recv[s * L + l] for s in range(W)])]
         back = torch.cat([y_parts[l * W + s] for s in range(W) for l in range(L)])
         return all_to_all_chunks([back], [recv_s], [send_r], self.group)
+
+    def _experts_regrouped(self, received, recv, m_splits) -> torch.Tensor:
+        """``fuse_permute`` with ``all_to_all="single"``: fc1 reads the received rows (by source
+        rank) through the experts' order (``row_index``), pad rows as index -1 where the recipe
+        pads, so neither the regrouped nor a padded copy of the tokens is made; fc2's rows go back
+        to the received order in one gather. Each received row is read once, so the tokens'
+        gradient is a plain scatter: the same bits as the unfused exchange."""
+        W, L = self.ep_size, self.num_local_experts
+        dev = received.device
+        # received chunk (s, l) starts at recv_start[s·L + l]; grouped chunk (l, s) at grp_start
+        order = [(s, l) for l in range(L) for s in range(W)]
+        recv_start = [0] * (W * L)
+        acc = 0
+        for i, n in enumerate(recv):
+            recv_start[i], acc = acc, acc + n
+        grp_sizes = [recv[s * L + l] for s, l in order]
+        grp_start, acc = [], 0
+        for n in grp_sizes:
+            grp_start.append(acc)
+            acc += n
+        rows = acc
+        shift = torch.tensor([recv_start[s * L + l] - g for (s, l), g in zip(order, grp_start)],
+                             dtype=torch.int64, device=dev)
+        sizes = torch.tensor(grp_sizes, dtype=torch.int64, device=dev)
+        row_index = torch.arange(rows, dtype=torch.int64, device=dev) + torch.repeat_interleave(
+            shift, sizes, output_size=rows)                     # grouped row -> received row
+        where = torch.empty_like(row_index).index_copy_(
+            0, row_index, torch.arange(rows, dtype=torch.int64, device=dev))  # received -> grouped
+        align = _token_align()
+        if align > 1:      # pad rows: index -1, a zero row gathered by the cast kernel
+            counts = torch.tensor(m_splits, dtype=torch.int64, device=dev)
+            m_splits, dest = _padded_rows(m_splits, counts, align)
+            row_index = torch.full((sum(m_splits),), -1, dtype=torch.int64,
+                                   device=dev).index_copy_(0, dest, row_index)
+            where = dest[where]
+        h = self.fc1(received, m_splits, row_index=row_index)
+        y = self.fc2(self._act(h), m_splits)
+        return y.index_select(0, where)
 
     def _experts(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """fc1 -> activation -> fc2 on the list of this rank's per-expert rows (padded with zero
