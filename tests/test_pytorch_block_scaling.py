@@ -15,8 +15,8 @@ import torch
 
 from cugrouped import reference
 from cugrouped.ops import record_launches
-from cugrouped.pytorch import (Float8BlockScaling, Format, MMParams, QParams, cpu_cast_backend,
-                               fp8_autocast)
+from cugrouped.pytorch import (Float8BlockScaling, Format, MMParams, MXFP8BlockScaling, QParams,
+                               cpu_cast_backend, fp8_autocast)
 from test_pytorch_grouped_linear import assert_bits_equal, make_layer, run, run_compiled
 
 K, N = 256, 144          # two 128-blocks of k (the second whole), n not a multiple of 128
@@ -112,34 +112,41 @@ def test_bfloat16_layer_and_the_emulated_kernels():
     assert emu[0].dtype == torch.bfloat16 and emu[2][0].dtype == torch.bfloat16
 
 
-def test_is_first_microbatch_caches_the_block_scaled_weights():
-    layer = make_layer(2, K, N)
-    x = torch.randn(48, K)
+# The two block recipes (MXFP8's features and token counts in multiples of 32).
+BOTH = [(RECIPE, N, [16, 32]), (MXFP8BlockScaling(), 160, [32, 32])]
+BOTH_IDS = ["block", "mxfp8"]
+
+
+@pytest.mark.parametrize("recipe,n,sp", BOTH, ids=BOTH_IDS)
+def test_is_first_microbatch_caches_the_block_scaled_weights(recipe, n, sp):
+    layer = make_layer(2, K, n)
+    x = torch.randn(sum(sp), K)
     casts = lambda log: sum(1 for r in log if "block_cast" in r.kernel)  # noqa: E731
-    with fp8_autocast(fp8_recipe=RECIPE), torch.no_grad(), cpu_cast_backend("emulate"):
+    with fp8_autocast(fp8_recipe=recipe), torch.no_grad(), cpu_cast_backend("emulate"):
         with record_launches() as log1:
-            y1 = layer(x, [16, 32], is_first_microbatch=True)
+            y1 = layer(x, sp, is_first_microbatch=True)
         for w in layer.weights():
             w.mul_(2)
         with record_launches() as log2:
-            y2 = layer(x, [16, 32], is_first_microbatch=False)
+            y2 = layer(x, sp, is_first_microbatch=False)
         with record_launches() as log3:
-            y3 = layer(x, [16, 32], is_first_microbatch=None)
+            y3 = layer(x, sp, is_first_microbatch=None)
     assert casts(log1) == 2 and casts(log2) == 1 and casts(log3) == 2
     assert torch.equal(y1, y2) and not torch.equal(y1, y3)
 
 
-def test_fused_wgrad_accumulates_into_main_grad():
-    sp = [16, 0, 40]
-    plain = make_layer(3, K, N)
-    fused = make_layer(3, K, N, fuse_wgrad_accumulation=True)
+@pytest.mark.parametrize("recipe,n,sp", BOTH, ids=BOTH_IDS)
+def test_fused_wgrad_accumulates_into_main_grad(recipe, n, sp):
+    sp = sp[:1] + [0] + sp[1:]
+    plain = make_layer(3, K, n)
+    fused = make_layer(3, K, n, fuse_wgrad_accumulation=True)
     fused.load_state_dict(plain.state_dict())
     for w in fused.weights():
         w.main_grad = torch.zeros_like(w)
-    x, dy = torch.randn(56, K), torch.randn(56, N)
-    grads = [run(plain, x, sp, RECIPE, False, dy)[2] for _ in range(2)]
+    x, dy = torch.randn(sum(sp), K), torch.randn(sum(sp), n)
+    grads = [run(plain, x, sp, recipe, False, dy)[2] for _ in range(2)]
     for _ in range(2):
-        run(fused, x, sp, RECIPE, False, dy)
+        run(fused, x, sp, recipe, False, dy)
     for i, w in enumerate(fused.weights()):
         assert torch.equal(w.main_grad, grads[0][i] + grads[1][i]), i
 

@@ -1,8 +1,9 @@
 """GroupedLinear with MXFP8BlockScaling (TransformerEngine's MXFP8 recipe) on the CPU: the layer
 equals a per-expert loop of the same quantize -> GEMM steps written with cugrouped.reference (bit
 for bit, forward and every gradient), list and tensor inputs agree, the emulated cast kernels give
-the reference's bits, torch.compile matches eager, the fused permute, MoEFeedForward pads experts
-to 32, the recipe's rules, and the GPU twin (``gpu``, sm_100+)."""
+the reference's bits, torch.compile matches eager, the fused permute, checkpointing,
+MoEFeedForward pads experts to 32, the recipe's rules, and the GPU twin (``gpu``, sm_100+). (The
+weight cache and fused wgrad: tests/test_pytorch_block_scaling.py, over both block recipes.)"""
 
 from __future__ import annotations
 
@@ -66,38 +67,6 @@ def test_bfloat16_layer_and_the_emulated_kernels():
     assert_bits_equal(emu, ref)
 
 
-def test_is_first_microbatch_caches_the_mx_weights():
-    layer = make_layer(2, K, N)
-    x = torch.randn(64, K)
-    casts = lambda log: sum(1 for r in log if "block_cast" in r.kernel)  # noqa: E731
-    with fp8_autocast(fp8_recipe=RECIPE), torch.no_grad(), cpu_cast_backend("emulate"):
-        with record_launches() as log1:
-            y1 = layer(x, [32, 32], is_first_microbatch=True)
-        for w in layer.weights():
-            w.mul_(2)
-        with record_launches() as log2:
-            y2 = layer(x, [32, 32], is_first_microbatch=False)
-        with record_launches() as log3:
-            y3 = layer(x, [32, 32], is_first_microbatch=None)
-    assert casts(log1) == 2 and casts(log2) == 1 and casts(log3) == 2
-    assert torch.equal(y1, y2) and not torch.equal(y1, y3)
-
-
-def test_fused_wgrad_accumulates_into_main_grad():
-    sp = [32, 0, 64]
-    plain = make_layer(3, K, N)
-    fused = make_layer(3, K, N, fuse_wgrad_accumulation=True)
-    fused.load_state_dict(plain.state_dict())
-    for w in fused.weights():
-        w.main_grad = torch.zeros_like(w)
-    x, dy = torch.randn(96, K), torch.randn(96, N)
-    grads = [run(plain, x, sp, RECIPE, False, dy)[2] for _ in range(2)]
-    for _ in range(2):
-        run(fused, x, sp, RECIPE, False, dy)
-    for i, w in enumerate(fused.weights()):
-        assert torch.equal(w.main_grad, grads[0][i] + grads[1][i]), i
-
-
 def test_checkpoint_recomputes_the_same_bits():
     from cugrouped.pytorch import checkpoint
 
@@ -127,16 +96,18 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_row_index_is_gathered_by_the_mx_cast():
-    from cugrouped.pytorch.functional import multi_mxfp8_cast_transpose  # noqa: F401
-
+    """``row_index`` (the fused permute): the MXFP8 gather instantiation reads the tokens, and the
+    output equals the layer on the permuted copy."""
     layer = make_layer(2, K, N)
     tokens = torch.randn(40, K)
     idx = torch.randint(-1, 40, (96,))
     sp = [64, 32]
     x = torch.cat([tokens, torch.zeros(1, K)])[torch.where(idx >= 0, idx, 40)]
-    with fp8_autocast(fp8_recipe=RECIPE):
-        got = layer(tokens, sp, row_index=idx)
+    with fp8_autocast(fp8_recipe=RECIPE), cpu_cast_backend("emulate"):
+        with record_launches() as log:
+            got = layer(tokens, sp, row_index=idx)
         want = layer(x, sp)
+    assert any(r.kernel.endswith(", 3, true>") for r in log)
     assert torch.equal(got, want)
 
 
