@@ -46,3 +46,16 @@ def test_notebook_runs_and_its_figures_render(path):
                 saved.append(f)
     assert saved, f"{path.name} drew no figure"
     print(f"{path.name}: {len(saved)} figure(s) in {out}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_valid_nbformat(path):
+    """Every cell has its id (nbformat 4.5; nbformat warns today and will refuse later)."""
+    import json
+
+    raw = json.loads(path.read_text())      # as stored (nbformat.read would fill missing ids in)
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5)
+    missing = [i for i, c in enumerate(raw["cells"]) if "id" not in c]
+    assert not missing, f"cells without an id: {missing}"
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
