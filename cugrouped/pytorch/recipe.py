@@ -6,6 +6,10 @@
     with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(amax_history_len=16)):
         y = layer(x, m_splits)
 
+Recipes: ``DelayedScaling`` (scales from an amax history, per expert), ``Float8CurrentScaling``
+(each cast's own amax), ``Float8BlockScaling`` (a scale per 1 x 128 / 128 x 128 block; Hopper
+GEMMs) and ``MXFP8BlockScaling`` (an E8M0 scale per 32 elements; Blackwell GEMMs).
+
 Formats: ``Format.HYBRID`` (E4M3 for inputs and weights, E5M2 for gradients; the default) or
 ``Format.E4M3`` (everything E4M3). E5M2 everywhere is not offered: cuBLASLt has no E5M2 x E5M2
 GEMM.
