@@ -7,14 +7,15 @@ exact flags ``RawModule`` would use (``assemble_cupy_compiler_options`` + ``-ftz
 ``-Xptxas=-v`` to read registers, spills, stack and shared memory per kernel from the NVRTC log.
 
 Compiles run in threads (NVRTC releases the GIL) and are remembered on disk, keyed by the exact
-source, flags, instantiations and NVRTC version (``CUGROUPED_COMPILE_CACHE``, default
-``$CUGROUPED_CACHE_DIR/nvrtc``, i.e. ``~/.cache/cugrouped/nvrtc``; ``0`` turns it off): the test suite's SASS checks then read what
-``compile-check`` compiled instead of compiling it again.
+source, flags, instantiations and NVRTC library (``CUGROUPED_COMPILE_CACHE``, default
+``$CUGROUPED_CACHE_DIR/nvrtc``, i.e. ``~/.cache/cugrouped/nvrtc``; ``0`` turns it off): the test
+suite's SASS checks then read what ``compile-check`` compiled instead of compiling it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import os
@@ -106,30 +107,22 @@ def _cache_dir() -> Path | None:
         return None
     if where:
         return Path(where)
-    base = os.environ.get("CUGROUPED_CACHE_DIR", "")
-    if base:
-        return Path(base) / "nvrtc"
-    home = os.path.expanduser("~")
-    return None if home == "~" else Path(home) / ".cache" / "cugrouped" / "nvrtc"   # no home: off
+    root = _sources.cache_root()
+    return None if root.parts[0] == "~" else root / "nvrtc"     # no home directory: off
 
 
-_NVRTC_ID: list = []
-
-
+@functools.lru_cache(maxsize=1)
 def _nvrtc_identity() -> tuple:
     """The loaded libnvrtc's path, size and mtime (its version says major.minor only; a patch
     release may change ptxas's registers): part of the cache key."""
-    if not _NVRTC_ID:
-        ident: tuple = ()
-        try:
-            from cuda.pathfinder import load_nvidia_dynamic_lib
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
 
-            st = os.stat(load_nvidia_dynamic_lib("nvrtc").abs_path)
-            ident = (load_nvidia_dynamic_lib("nvrtc").abs_path, st.st_size, st.st_mtime_ns)
-        except Exception:   # another loader (a CUDA toolkit through CuPy): the version only
-            pass
-        _NVRTC_ID.append(ident)
-    return _NVRTC_ID[0]
+        path = load_nvidia_dynamic_lib("nvrtc").abs_path
+        st = os.stat(path)
+        return (path, st.st_size, st.st_mtime_ns)
+    except Exception:   # another loader (a CUDA toolkit through CuPy): the version only
+        return ()
 
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+a?)'")

@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
-__all__ = ["kernels_dir", "read_source", "resolve_includes", "source_digest", "list_sources"]
+__all__ = ["kernels_dir", "read_source", "resolve_includes", "source_digest", "list_sources",
+           "cache_root"]
+
+
+def cache_root() -> Path:
+    """Where built artefacts are cached (emulated libraries, offline NVRTC compiles):
+    ``$CUGROUPED_CACHE_DIR``, else ``~/.cache/cugrouped`` (relative ``~/...`` without a home)."""
+    return Path(os.environ.get("CUGROUPED_CACHE_DIR")
+                or os.path.join(os.path.expanduser("~"), ".cache", "cugrouped"))
 
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 

@@ -34,7 +34,8 @@ import numpy as np
 from .grouped_fp8 import FP8_FORMATS, GroupedSplits, decode_table
 
 __all__ = ["GroupedBlockFP8", "GroupedMXFP8", "BLOCK", "MX_BLOCK", "MX_DIMS", "block_scale_shapes",
-           "block_scale_sizes", "mx_swizzle", "mx_unswizzle", "FP8_FORMATS"]
+           "block_scale_sizes", "scale_dtype", "result_type", "mx_swizzle", "mx_unswizzle",
+           "FP8_FORMATS"]
 
 BLOCK = 128   # the scaling block length (TransformerEngine's kBlockLen; cuBLASLt's VEC128 / BLK128x128)
 MX_BLOCK = 32  # MXFP8's block length (cuBLASLt's VEC32_UE8M0)
@@ -55,6 +56,17 @@ def _shapes(m, m_pad, k, dims):
     if dims == 1:
         return (cd(k), r4(m)), (cd(m_pad), r4(k))
     return (cd(m), r4(cd(k))), (cd(k), r4(cd(m_pad)))
+
+
+def scale_dtype(dims) -> np.dtype:
+    """The scales' element type of a block kind: MXFP8's E8M0 bytes (uint8) or float32
+    ``scale_inv``."""
+    return np.dtype(np.uint8 if dims == MX_DIMS else np.float32)
+
+
+def result_type(dims) -> type:
+    """The result class of a block kind: :class:`GroupedMXFP8` or :class:`GroupedBlockFP8`."""
+    return GroupedMXFP8 if dims == MX_DIMS else GroupedBlockFP8
 
 
 def _check_dims(dims) -> None:

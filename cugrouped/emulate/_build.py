@@ -50,8 +50,7 @@ class EmulationCompileError(EmulationError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("CUGROUPED_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cugrouped")
-    return Path(root) / "emulate"
+    return _sources.cache_root() / "emulate"
 
 
 def verbose() -> bool:

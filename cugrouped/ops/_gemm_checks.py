@@ -13,7 +13,7 @@ import numpy as np
 
 from .._array import ArrayView, as_view
 from ..cublaslt import _enums as E
-from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes
+from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, scale_dtype
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
 
@@ -81,7 +81,7 @@ def _block_scales(g: GroupedBlockFP8, copy: str, arg: str) -> tuple[ArrayView, n
         0 if copy == "rowwise" else 1]
     sv = as_view(getattr(g, name), arg=f"{arg}.{name}")
     total = int(sizes.sum())
-    want = "uint8" if g.block_scaling_dim == MX_DIMS else "float32"
+    want = scale_dtype(g.block_scaling_dim).name
     if sv.dtype != want or len(sv.shape) != 1 or sv.shape[0] < total or (
             sv.shape[0] > 1 and sv.strides != (1,)):
         raise ValueError(f"{arg}.{name}: expected a contiguous {want} vector of at least {total} "

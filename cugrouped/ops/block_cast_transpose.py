@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import _jit
 from .._array import array_kind, as_view
-from ..grouped_block_fp8 import BLOCK, MX_DIMS, GroupedBlockFP8, GroupedMXFP8, block_scale_sizes
+from ..grouped_block_fp8 import (BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, result_type,
+                                 scale_dtype)
 from ..grouped_fp8 import FP8_FORMATS
 from . import _launch
 from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguous, _device_scope,
@@ -183,7 +184,7 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
         raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
                         f"got {type(out).__name__}")
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
-    si = 1 if dims == MX_DIMS else 4                 # E8M0 bytes or float32
+    si = scale_dtype(dims).itemsize                   # E8M0 bytes or float32
     want = {"data": ((sz.rows, g.k), 1) if rowwise else None,
             "data_t": ((sz.data_t,), 1) if columnwise else None,
             "scale_inv": ((sz.scale_inv,), si) if rowwise else None,
@@ -317,7 +318,7 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
     m_pad = padded_splits(g.m_splits, align) if g.m_splits is not None else None
     splits = g.m_splits if g.m_dev is None else g.m_dev.owner
-    cls, sdt = (GroupedMXFP8, np.uint8) if dims == MX_DIMS else (GroupedBlockFP8, np.float32)
+    cls, sdt = result_type(dims), scale_dtype(dims)
     if out is not None:
         return cls(
             data=_as_bytes(out.data, xp) if rowwise else None,
@@ -392,7 +393,7 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
     srow, scol = block_scale_sizes(g.m_splits, mp, g.k, dims)
     out_row = _offsets(data, m * g.k, 1, g.ptrs)
     out_col = _offsets(data_t, mp * g.k, 1, g.ptrs)
-    si = 1 if dims == MX_DIMS else 4                 # E8M0 bytes or float32
+    si = scale_dtype(dims).itemsize                   # E8M0 bytes or float32
     sinv_row = _offsets(sinv, srow, si, g.ptrs)
     sinv_col = _offsets(sinv_t, scol, si, g.ptrs)
     for chunk in plans:

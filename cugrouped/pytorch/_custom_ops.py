@@ -23,7 +23,7 @@ from typing import List, Optional  # noqa: UP035  (torch.library's schema infere
 import torch
 
 from .. import ops as _ops
-from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8, block_scale_entries
+from ..grouped_block_fp8 import MX_DIMS, block_scale_entries, result_type, scale_dtype
 from ..grouped_fp8 import GroupedFP8
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
@@ -116,7 +116,7 @@ def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int 
     if block:
         m_pad = tuple(padded(m, align) for m in m_splits)
         rowwise = data is not None
-        return (GroupedMXFP8 if block == MX_DIMS else GroupedBlockFP8)(data=conv(data) if rowwise else None,
+        return result_type(block)(data=conv(data) if rowwise else None,
                                data_t=None if rowwise else conv(data_t),
                                scale_inv=conv(scale_inv) if rowwise else None,
                                scale_inv_t=None if rowwise else conv(scale_inv),
@@ -207,6 +207,11 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
             torch.empty(s_cs, dtype=torch.float32, device=dev))
 
 
+def _scale_dtype(block_dims: int) -> torch.dtype:
+    """The block scales' torch dtype (MXFP8's E8M0 bytes: uint8; else float32)."""
+    return getattr(torch, scale_dtype(block_dims).name)
+
+
 def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None, column_sums=False):
     """Output shapes of fp8_block_quantize, in plain integer arithmetic: under torch.compile the
     token counts are symbolic once they vary (no caches, no NumPy here). ``m_splits`` (a
@@ -241,11 +246,11 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
     s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
                                                    m_splits if gather else None, column_sums)
     u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
-    mx = block_dims == MX_DIMS
+    sdt = dict(dtype=_scale_dtype(block_dims), device=dev)
     data, data_t = torch.empty(s_data, **u8), torch.empty(s_t, **u8)
-    sinv, sinv_t = torch.empty(s_si, **(u8 if mx else f32)), torch.empty(s_sit, **(u8 if mx else f32))
+    sinv, sinv_t = torch.empty(s_si, **sdt), torch.empty(s_sit, **sdt)
     colsum = torch.empty(s_cs, **f32)
-    out = (GroupedMXFP8 if mx else GroupedBlockFP8)(
+    out = result_type(block_dims)(
                           data=data if rowwise else None, data_t=data_t if columnwise else None,
                           scale_inv=sinv if rowwise else None,
                           scale_inv_t=sinv_t if columnwise else None, m_splits=(),
@@ -268,7 +273,7 @@ def _(xs, fp8_format, block_dims, align, rowwise, columnwise, cast_backend, amax
                                                    m_splits if row_index is not None else None,
                                                    column_sums)
     dev = xs[0].device
-    sdt = torch.uint8 if block_dims == MX_DIMS else torch.float32
+    sdt = _scale_dtype(block_dims)
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
             torch.empty(s_si, dtype=sdt, device=dev), torch.empty(s_sit, dtype=sdt, device=dev),
             torch.empty(s_cs, dtype=torch.float32, device=dev))

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8
+from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8, result_type, scale_dtype
 from ..grouped_fp8 import GroupedFP8
 from ..ops import block_cast_transpose as _bct
 from ..ops import pad_cast_transpose as _pct
@@ -148,9 +148,8 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
         sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
                                      g.total_rows)
         u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
-        mx = block_scaling_dim == MX_DIMS
-        sdt = u8 if mx else f32                      # E8M0 bytes or float32 scale_inv
-        out = (GroupedMXFP8 if mx else GroupedBlockFP8)(
+        sdt = dict(dtype=getattr(torch, scale_dtype(block_scaling_dim).name), device=dev)
+        out = result_type(block_scaling_dim)(
             data=torch.empty((sz.rows, g.k), **u8) if rowwise else None,
             data_t=torch.empty((sz.data_t,), **u8) if columnwise else None,
             scale_inv=torch.empty((sz.scale_inv,), **sdt) if rowwise else None,

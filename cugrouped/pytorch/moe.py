@@ -55,6 +55,7 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -524,23 +525,16 @@ class MoEFeedForward(torch.nn.Module):
         gradient is a plain scatter: the same bits as the unfused exchange."""
         W, L = self.ep_size, self.num_local_experts
         dev = received.device
-        # received chunk (s, l) starts at recv_start[s·L + l]; grouped chunk (l, s) at grp_start
-        order = [(s, l) for l in range(L) for s in range(W)]
-        recv_start = [0] * (W * L)
-        acc = 0
-        for i, n in enumerate(recv):
-            recv_start[i], acc = acc, acc + n
-        grp_sizes = [recv[s * L + l] for s, l in order]
-        grp_start, acc = [], 0
-        for n in grp_sizes:
-            grp_start.append(acc)
-            acc += n
-        rows = acc
-        shift = torch.tensor([recv_start[s * L + l] - g for (s, l), g in zip(order, grp_start)],
-                             dtype=torch.int64, device=dev)
-        sizes = torch.tensor(grp_sizes, dtype=torch.int64, device=dev)
+        # chunk (s, l) starts at recv_start[s, l] received (by source) and at grp_start[l, s]
+        # grouped (by expert); each grouped row is its received row shifted by the difference
+        counts = np.asarray(recv, dtype=np.int64).reshape(W, L)
+        recv_start = (np.cumsum(counts) - counts.reshape(-1)).reshape(W, L)
+        grp_sizes = counts.T.reshape(-1)
+        shift = recv_start.T.reshape(-1) - (np.cumsum(grp_sizes) - grp_sizes)
+        rows = int(grp_sizes.sum())
         row_index = torch.arange(rows, dtype=torch.int64, device=dev) + torch.repeat_interleave(
-            shift, sizes, output_size=rows)                     # grouped row -> received row
+            torch.from_numpy(shift).to(dev), torch.from_numpy(grp_sizes).to(dev),
+            output_size=rows)                                   # grouped row -> received row
         where = torch.empty_like(row_index).index_copy_(
             0, row_index, torch.arange(rows, dtype=torch.int64, device=dev))  # received -> grouped
         align = _token_align()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..grouped_block_fp8 import (BLOCK, MX_BLOCK, MX_DIMS, GroupedBlockFP8, GroupedMXFP8,
-                                 block_scale_shapes, mx_swizzle)
+                                 block_scale_shapes, mx_swizzle, result_type, scale_dtype)
 from . import fp8 as rfp8
 from .pad_cast_transpose import _expert_arrays, copy_into, gather_rows
 
@@ -155,9 +155,8 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     def cat(j, dtype):
         return np.concatenate([p[j].reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
 
-    mx = block_scaling_dim == MX_DIMS
-    sdt = np.uint8 if mx else np.float32
-    res = (GroupedMXFP8 if mx else GroupedBlockFP8)(
+    sdt = scale_dtype(block_scaling_dim)
+    res = result_type(block_scaling_dim)(
         data=cat(0, np.uint8).reshape(g.total_rows, g.k).view(rfp8.fp8_dtype(fp8_format))
         if rowwise else None,
         data_t=cat(2, np.uint8) if columnwise else None,
