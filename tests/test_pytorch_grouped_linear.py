@@ -595,19 +595,15 @@ def test_torch_compile_fullgraph_matches_eager(recipe):
         assert_bits_equal(compiled_layer.fp8_scale, eager.fp8_scale)
 
 
-@pytest.mark.parametrize("recipe", [
-    "none", "current",
-    pytest.param("delayed", marks=pytest.mark.xfail(
-        strict=True, reason="torch 2.13's AOTAutograd partitioner fails ('Node getitem_N was "
-        "invalid, but is output') when one backward mutates both the delayed-scaling state and "
-        "the main_grad inputs; eager works")),
-])
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
 def test_torch_compile_fused_wgrad_matches_eager(recipe):
     """fuse_wgrad_accumulation under torch.compile(fullgraph=True): main_grad overwritten on the
     first micro-batch, then accumulated, bit for bit as in eager mode."""
     torch._dynamo.reset()
     sp = [5, 0, 12]
     eager = make_layer(3, fuse_wgrad_accumulation=True)
+    if recipe == "delayed":
+        eager.init_fp8_state(RECIPES[recipe])
     compiled_layer = copy.deepcopy(eager)
     for layer in (eager, compiled_layer):
         for w in layer.weights():
@@ -619,6 +615,28 @@ def test_torch_compile_fused_wgrad_matches_eager(recipe):
         run(compiled, x, sp, RECIPES[recipe], False, is_first_microbatch=first)
     for a, b in zip(eager.weights(), compiled_layer.weights()):
         assert_bits_equal(a.main_grad, b.main_grad)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_torch_compile_delayed_without_state(fullgraph):
+    """A training step compiled before the layer has its delayed-scaling state: a clear error
+    naming the cure with fullgraph=True (made in the graph, the state would be an intermediate the
+    backward mutates, which AOTAutograd refuses obscurely); otherwise that frame runs eagerly,
+    makes the state, and the results equal eager mode's."""
+    torch._dynamo.reset()
+    rec, sp, x = RECIPES["delayed"], [5, 0, 12], torch.randn(17, 32)
+    eager = make_layer(3)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_layer, fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(Exception, match=r"call layer\.init_fp8_state\(recipe\)"):
+            run_compiled(compiled, compiled_layer, x, sp, rec)
+        assert compiled_layer.fp8_state() is None
+        return
+    for _ in range(2):
+        assert_bits_equal(run_compiled(compiled, compiled_layer, x, sp, rec),
+                          run(eager, x, sp, rec, False), "delayed")
+    assert_bits_equal(compiled_layer.fp8_scale, eager.fp8_scale)
 
 
 def run_compiled(compiled, layer, x, sp, rec):

@@ -279,8 +279,9 @@ class GroupedLinear(torch.nn.Module):
                                     ("amax_history", "amax", "scale", "scale_inv")})
 
     def init_fp8_state(self, recipe: DelayedScaling) -> DelayedScalingState:
-        """Create (or keep, if compatible) the delayed-scaling buffers for ``recipe`` (forward does
-        this on first use; call it before ``torch.compile`` to keep the graph free of it).
+        """Create (or keep, if compatible) the delayed-scaling buffers for ``recipe``. Forward does
+        this on first use in eager mode; call it before ``torch.compile`` of a training step
+        (which refuses to make the state inside the graph, see ``_delayed_state``).
 
         A state for another ``amax_history_len`` (same format and margin) is kept: its history
         is cut to the newest entries or zero-padded, and amax, scale and scale_inv stay, as
@@ -644,6 +645,14 @@ class GroupedLinear(torch.nn.Module):
         """Make (or adopt) the delayed-scaling state for ``recipe``."""
         st = self.fp8_state()
         if st is None or not st.matches(recipe, self.num_gemms):
+            if torch.compiler.is_compiling() and torch.is_grad_enabled():
+                # made inside the graph, the buffers would be forward intermediates that the
+                # backward's scale update mutates: AOTAutograd cannot express that (it fails
+                # with "Node ... was invalid, but is output")
+                raise RuntimeError(
+                    "GroupedLinear under torch.compile with DelayedScaling: the layer has no "
+                    "delayed-scaling state for this recipe; call layer.init_fp8_state(recipe) "
+                    "(or run one eager step under the recipe) before compiling a training step")
             self.init_fp8_state(recipe)
         else:
             self._fp8_recipe = recipe
