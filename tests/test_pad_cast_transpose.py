@@ -853,3 +853,35 @@ def test_argument_blocks_are_reused_only_for_identical_values():
     # and results stay right when blocks are reused
     again = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate", out=first)
     assert_same_bits(again, reference.multi_pad_cast_transpose(x, [9, 0, 20]))
+
+
+def test_arg_memo_keeps_the_most_recently_used():
+    from cugrouped.ops._launch import ArgMemo
+
+    memo, made = ArgMemo(2), []
+
+    def make(v):
+        return lambda: made.append(v) or [v]
+
+    a = memo.get("a", make("a"))
+    memo.get("b", make("b"))
+    assert memo.get("a", make("a2")) is a          # hit: not made again, now most recent
+    memo.get("c", make("c"))                       # evicts "b", the least recently used
+    assert memo.get("a", make("a3")) is a
+    assert memo.get("b", make("b2")) == ["b2"]
+    assert made == ["a", "b", "c", "b2"]
+
+
+def test_chunks_of_tiles_and_device_chunks():
+    from cugrouped.ops._launch import ChunkLaunch, chunks_of_tiles, device_chunks
+
+    assert chunks_of_tiles((2, 0, 3, 1, 4), 2) == (
+        ChunkLaunch(0, 2, (0, 2, 2), 2), ChunkLaunch(2, 2, (0, 3, 4), 4),
+        ChunkLaunch(4, 1, (0, 4), 4))
+    assert chunks_of_tiles((), 64) == ()
+    with pytest.raises(ValueError, match="too many tiles"):
+        chunks_of_tiles((2**30, 2**30), 64)
+    assert device_chunks(5, 2, lambda n: 10 * n) == [
+        ChunkLaunch(0, 2, (), 20), ChunkLaunch(2, 2, (), 20), ChunkLaunch(4, 1, (), 10)]
+    with pytest.raises(ValueError, match="too many tiles"):
+        device_chunks(1, 64, lambda n: 2**31)

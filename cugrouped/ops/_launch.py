@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 __all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
-           "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture"]
+           "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture",
+           "ChunkLaunch", "chunks_of_tiles", "device_chunks", "ArgMemo", "pack_chunks"]
 
 BACKENDS = ("cuda", "emulate", "reference")
 
@@ -157,3 +160,87 @@ def device_scratch(name: str, nbytes: int):
 
     return _kept(_scratch, name, nbytes,
                  lambda size: cupy.empty(max(size, 1 << 16), dtype=np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# The multi-tensor casts' launches: experts in chunks of one by-value argument block each.
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLaunch:
+    """One launch: experts ``[first, first + count)`` of the group and its grid of tiles.
+
+    ``tile_start`` (count + 1 offsets) is known with host splits; with device splits it is empty,
+    the blocks derive it, and ``grid`` is an upper bound (surplus blocks exit at once).
+    """
+
+    first: int
+    count: int
+    tile_start: tuple[int, ...]
+    grid: int
+
+
+def chunks_of_tiles(tiles: Sequence[int], max_experts: int) -> tuple[ChunkLaunch, ...]:
+    """Chunks of at most ``max_experts`` experts with the exclusive prefix sums of their
+    ``tiles`` (tiles per expert) as tile offsets; a grid must stay below 2^31 blocks."""
+    plans = []
+    for first in range(0, len(tiles), max_experts):
+        chunk = tiles[first:first + max_experts]
+        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
+        if start[-1] >= 2**31:
+            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
+        plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
+    return tuple(plans)
+
+
+def device_chunks(num_experts: int, max_experts: int, grid: Callable[[int], int]
+                  ) -> list[ChunkLaunch]:
+    """Chunks for counts that stay on the device: ``grid(count)`` is the worst case of a chunk
+    of ``count`` experts."""
+    plans = []
+    for first in range(0, num_experts, max_experts):
+        count = min(max_experts, num_experts - first)
+        blocks = grid(count)
+        if blocks >= 2**31:
+            raise ValueError(f"too many tiles ({blocks}) for one launch")
+        plans.append(ChunkLaunch(first, count, (), blocks))
+    return plans
+
+
+class ArgMemo:
+    """Packed argument blocks remembered per argument values, least recently used out first: a
+    training step repeats the same splits with buffers the caching allocators hand out again, so
+    the blocks repeat too. A key must hold every value written into them."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._table: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], list]) -> list:
+        args = self._table.get(key)
+        if args is None:
+            args = self._table[key] = make()
+            if len(self._table) > self.size:
+                self._table.popitem(last=False)
+        else:
+            self._table.move_to_end(key)
+        return args
+
+
+def pack_chunks(dtype: np.dtype, plans: Sequence[ChunkLaunch], per_expert: dict,
+                scalars: Callable[[ChunkLaunch], dict] | None = None) -> list:
+    """The by-value argument block (a 0-d array of the kernel's struct ``dtype``) of every chunk
+    of host-split experts: ``num_experts``, each ``per_expert`` array sliced to the chunk's
+    experts, the chunk's ``count + 1`` tile offsets (the kernels search no further) and the
+    fields ``scalars(chunk)`` gives."""
+    args = []
+    for chunk in plans:
+        sl = slice(chunk.first, chunk.first + chunk.count)
+        arg = np.zeros((), dtype=dtype)
+        arg["num_experts"] = chunk.count
+        for name, values in per_expert.items():
+            arg[name][: chunk.count] = values[sl]
+        arg["tile_start"][: chunk.count + 1] = chunk.tile_start
+        for name, value in (scalars(chunk) if scalars else {}).items():
+            arg[name] = value
+        args.append(arg)
+    return args

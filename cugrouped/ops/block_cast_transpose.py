@@ -9,7 +9,6 @@ host or device counts, array kinds, dtypes) is :func:`normalize_inputs` of the p
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from ..grouped_block_fp8 import (BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_si
 from ..grouped_fp8 import FP8_FORMATS
 from . import _launch
 from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguous, _device_scope,
-                                 _ptr, _row_stride, check_scale_options, normalize_inputs,
+                                 _offsets, _ptr, _row_stride, check_scale_options, normalize_inputs,
                                  padded_splits)
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
@@ -125,15 +124,7 @@ def plan_block_launches(m_splits: Sequence[int], k: int,
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
 def _plan_cached(m_splits: tuple[int, ...], k: int, max_experts: int) -> tuple:
-    tiles = block_tile_counts(m_splits, k)
-    plans = []
-    for first in range(0, len(tiles), max_experts):
-        chunk = tiles[first:first + max_experts]
-        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
-        if start[-1] >= 2**31:
-            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
-        plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
-    return tuple(plans)
+    return _launch.chunks_of_tiles(block_tile_counts(m_splits, k), max_experts)
 
 
 def plan_block_launches_device(num_experts: int, total_rows: int, k: int,
@@ -141,14 +132,8 @@ def plan_block_launches_device(num_experts: int, total_rows: int, k: int,
     """Chunks for counts that stay on the device; each grid is the worst case of its chunk,
     ``tiles_k * (ceil(rows / 128) + count)``, and surplus blocks exit at once."""
     tiles_k = -(-k // BLOCK)
-    plans = []
-    for first in range(0, num_experts, max_experts):
-        count = min(max_experts, num_experts - first)
-        grid = tiles_k * (-(-total_rows // BLOCK) + count)
-        if grid >= 2**31:
-            raise ValueError(f"too many tiles ({grid}) for one launch")
-        plans.append(ChunkLaunch(first, count, (), grid))
-    return plans
+    return _launch.device_chunks(num_experts, max_experts,
+                                 lambda count: tiles_k * (-(-total_rows // BLOCK) + count))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,8 +324,7 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
         total_rows=g.total_rows)
 
 
-_PACKED: collections.OrderedDict = collections.OrderedDict()
-_PACKED_SIZE = 64
+_PACKED = _launch.ArgMemo(64)
 
 
 def _packed_groups(g: GroupedInput, res: GroupedBlockFP8, plans, align: int, dims: int) -> list:
@@ -352,23 +336,7 @@ def _packed_groups(g: GroupedInput, res: GroupedBlockFP8, plans, align: int, dim
                g.m_dev.ptr, g.total_rows, bufs, gather)
     else:
         key = (g.m_splits, g.k, align, dims, g.ptrs.tobytes(), g.lds.tobytes(), bufs, gather)
-    args = _PACKED.get(key)
-    if args is None:
-        args = _pack_groups(g, bufs, plans, align, dims)
-        _PACKED[key] = args
-        if len(_PACKED) > _PACKED_SIZE:
-            _PACKED.popitem(last=False)
-    else:
-        _PACKED.move_to_end(key)
-    return args
-
-
-def _offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
-    """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)``, or nulls."""
-    if not base:
-        return np.zeros_like(like)
-    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
-    return np.uint64(base) + (first * itemsize).astype(np.uint64)
+    return _PACKED.get(key, lambda: _pack_groups(g, bufs, plans, align, dims))
 
 
 def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> list:
@@ -396,24 +364,16 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
     si = scale_dtype(dims).itemsize                   # E8M0 bytes or float32
     sinv_row = _offsets(sinv, srow, si, g.ptrs)
     sinv_col = _offsets(sinv_t, scol, si, g.ptrs)
-    for chunk in plans:
-        sl = slice(chunk.first, chunk.first + chunk.count)
-        arg = np.zeros((), dtype=dt)
-        arg["num_experts"] = chunk.count
-        arg["in"][: chunk.count] = g.ptrs[sl]
-        arg["ld"][: chunk.count] = g.lds[sl]
-        arg["m"][: chunk.count] = m[sl]
-        arg["out_row"][: chunk.count] = out_row[sl]
-        arg["out_col"][: chunk.count] = out_col[sl]
-        arg["sinv_row"][: chunk.count] = sinv_row[sl]
-        arg["sinv_col"][: chunk.count] = sinv_col[sl]
-        arg["tile_start"][: chunk.count + 1] = chunk.tile_start
-        arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
-        if g.row_index is not None:   # the chunk's first index; the blocks add the counts
-            arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
-            arg["row_first0"] = int(m[: chunk.first].sum())
-        args.append(arg)
-    return args
+
+    def gather(chunk) -> dict:   # the chunk's first index; the blocks add the counts
+        if g.row_index is None:
+            return {}
+        return {"row_index": g.row_index.ptr, "src_rows": g.src_rows,
+                "row_first0": int(m[: chunk.first].sum())}
+
+    return _launch.pack_chunks(
+        dt, plans, {"in": g.ptrs, "ld": g.lds, "m": m, "out_row": out_row, "out_col": out_col,
+                    "sinv_row": sinv_row, "sinv_col": sinv_col}, gather)
 
 
 def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool,

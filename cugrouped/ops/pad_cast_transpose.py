@@ -7,7 +7,6 @@ emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_tran
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -20,6 +19,7 @@ from .. import _jit
 from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_kind, as_view
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
 from . import _launch
+from ._launch import ChunkLaunch
 
 __all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
            "padded_splits", "plan_launches_device", "output_sizes",
@@ -104,20 +104,6 @@ def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
     return tuple(max(1, -(-mp // TILE_M)) * tiles_k for mp in padded_splits(m_splits, align))
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkLaunch:
-    """One launch: experts ``[first, first + count)`` of the group and its grid of tiles.
-
-    ``tile_start`` (count + 1 offsets) is known with host splits; with device splits it is empty,
-    the blocks derive it, and ``grid`` is an upper bound (surplus blocks exit at once).
-    """
-
-    first: int
-    count: int
-    tile_start: tuple[int, ...]
-    grid: int
-
-
 def plan_launches(m_splits: Sequence[int], k: int, align: int,
                   max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
     """Split the experts into chunks that fit one argument block, with each chunk's tile offsets."""
@@ -126,15 +112,7 @@ def plan_launches(m_splits: Sequence[int], k: int, align: int,
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
 def _plan_cached(m_splits: tuple[int, ...], k: int, align: int, max_experts: int) -> tuple:
-    tiles = tile_counts(m_splits, k, align)
-    plans = []
-    for first in range(0, len(tiles), max_experts):
-        chunk = tiles[first:first + max_experts]
-        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
-        if start[-1] >= 2**31:
-            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
-        plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
-    return tuple(plans)
+    return _launch.chunks_of_tiles(tile_counts(m_splits, k, align), max_experts)
 
 
 def plan_launches_device(num_experts: int, total_rows: int, k: int, align: int,
@@ -143,14 +121,9 @@ def plan_launches_device(num_experts: int, total_rows: int, k: int, align: int,
     ``tiles_k * (ceil((rows + count * (align - 1)) / 64) + count)`` (every expert rounds up to
     ``align`` and to a tile row)."""
     tiles_k = -(-k // TILE_K)
-    plans = []
-    for first in range(0, num_experts, max_experts):
-        count = min(max_experts, num_experts - first)
-        grid = tiles_k * (-(-(total_rows + count * (align - 1)) // TILE_M) + count)
-        if grid >= 2**31:
-            raise ValueError(f"too many tiles ({grid}) for one launch")
-        plans.append(ChunkLaunch(first, count, (), grid))
-    return plans
+    return _launch.device_chunks(
+        num_experts, max_experts,
+        lambda count: tiles_k * (-(-(total_rows + count * (align - 1)) // TILE_M) + count))
 
 
 def output_sizes(g: "GroupedInput", align: int) -> tuple[int, int]:
@@ -663,14 +636,12 @@ def _ptr(a) -> int:
     return as_view(a).ptr
 
 
-_PACKED: collections.OrderedDict = collections.OrderedDict()
-_PACKED_SIZE = 64
+_PACKED = _launch.ArgMemo(64)
 
 
 def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
-    """:func:`_pack_groups`, remembered per argument values: a training step repeats the same
-    splits with buffers the caching allocators hand out again, so the argument blocks repeat too.
-    The key holds every value written into them (splits, k, align, every pointer and row stride)."""
+    """:func:`_pack_groups`, remembered per argument values (:class:`._launch.ArgMemo`); the key
+    holds every value written into them (splits, k, align, every pointer and row stride)."""
     gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     if g.m_dev is not None:
         key = ("dev", g.num_experts, g.k, align, g.base.ptr, _row_stride(g.base), g.m_dev.ptr,
@@ -678,15 +649,15 @@ def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], a
     else:
         key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), _ptr(res.data),
                _ptr(res.data_t), gather)
-    args = _PACKED.get(key)
-    if args is None:
-        args = _pack_groups(g, res, plans, align)
-        _PACKED[key] = args
-        if len(_PACKED) > _PACKED_SIZE:
-            _PACKED.popitem(last=False)
-    else:
-        _PACKED.move_to_end(key)
-    return args
+    return _PACKED.get(key, lambda: _pack_groups(g, res, plans, align))
+
+
+def _offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
+    """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)``, or nulls."""
+    if not base:
+        return np.zeros_like(like)
+    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
+    return np.uint64(base) + (first * itemsize).astype(np.uint64)
 
 
 def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
@@ -707,26 +678,14 @@ def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], ali
             args.append(arg)
         return args
     m = np.asarray(g.m_splits, dtype=np.int64)
+    out_row = _offsets(data_ptr, m * g.k, 1, g.ptrs)
+    out_col = _offsets(data_t_ptr, padded_array(m, align) * g.k, 1, g.ptrs)
+    fields = {"in": g.ptrs, "ld": g.lds, "m": m, "out_row": out_row, "out_col": out_col}
+    if g.row_index is None:
+        return _launch.pack_chunks(dt, plans, fields)
     row_first = np.concatenate([[0], np.cumsum(m[:-1])])
-    col_first = np.concatenate([[0], np.cumsum(padded_array(m[:-1], align) * g.k)])
-    out_row = (np.uint64(data_ptr) + (row_first * g.k).astype(np.uint64)) if data_ptr else np.zeros_like(g.ptrs)
-    out_col = (np.uint64(data_t_ptr) + col_first.astype(np.uint64)) if data_t_ptr else np.zeros_like(g.ptrs)
-    for chunk in plans:
-        sl = slice(chunk.first, chunk.first + chunk.count)
-        arg = np.zeros((), dtype=dt)
-        arg["num_experts"] = chunk.count
-        arg["in"][: chunk.count] = g.ptrs[sl]
-        arg["ld"][: chunk.count] = g.lds[sl]
-        arg["m"][: chunk.count] = m[sl]
-        arg["out_row"][: chunk.count] = out_row[sl]
-        arg["out_col"][: chunk.count] = out_col[sl]
-        arg["tile_start"][: chunk.count + 1] = chunk.tile_start
-        arg["tile_start"][chunk.count + 1:] = chunk.tile_start[-1]
-        if g.row_index is not None:
-            arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
-            arg["row_first"][: chunk.count] = row_first[sl]
-        args.append(arg)
-    return args
+    return _launch.pack_chunks(dt, plans, {**fields, "row_first": row_first},
+                               lambda chunk: {"row_index": g.row_index.ptr, "src_rows": g.src_rows})
 
 
 def _nullable(*arrays):
