@@ -6,22 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cugrouped import reference
 from cugrouped.bench.block import block_splits, torch_block_peer
 
 torch = pytest.importorskip("torch")
+pytest.register_assert_rewrite("_block_common")
+from _block_common import BLOCK_CAST, bench_peer_case  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_torch_eager_peer_gives_the_ops_bits(fmt):
-    m_splits, k = [48, 0, 160, 16], 256
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn((sum(m_splits), k), generator=g)
-         * torch.exp2(torch.randint(-12, 12, (sum(m_splits), 1), generator=g).float())).to(torch.bfloat16)
-    x[5, :] = 0                                           # an all-zero row block: scale 1
+    m_splits, x, want = bench_peer_case(BLOCK_CAST, fmt, seed=3)   # row 5's zero blocks: scale 1
     got = torch_block_peer(m_splits, fmt)(x)
-    want = reference.multi_block_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
-                                                m_splits, dtype="bfloat16", fp8_format=fmt)
     for i, (q, s, qt, st) in enumerate(got):
         assert np.array_equal(q.view(torch.uint8).numpy(), np.asarray(want.rowwise(i)).view(np.uint8))
         assert np.array_equal(s.numpy(), want.rowwise_scale_inv(i))

@@ -6,22 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cugrouped import reference
 from cugrouped.bench.mxfp8 import torch_mx_peer
 
 torch = pytest.importorskip("torch")
+pytest.register_assert_rewrite("_block_common")
+from _block_common import MXFP8_CAST, bench_peer_case  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_torch_eager_peer_gives_the_ops_bits(fmt):
-    m_splits, k = [48, 0, 160, 16], 256
-    g = torch.Generator().manual_seed(4)
-    x = (torch.randn((sum(m_splits), k), generator=g)
-         * torch.exp2(torch.randint(-12, 12, (sum(m_splits), 1), generator=g).float())).to(torch.bfloat16)
-    x[5, :] = 0                                           # all-zero blocks: byte 0x00
+    m_splits, x, want = bench_peer_case(MXFP8_CAST, fmt, seed=4)   # row 5's zero blocks: byte 0x00
     got = torch_mx_peer(m_splits, fmt)(x)
-    want = reference.multi_mxfp8_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
-                                                m_splits, dtype="bfloat16", fp8_format=fmt)
     o = np.concatenate([[0], np.cumsum([s.numel() for _, s, _, _ in got])])
     ot = np.concatenate([[0], np.cumsum([s.numel() for _, _, _, s in got])])
     for i, (q, s, qt, st) in enumerate(got):

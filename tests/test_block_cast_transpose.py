@@ -8,20 +8,22 @@ from __future__ import annotations
 import itertools
 import zlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import cugrouped
 from cugrouped import reference
 from cugrouped.ops import block_cast_transpose as bct
-from test_pad_cast_transpose import DTYPES, ORDERS, SPLITS, as_bits, make_inputs
+from test_pad_cast_transpose import DTYPES, ORDERS, make_inputs
 
-FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+pytest.register_assert_rewrite("_block_common")
+from _block_common import (BLOCK_CAST, BLOCK_SPLITS, FP8, assert_same_bits,  # noqa: E402
+                           check_bad_out_buffer_is_rejected, check_cuda_gather,
+                           check_cuda_matches_reference, check_emulated_kernel, check_gather,
+                           check_one_sided_copy, check_over_several_chunks,
+                           check_torch_tensors_in_and_out, permuted)
 
-# The taxonomy plus cases at the 128-block edges: whole and partial blocks in both directions,
-# k and m that are not multiples of 4 (the scale layouts' padding), an expert past one tile row.
-BLOCK_SPLITS = dict(SPLITS, edges=([128, 129, 0, 255, 5], 130), wide=([3, 256, 40], 300))
+run_both, case_data = BLOCK_CAST.run_both, BLOCK_CAST.case_data
 
 
 def blocks_by_hand(x, m_pad, fmt, dims, eps=0.0, p2=True):
@@ -135,34 +137,6 @@ def test_dequantized_error_is_within_half_an_fp8_step_of_each_block():
 # ------------------------------------------------------------------------------------------------
 # The CUDA kernel on the CPU emulator, bit for bit.
 
-def run_both(xs, m_splits, form, **kw):
-    args = (xs, None) if form == "list" else (np.concatenate(xs, axis=0), list(m_splits))
-    want = reference.multi_block_cast_transpose(*args, **kw)
-    if form == "device":
-        got = cugrouped.multi_block_cast_transpose(args[0], np.array(m_splits, np.int64),
-                                                   splits_on_device=True, backend="emulate", **kw)
-        assert got.m_pad_splits is None
-    else:
-        got = cugrouped.multi_block_cast_transpose(*args, backend="emulate", **kw)
-    return got, want
-
-
-def assert_same_bits(got, want, label=""):
-    for name in ("data", "data_t", "scale_inv", "scale_inv_t", "column_sums"):
-        g, w = as_bits(getattr(got, name)), as_bits(getattr(want, name))
-        if w is None:
-            assert g is None, f"{label} {name}"
-            continue
-        if got.splits_on_device and name not in ("data", "column_sums"):   # worst-case sized
-            assert g.shape[0] >= w.shape[0], f"{label} {name} too small"
-            g = g[: w.shape[0]]
-        assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
-        bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
-        assert bad.size == 0, (f"{label} {name}: {bad.size} of {w.size} differ, first at {bad[0]}: "
-                               f"{g.reshape(-1)[bad[0]]:#x} != {w.reshape(-1)[bad[0]]:#x}")
-    assert got.host_splits() == (want.m_splits, want.m_pad_splits), label
-
-
 ALIGNS = (1, 16, 128)
 # split case x dtype x format x block shape x input form; align and fiber order rotate (align per
 # group of the 3 forms, so that every form meets every align)
@@ -173,21 +147,12 @@ CASES = [
 ]
 
 
-def case_data(split, dtype):
-    m_splits, k = BLOCK_SPLITS[split]
-    seed = zlib.crc32(repr((split, dtype, "block")).encode())
-    return m_splits, make_inputs(m_splits, k, dtype, seed, specials=split in ("skewed", "edges"))
-
-
 @pytest.mark.parametrize("split,dtype,fmt,dims,align,form,order", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
 def test_emulated_kernel_matches_reference(split, dtype, fmt, dims, align, form, order):
-    m_splits, xs = case_data(split, dtype)
-    with cugrouped.emulation_order(order):
-        got, want = run_both(xs, m_splits, form, fp8_format=fmt, block_scaling_dim=dims, align=align)
-    assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/{dims}D/align={align}/{form}")
-    for i, m in enumerate(m_splits):        # the transposed copy's padding columns are zeros
-        assert not np.asarray(got.columnwise(i))[:, m:].any()
+    check_emulated_kernel(BLOCK_CAST, split, dtype, form, order,
+                          f"{split}/{dtype}/{fmt}/{dims}D/align={align}/{form}",
+                          fp8_format=fmt, block_scaling_dim=dims, align=align)
 
 
 @pytest.mark.parametrize("dims", [1, 2])
@@ -196,23 +161,13 @@ def test_emulated_kernel_matches_reference(split, dtype, fmt, dims, align, form,
 def test_options_and_one_sided_copies(dims, eps, p2, which):
     m_splits, xs = case_data("edges", "bfloat16")
     xs[1] = np.zeros_like(xs[1])            # all-zero blocks: the epsilon decides their scale
-    kw = dict(block_scaling_dim=dims, amax_epsilon=eps, power_2_scale=p2,
-              rowwise=which == "rowwise", columnwise=which == "columnwise")
-    got, want = run_both(xs, m_splits, "tensor", **kw)
-    assert_same_bits(got, want, f"{dims}D eps={eps} p2={p2} {which}")
-    assert (got.data is None) == (which == "columnwise") and (got.data_t is None) == (which == "rowwise")
+    check_one_sided_copy(BLOCK_CAST, xs, m_splits, which, f"{dims}D eps={eps} p2={p2} {which}",
+                         block_scaling_dim=dims, amax_epsilon=eps, power_2_scale=p2)
 
 
 def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
-    rng = np.random.default_rng(3)
-    m_splits = [int(v) for v in rng.integers(0, 140, size=150)]
-    m_splits[70:75] = [0] * 5
-    xs = make_inputs(m_splits, 136, "float16", seed=4)
-    for form in ("list", "device"):
-        with cugrouped.record_launches() as launches:
-            got, want = run_both(xs, m_splits, form, block_scaling_dim=1)
-        assert_same_bits(got, want, form)
-        assert len(launches) == 3, form        # ceil(150 / 64) chunks, one launch each
+    # ceil(150 / 64) chunks, one launch each
+    check_over_several_chunks(BLOCK_CAST, (3, 4), 136, block_scaling_dim=1)
 
 
 def test_device_counts_over_more_experts_than_one_scan_pass():
@@ -337,43 +292,19 @@ def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
 
 def test_torch_tensors_in_and_out():
     torch = pytest.importorskip("torch")
-    x = torch.randn(300, 136, dtype=torch.bfloat16)
-    want = reference.multi_block_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
-                                                [100, 0, 200], dtype="bfloat16")
-    for backend in ("reference", "emulate"):
-        for splits in ([100, 0, 200], torch.tensor([100, 0, 200])):
-            got = cugrouped.multi_block_cast_transpose(x, splits, backend=backend)
-            assert got.data.dtype == torch.float8_e4m3fn and got.scale_inv.dtype == torch.float32
-            host = cugrouped.GroupedBlockFP8(**{f: (v.view(torch.uint8).numpy() if f == "data" else
-                                                    v.numpy() if isinstance(v, torch.Tensor) else v)
-                                                for f, v in vars(got).items()})
-            assert_same_bits(host, want, f"torch {backend}")
+    check_torch_tensors_in_and_out(BLOCK_CAST, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
 # The fused MoE permute (row_index): the kernel gathers the rows itself.
 
-def _permuted(tokens, idx):
-    """The rows a framework's index_select would give, a negative index a zero row."""
-    zero = np.zeros((1, tokens.shape[1]), tokens.dtype)
-    return np.concatenate([tokens, zero])[np.where(idx >= 0, idx, tokens.shape[0])]
-
-
 @pytest.mark.parametrize("dims", [1, 2])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("form", ["host", "device"])
 def test_gather_equals_permute_then_cast(dims, dtype, form):
-    rng = np.random.default_rng(zlib.crc32(repr((dims, dtype, form)).encode()))
-    tokens = make_inputs([300], 200, dtype, seed=int(rng.integers(1 << 30)))[0]
-    m_splits = [130, 0, 8, 262]
-    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)      # some zero rows
-    splits = m_splits if form == "host" else np.array(m_splits, np.int64)
-    got = cugrouped.multi_block_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
-                                               block_scaling_dim=dims,
-                                               splits_on_device=form == "device")
-    want = reference.multi_block_cast_transpose(_permuted(tokens, idx), m_splits,
-                                                block_scaling_dim=dims)
-    assert_same_bits(got, want, f"gather {dims}D {dtype} {form}")
+    tokens, m_splits, idx, want = check_gather(BLOCK_CAST, (dims, dtype, form), dtype, form,
+                                               f"gather {dims}D {dtype} {form}",
+                                               block_scaling_dim=dims)
     ref = reference.multi_block_cast_transpose(tokens, m_splits, row_index=idx, block_scaling_dim=dims)
     assert_same_bits(ref, want, "the reference's own gather")
 
@@ -389,7 +320,7 @@ def test_gather_over_several_launches_and_strided_tokens():
     with cugrouped.record_launches() as launches:
         got = cugrouped.multi_block_cast_transpose(tokens, m_splits, row_index=idx, backend="emulate")
     assert len(launches) == 2 and all(x.kernel.endswith("1, true>") for x in launches)
-    want = reference.multi_block_cast_transpose(_permuted(np.ascontiguousarray(tokens), idx), m_splits)
+    want = reference.multi_block_cast_transpose(permuted(np.ascontiguousarray(tokens), idx), m_splits)
     assert_same_bits(got, want, "chunks")
 
 
@@ -489,13 +420,8 @@ def test_bad_input_is_rejected_clearly(call, exc, match):
 
 @pytest.mark.parametrize("backend", ["emulate", "reference"])
 def test_bad_out_buffer_is_rejected_before_anything_is_written(backend):
-    out = cugrouped.multi_block_cast_transpose(X, [10], backend="emulate")
-    out.scale_inv_t = np.zeros(out.scale_inv_t.size + 1, np.float32)
-    before = {n: np.array(getattr(out, n)) for n in ("data", "data_t", "scale_inv")}
-    with pytest.raises(ValueError, match=r"out\.scale_inv_t"):
-        cugrouped.multi_block_cast_transpose(X * 3, [10], out=out, backend=backend)
-    for n, b in before.items():
-        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b.view(np.uint8)), n
+    check_bad_out_buffer_is_rejected(BLOCK_CAST, X, backend, "scale_inv_t",
+                                     lambda s: np.zeros(s.size + 1, np.float32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -508,40 +434,18 @@ GPU_CASES = [c for c in CASES if c[5] != "tensor"]
 @pytest.mark.parametrize("split,dtype,fmt,dims,align,form,order", GPU_CASES,
                          ids=["-".join(map(str, c)) for c in GPU_CASES])
 def test_cuda_matches_reference(split, dtype, fmt, dims, align, form, order):
-    import cupy
-
-    m_splits, xs = case_data(split, dtype)
-    carrier = {"bfloat16": np.uint16}.get(dtype)
-    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
-    splits = None
-    if form == "device":
-        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
-    kw = dict(fp8_format=fmt, block_scaling_dim=dims, align=align, column_sums=form == "device")
-    want = reference.multi_block_cast_transpose(xs, **kw)
-    got = cugrouped.multi_block_cast_transpose(dxs, splits, dtype=dtype if carrier else None, **kw)
-    host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
-                                        for f, v in vars(got).items()})
-    assert_same_bits(host, want, f"cuda {split}/{dtype}/{fmt}/{dims}D/{form}")
+    check_cuda_matches_reference(BLOCK_CAST, split, dtype, form,
+                                 f"cuda {split}/{dtype}/{fmt}/{dims}D/{form}",
+                                 fp8_format=fmt, block_scaling_dim=dims, align=align,
+                                 column_sums=form == "device")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["host", "device"])
 @pytest.mark.parametrize("dims", [1, 2])
 def test_cuda_gather_matches_reference(form, dims):
-    import cupy
-
-    rng = np.random.default_rng(31)
-    tokens = make_inputs([300], 256, "float32", seed=32)[0]
-    m_splits = [136, 0, 8, 264] * 20                       # 80 experts: two launches
-    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)
-    splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
-    got = cugrouped.multi_block_cast_transpose(cupy.asarray(tokens), splits,
-                                               row_index=cupy.asarray(idx), block_scaling_dim=dims)
-    host = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
-                                        for f, v in vars(got).items()})
-    want = reference.multi_block_cast_transpose(_permuted(tokens, idx), m_splits,
-                                                block_scaling_dim=dims)
-    assert_same_bits(host, want, f"cuda gather {form} {dims}D")
+    check_cuda_gather(BLOCK_CAST, (31, 32), "float32", form, f"cuda gather {form} {dims}D",
+                      block_scaling_dim=dims)
 
 
 @pytest.mark.gpu
@@ -565,10 +469,8 @@ def test_cuda_gather_from_misaligned_tokens(form, dims):
     splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
     got = cugrouped.multi_block_cast_transpose(tokens, splits, dtype="bfloat16",
                                                row_index=cupy.asarray(idx), block_scaling_dim=dims)
-    hostres = cugrouped.GroupedBlockFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
-                                           for f, v in vars(got).items()})
-    want = reference.multi_block_cast_transpose(_permuted(host, idx), m_splits, block_scaling_dim=dims)
-    assert_same_bits(hostres, want, f"misaligned gather {form} {dims}D")
+    want = reference.multi_block_cast_transpose(permuted(host, idx), m_splits, block_scaling_dim=dims)
+    assert_same_bits(BLOCK_CAST.to_host(got), want, f"misaligned gather {form} {dims}D")
 
 
 @pytest.mark.gpu

@@ -6,16 +6,21 @@ device calls faked, and (marked ``gpu``) the cuBLASLt path against the reference
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import cugrouped
 from cugrouped.cublaslt import _enums as E
 from cugrouped.ops import grouped_gemm as gg
-from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
-from test_grouped_gemm import (NP_DTYPE, OUT_DTYPES, _abs_sum, _assert_close, _to_np,
-                               assert_correctly_rounded, rand)
+from cugrouped.ops.grouped_gemm import grouped_fprop, grouped_wgrad
+from test_grouped_gemm import OUT_DTYPES, _abs_sum, _assert_close
+
+pytest.register_assert_rewrite("_block_common")
+from _block_common import (FP8, check_copies_differ_and_wgrad_reads_the_transposed,  # noqa: E402
+                           check_descriptors_accept, check_gpu_passes_vs_reference,
+                           check_host_loop_sets_every_experts_scales, check_memo_keys_by_buffers,
+                           check_reference_bias_and_accumulate, check_reference_passes,
+                           host_operand, random_gemm_inputs, skip_unless_block_gemms)
 
 VEC, BLK = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
 # name -> (m_splits, k, n): token counts multiples of 8 (or 0), blocks of 128 whole and partial
@@ -30,11 +35,7 @@ SPLITS = {
 
 def make_block(m_splits, k, n, seed, xp=np, x_dims=1, w_dims=2, g_fmt="e4m3"):
     """x (m_i, k), w (n, k), dy (m_i, n), block-scaled as TransformerEngine's recipe does."""
-    rng = np.random.default_rng(seed)
-    amp = lambda m: np.exp2(rng.uniform(-6, 6, (m, 1))).astype(np.float32)  # noqa: E731
-    xs = [xp.asarray(rand(rng, (m, k)) * amp(m)) for m in m_splits]
-    ws = [xp.asarray(rand(rng, (n, k), 0.05) * amp(n)) for _ in m_splits]
-    dys = [xp.asarray(rand(rng, (m, n), 1e-3) * amp(m)) for m in m_splits]
+    xs, ws, dys = random_gemm_inputs(m_splits, k, n, seed, xp)
     X = cugrouped.multi_block_cast_transpose(xs, block_scaling_dim=x_dims)
     W = cugrouped.multi_block_cast_transpose(ws, block_scaling_dim=w_dims, align=1)
     DY = cugrouped.multi_block_cast_transpose(dys, block_scaling_dim=1, fp8_format=g_fmt)
@@ -44,7 +45,7 @@ def make_block(m_splits, k, n, seed, xp=np, x_dims=1, w_dims=2, g_fmt="e4m3"):
 def independent(op, copy):
     """float64 per-expert (m_i, k) matrices: ml_dtypes' FP8 decode times each element's block
     scale, the block found from the layout (rows / columns of 128 counted here, not by cugrouped)."""
-    dt = ml_dtypes.float8_e4m3fn if op.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    dt = FP8[op.fp8_format][0]
     out = []
     for i, m in enumerate(op.m_splits):
         if copy == "rowwise":
@@ -69,16 +70,8 @@ def independent(op, copy):
 def test_reference_passes_against_independent_dequantization(split, dims):
     m_splits, k, n = SPLITS[split]
     X, W, DY = make_block(m_splits, k, n, seed=len(split), x_dims=dims[0], w_dims=dims[1])
-    xs, ws, dys = independent(X, "rowwise"), independent(W, "rowwise"), independent(DY, "rowwise")
-    for out_dtype in OUT_DTYPES:
-        y = grouped_fprop(X, W, out_dtype=out_dtype)
-        assert_correctly_rounded(y, np.concatenate([a @ b.T for a, b in zip(xs, ws)]), out_dtype)
-    wts = independent(W, "columnwise")           # dgrad: dy (1-D) with w's transposed copy
-    dx = grouped_dgrad(DY, W, out_dtype="float32")
-    assert_correctly_rounded(dx, np.concatenate([a @ b for a, b in zip(dys, wts)]), "float32")
-    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")   # wgrad: x (1-D or
-    dw = grouped_wgrad(X, DY)                                                 # 2-D) with dy (1-D)
-    assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
+    # dgrad: dy (1-D) with w's transposed copy; wgrad: x (1-D or 2-D) with dy (1-D)
+    check_reference_passes(X, W, DY, independent)
 
 
 def test_the_copies_differ_and_each_pass_reads_its_own():
@@ -86,29 +79,12 @@ def test_the_copies_differ_and_each_pass_reads_its_own():
     row-wise ones; wgrad must read them (its result equals the transposed copies' product, not
     the row-wise ones')."""
     X, W, DY = make_block([136, 40], 256, 64, seed=3)
-    xs, xts = independent(X, "rowwise"), independent(X, "columnwise")
-    assert any(not np.array_equal(a, b) for a, b in zip(xs, xts))
-    dyts = independent(DY, "columnwise")
-    dw = grouped_wgrad(X, DY)
-    assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
+    check_copies_differ_and_wgrad_reads_the_transposed(X, DY, independent)
 
 
 def test_reference_bias_and_accumulate():
     X, W, DY = make_block([16, 0, 48], 128, 32, seed=4)
-    bias = np.random.default_rng(0).standard_normal((3, 32)).astype(ml_dtypes.bfloat16)
-    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
-    y = grouped_fprop(X, W, bias, out_dtype="bfloat16")
-    exact = np.concatenate([a @ b.T + bias[i].astype(np.float64)
-                            for i, (a, b) in enumerate(zip(xs, ws))])
-    assert_correctly_rounded(y, exact, "bfloat16")
-    main = [np.full((32, 128), 0.5, np.float32) for _ in range(3)]
-    grouped_wgrad(X, DY, out=main, accumulate=True)
-    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
-    for i, (a, d) in enumerate(zip(xts, dyts)):
-        if a.shape[0]:
-            assert_correctly_rounded(main[i], d.T @ a + 0.5, "float32")
-        else:
-            assert np.all(main[i] == 0.5)      # an expert without tokens keeps its gradient
+    check_reference_bias_and_accumulate(X, W, DY, independent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,70 +172,22 @@ def test_capability_rules_and_path():
 def test_descriptors_accept_the_block_scale_modes(pass_name, out_dtype):
     """Every attribute the op sets for a block-scaled pass, scale modes included, is accepted by
     the real libcublasLt with its size and value (descriptors need no GPU)."""
-    from cugrouped import cublaslt
-    from cugrouped.cublaslt import descriptors as D
-
-    try:
-        cublaslt.lib()
-    except OSError as exc:  # pragma: no cover - the test environment installs nvidia-cublas
-        pytest.skip(f"libcublasLt not installed: {exc}")
     X, W, DY = make_block([16, 0, 136], 256, 48, seed=10)
-    bias = np.zeros((3, 48), NP_DTYPE[gg.bias_dtype_for(out_dtype, True)])
-    problem = {"fprop": lambda: gg.check_fprop(X, W, bias, out_dtype=out_dtype),
-               "dgrad": lambda: gg.check_dgrad(DY, W, out_dtype=out_dtype),
-               "wgrad": lambda: gg.check_wgrad(X, DY, out_dtype=out_dtype)}[pass_name]()
-    _, blocks = gg.outputs(problem, None, np)
-    plan = gg.plan_problem(problem, blocks)
-    ws = gg.workspace_bytes_for(90)
     modes = {"fprop": (BLK, VEC), "dgrad": (BLK, VEC), "wgrad": (VEC, VEC)}[pass_name]
-    for call in plan.calls:
-        desc, *_ = gg.build_descriptors(plan.config, call, ws)
-        for name, value in plan.config.attributes().items():
-            assert desc.get(name) == value, name
-        assert (desc.get("A_SCALE_MODE"), desc.get("B_SCALE_MODE")) == modes
-        assert desc.get("FAST_ACCUM") == 0
-        assert desc.get("A_SCALE_POINTER") == call.a_scale_ptr != 0
-        assert desc.get("B_SCALE_POINTER") == call.b_scale_ptr != 0
-    D.clear_caches()
+    check_descriptors_accept(X, W, DY, pass_name, out_dtype, 90, modes, FAST_ACCUM=0)
 
 
 def test_host_loop_sets_every_experts_block_scales():
     """The launch loop with only the device calls faked: each expert's descriptor carries its own
     block-scale pointers, and a state without cuBLAS 12.9 refuses before calling anything."""
-    from cugrouped.bench.gemm import host_loop_state
-    from cugrouped.cublaslt import descriptors as D
-
-    st = host_loop_state()
-    seen = []
-    st.matmul = lambda *args: seen.append(args) or 0
     X, W, _ = make_block([16, 0, 136, 8], 128, 32, seed=11)
-    p = gg.check_fprop(X, W)
-    _, blocks = gg.outputs(p, None, np)
-    vp = gg.plan_arrays(p, blocks)
-    st.cublas_version, st.compute_capability = 130000, 90
-    gg._launch_plan(vp, p, blocks, st)
-    assert len(seen) == 3
-    for c in vp.calls():
-        desc = D.expert_desc(vp.config, c.expert)
-        assert (desc.get("A_SCALE_POINTER"), desc.get("B_SCALE_POINTER")) == (c.a_scale_ptr, c.b_scale_ptr)
-        assert c.b_scale_ptr == p.left_scale[c.expert]
-    st.cublas_version = 120800
-    with pytest.raises(RuntimeError, match="12.9"):
-        gg._launch_plan(vp, p, blocks, st)
-    assert len(seen) == 3
-    D.clear_caches()
+    check_host_loop_sets_every_experts_scales(X, W, 90, calls=3, refuse={"cublas_version": 120800},
+                                              match="12.9")
 
 
 def test_memo_keys_block_operands_by_their_buffers():
     X, W, _ = make_block([16, 8], 128, 32, seed=12)
-    first = gg.checked("fprop", (X, W, None), dict(out_dtype=None, fast_accum=True))
-    again = gg.checked("fprop", (X, W, None), dict(out_dtype=None, fast_accum=True))
-    assert again.problem is first.problem                  # a hit: the stored check
-    import dataclasses
-
-    moved = dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv).copy())
-    other = gg.checked("fprop", (moved, W, None), dict(out_dtype=None, fast_accum=True))
-    assert other.problem is not first.problem
+    first, other = check_memo_keys_by_buffers(X, W, X)
     assert not np.array_equal(other.problem.left_scale, first.problem.left_scale)
 
 
@@ -268,30 +196,6 @@ def test_memo_keys_block_operands_by_their_buffers():
 # its one output rounding; cuBLASLt accumulates in float32 with the block scales applied per
 # 128-element step (split accumulation), an error below 2^-11 of sum |a b| for these K
 # (K * 2^-24 <= 2^-12.5 at K = 384), plus at most two output roundings.
-
-def skip_unless_block_gemms():
-    """Block-scaled GEMMs run on Hopper with cuBLAS 12.9+ only: elsewhere their GPU tests skip
-    with the library's own reason (the casts run on any GPU)."""
-    import cupy
-
-    from cugrouped.cublaslt import version
-
-    reason = gg.block_scaling_unsupported(version(), int(cupy.cuda.Device().compute_capability))
-    if reason:
-        pytest.skip(reason)
-
-
-def _host_block(g):
-    import dataclasses
-
-    import cupy
-
-    dt = ml_dtypes.float8_e4m3fn if g.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
-    get = lambda a: None if a is None else cupy.asnumpy(a)  # noqa: E731
-    data = get(g.data)
-    return dataclasses.replace(g, data=None if data is None else data.view(dt), data_t=get(g.data_t),
-                               scale_inv=get(g.scale_inv), scale_inv_t=get(g.scale_inv_t))
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", SPLITS)
@@ -302,19 +206,7 @@ def test_gpu_block_passes_vs_reference(split, g_fmt):
     skip_unless_block_gemms()
     m_splits, k, n = SPLITS[split]
     X, W, DY = make_block(m_splits, k, n, seed=len(split), xp=cupy, g_fmt=g_fmt)
-    hX, hW, hDY = _host_block(X), _host_block(W), _host_block(DY)
-    xs, ws, dys = independent(hX, "rowwise"), independent(hW, "rowwise"), independent(hDY, "rowwise")
-    for out_dtype in OUT_DTYPES:
-        y = grouped_fprop(X, W, out_dtype=out_dtype)
-        _assert_close(_to_np(y, out_dtype), grouped_fprop(hX, hW, out_dtype=out_dtype),
-                      _abs_sum(xs, ws, "fprop"), out_dtype, 2**-11)
-        dx = grouped_dgrad(DY, W, out_dtype=out_dtype)
-        _assert_close(_to_np(dx, out_dtype), grouped_dgrad(hDY, hW, out_dtype=out_dtype),
-                      _abs_sum(dys, independent(hW, "columnwise"), "dgrad"), out_dtype, 2**-11)
-    dw = grouped_wgrad(X, DY)
-    xts, dyts = independent(hX, "columnwise"), independent(hDY, "columnwise")
-    _assert_close(cupy.asnumpy(dw), grouped_wgrad(hX, hDY), _abs_sum(dyts, xts, "wgrad"),
-                  "float32", 2**-11)
+    check_gpu_passes_vs_reference(X, W, DY, independent)
 
 
 @pytest.mark.gpu
@@ -323,7 +215,7 @@ def test_gpu_block_bias_and_accumulate_into_main_grad():
 
     skip_unless_block_gemms()
     X, W, DY = make_block([16, 0, 136], 256, 48, seed=13, xp=cupy)
-    hX, hW, hDY = _host_block(X), _host_block(W), _host_block(DY)
+    hX, hW, hDY = host_operand(X), host_operand(W), host_operand(DY)
     bias = cupy.asarray(np.random.default_rng(1).standard_normal((3, 48)).astype(np.float16))
     xs, ws = independent(hX, "rowwise"), independent(hW, "rowwise")
     y = grouped_fprop(X, W, bias, out_dtype="float16")

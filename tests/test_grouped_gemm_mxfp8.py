@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import cugrouped
 from cugrouped.cublaslt import _enums as E
 from cugrouped.ops import grouped_gemm as gg
-from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
-from test_grouped_gemm import NP_DTYPE, OUT_DTYPES, _abs_sum, _assert_close, _to_np, rand
-from test_grouped_gemm import assert_correctly_rounded
+from test_grouped_gemm import OUT_DTYPES
 from test_mxfp8_cast_transpose import te_scale_index
+
+pytest.register_assert_rewrite("_block_common")
+from _block_common import (FP8, check_copies_differ_and_wgrad_reads_the_transposed,  # noqa: E402
+                           check_descriptors_accept, check_gpu_passes_vs_reference,
+                           check_host_loop_sets_every_experts_scales, check_memo_keys_by_buffers,
+                           check_reference_bias_and_accumulate, check_reference_passes,
+                           random_gemm_inputs, skip_unless_block_gemms)
 
 MX = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
 # name -> (m_splits, k, n): token counts multiples of 32 (or 0), tiles of 128 whole and partial
@@ -34,11 +38,7 @@ SPLITS = {
 def make_mx(m_splits, k, n, seed, xp=np, g_fmt="e4m3"):
     """x (m_i, k), w (n, k), dy (m_i, n), cast to MXFP8 as TransformerEngine's recipe does
     (E4M3 forward; the gradient E4M3 or E5M2)."""
-    rng = np.random.default_rng(seed)
-    amp = lambda m: np.exp2(rng.uniform(-6, 6, (m, 1))).astype(np.float32)  # noqa: E731
-    xs = [xp.asarray(rand(rng, (m, k)) * amp(m)) for m in m_splits]
-    ws = [xp.asarray(rand(rng, (n, k), 0.05) * amp(n)) for _ in m_splits]
-    dys = [xp.asarray(rand(rng, (m, n), 1e-3) * amp(m)) for m in m_splits]
+    xs, ws, dys = random_gemm_inputs(m_splits, k, n, seed, xp)
     X = cugrouped.multi_mxfp8_cast_transpose(xs)
     W = cugrouped.multi_mxfp8_cast_transpose(ws, align=1)
     DY = cugrouped.multi_mxfp8_cast_transpose(dys, fp8_format=g_fmt)
@@ -49,7 +49,7 @@ def independent(op, copy):
     """float64 per-expert (m_i, k) matrices: ml_dtypes' FP8 decode times 2^(e - 127), e read
     from the expert's flat swizzled bytes at cuBLAS's index (te_scale_index), not through
     cugrouped's unswizzle."""
-    dt = ml_dtypes.float8_e4m3fn if op.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    dt = FP8[op.fp8_format][0]
     buf = np.asarray(op.scale_inv if copy == "rowwise" else op.scale_inv_t)
     out, off = [], 0
     for i, m in enumerate(op.m_splits):
@@ -75,42 +75,17 @@ def independent(op, copy):
 def test_reference_passes_against_independent_dequantization(split):
     m_splits, k, n = SPLITS[split]
     X, W, DY = make_mx(m_splits, k, n, seed=len(split))
-    xs, ws, dys = independent(X, "rowwise"), independent(W, "rowwise"), independent(DY, "rowwise")
-    for out_dtype in OUT_DTYPES:
-        y = grouped_fprop(X, W, out_dtype=out_dtype)
-        assert_correctly_rounded(y, np.concatenate([a @ b.T for a, b in zip(xs, ws)]), out_dtype)
-    wts = independent(W, "columnwise")           # dgrad: dy with w's transposed copy
-    dx = grouped_dgrad(DY, W, out_dtype="float32")
-    assert_correctly_rounded(dx, np.concatenate([a @ b for a, b in zip(dys, wts)]), "float32")
-    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
-    dw = grouped_wgrad(X, DY)
-    assert_correctly_rounded(dw, np.stack([d.T @ a for a, d in zip(xts, dyts)]), "float32")
+    check_reference_passes(X, W, DY, independent)
 
 
 def test_the_copies_differ_and_wgrad_reads_the_transposed_ones():
     X, W, DY = make_mx([160, 64], 256, 64, seed=3)
-    xs, xts = independent(X, "rowwise"), independent(X, "columnwise")
-    assert any(not np.array_equal(a, b) for a, b in zip(xs, xts))
-    dyts = independent(DY, "columnwise")
-    assert_correctly_rounded(grouped_wgrad(X, DY), np.stack([d.T @ a for a, d in zip(xts, dyts)]),
-                             "float32")
+    check_copies_differ_and_wgrad_reads_the_transposed(X, DY, independent)
 
 
 def test_reference_bias_and_accumulate():
     X, W, DY = make_mx([32, 0, 64], 128, 32, seed=4)
-    bias = np.random.default_rng(0).standard_normal((3, 32)).astype(ml_dtypes.bfloat16)
-    xs, ws = independent(X, "rowwise"), independent(W, "rowwise")
-    y = grouped_fprop(X, W, bias, out_dtype="bfloat16")
-    exact = np.concatenate([a @ b.T + bias[i].astype(np.float64) for i, (a, b) in enumerate(zip(xs, ws))])
-    assert_correctly_rounded(y, exact, "bfloat16")
-    main = [np.full((32, 128), 0.5, np.float32) for _ in range(3)]
-    grouped_wgrad(X, DY, out=main, accumulate=True)
-    xts, dyts = independent(X, "columnwise"), independent(DY, "columnwise")
-    for i, (a, d) in enumerate(zip(xts, dyts)):
-        if a.shape[0]:
-            assert_correctly_rounded(main[i], d.T @ a + 0.5, "float32")
-        else:
-            assert np.all(main[i] == 0.5)
+    check_reference_bias_and_accumulate(X, W, DY, independent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,65 +155,21 @@ def test_capability_rules():
 def test_descriptors_accept_the_mx_scale_mode(pass_name, out_dtype):
     """Every attribute the op sets for an MXFP8 pass, the VEC32_UE8M0 scale modes included, is
     accepted by the real libcublasLt with its size and value (descriptors need no GPU)."""
-    from cugrouped import cublaslt
-    from cugrouped.cublaslt import descriptors as D
-
-    try:
-        cublaslt.lib()
-    except OSError as exc:  # pragma: no cover - the test environment installs nvidia-cublas
-        pytest.skip(f"libcublasLt not installed: {exc}")
     X, W, DY = make_mx([32, 0, 160], 256, 64, seed=10)
-    bias = np.zeros((3, 64), NP_DTYPE[gg.bias_dtype_for(out_dtype, True)])
-    problem = {"fprop": lambda: gg.check_fprop(X, W, bias, out_dtype=out_dtype),
-               "dgrad": lambda: gg.check_dgrad(DY, W, out_dtype=out_dtype),
-               "wgrad": lambda: gg.check_wgrad(X, DY, out_dtype=out_dtype)}[pass_name]()
-    _, blocks = gg.outputs(problem, None, np)
-    plan = gg.plan_problem(problem, blocks)
-    for call in plan.calls:
-        desc, *_ = gg.build_descriptors(plan.config, call, gg.workspace_bytes_for(100))
-        for name, value in plan.config.attributes().items():
-            assert desc.get(name) == value, name
-        assert (desc.get("A_SCALE_MODE"), desc.get("B_SCALE_MODE")) == (MX, MX)
-        assert desc.get("A_SCALE_POINTER") == call.a_scale_ptr != 0
-        assert desc.get("B_SCALE_POINTER") == call.b_scale_ptr != 0
-    D.clear_caches()
+    check_descriptors_accept(X, W, DY, pass_name, out_dtype, 100, (MX, MX))
 
 
 def test_host_loop_sets_every_experts_scales_and_refuses_hopper():
-    from cugrouped.bench.gemm import host_loop_state
-    from cugrouped.cublaslt import descriptors as D
-
-    st = host_loop_state()
-    seen = []
-    st.matmul = lambda *args: seen.append(args) or 0
     X, W, _ = make_mx([32, 0, 160, 64], 128, 32, seed=11)
-    p = gg.check_fprop(X, W)
-    _, blocks = gg.outputs(p, None, np)
-    vp = gg.plan_arrays(p, blocks)
-    st.cublas_version, st.compute_capability = 130000, 100
-    gg._launch_plan(vp, p, blocks, st)
-    assert len(seen) == 3
-    for c in vp.calls():
-        desc = D.expert_desc(vp.config, c.expert)
-        assert (desc.get("A_SCALE_POINTER"), desc.get("B_SCALE_POINTER")) == (c.a_scale_ptr, c.b_scale_ptr)
-        assert c.b_scale_ptr == p.left_scale[c.expert]
-    st.compute_capability = 90
-    with pytest.raises(RuntimeError, match="MXFP8 GEMMs need compute capability 10.0"):
-        gg._launch_plan(vp, p, blocks, st)
-    assert len(seen) == 3
-    D.clear_caches()
+    check_host_loop_sets_every_experts_scales(X, W, 100, calls=3, refuse={"compute_capability": 90},
+                                              match="MXFP8 GEMMs need compute capability 10.0")
 
 
 def test_memo_keys_mx_operands_by_their_buffers():
     """The per-call memo serves MXFP8 operands (the layer builds new GroupedMXFP8 views every
     call): a repeat is a hit, other scale buffers a miss, and never a block-scaled operand's key."""
     X, W, _ = make_mx([32, 64], 128, 32, seed=12)
-    first = gg.checked("fprop", (X, W, None), dict(out_dtype=None, fast_accum=True))
-    again = gg.checked("fprop", (dataclasses.replace(X), W, None), dict(out_dtype=None, fast_accum=True))
-    assert again.problem is first.problem
-    moved = dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv).copy())
-    other = gg.checked("fprop", (moved, W, None), dict(out_dtype=None, fast_accum=True))
-    assert other.problem is not first.problem
+    check_memo_keys_by_buffers(X, W, dataclasses.replace(X))
     from cugrouped.ops import _gemm_memo
 
     assert _gemm_memo._operand_key(X, "rowwise")[0] is cugrouped.GroupedMXFP8
@@ -260,39 +191,12 @@ def test_block_results_and_mx_results_keep_their_kinds():
 # the 128-blocks: the reference is exact up to its output rounding; cuBLASLt accumulates in
 # float32 with the block scales applied per 32-element step, an error below 2^-11 of sum |a b|.
 
-def _host(g):
-    import cupy
-
-    dt = ml_dtypes.float8_e4m3fn if g.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
-    get = lambda a: None if a is None else cupy.asnumpy(a)  # noqa: E731
-    data = get(g.data)
-    return dataclasses.replace(g, data=None if data is None else data.view(dt), data_t=get(g.data_t),
-                               scale_inv=get(g.scale_inv), scale_inv_t=get(g.scale_inv_t))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", SPLITS)
 def test_gpu_mx_passes_vs_reference(split):
     import cupy
 
-    from cugrouped.cublaslt import version
-
-    reason = gg.block_scaling_unsupported(version(), int(cupy.cuda.Device().compute_capability),
-                                          mx=True)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_block_gemms(mx=True)
     m_splits, k, n = SPLITS[split]
     X, W, DY = make_mx(m_splits, k, n, seed=len(split), xp=cupy, g_fmt="e5m2")
-    hX, hW, hDY = _host(X), _host(W), _host(DY)
-    xs, ws, dys = independent(hX, "rowwise"), independent(hW, "rowwise"), independent(hDY, "rowwise")
-    for out_dtype in OUT_DTYPES:
-        y = grouped_fprop(X, W, out_dtype=out_dtype)
-        _assert_close(_to_np(y, out_dtype), grouped_fprop(hX, hW, out_dtype=out_dtype),
-                      _abs_sum(xs, ws, "fprop"), out_dtype, 2**-11)
-        dx = grouped_dgrad(DY, W, out_dtype=out_dtype)
-        _assert_close(_to_np(dx, out_dtype), grouped_dgrad(hDY, hW, out_dtype=out_dtype),
-                      _abs_sum(dys, independent(hW, "columnwise"), "dgrad"), out_dtype, 2**-11)
-    dw = grouped_wgrad(X, DY)
-    _assert_close(cupy.asnumpy(dw), grouped_wgrad(hX, hDY),
-                  _abs_sum(independent(hDY, "columnwise"), independent(hX, "columnwise"), "wgrad"),
-                  "float32", 2**-11)
+    check_gpu_passes_vs_reference(X, W, DY, independent)

@@ -9,7 +9,6 @@ import itertools
 import math
 import zlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,10 +16,16 @@ import cugrouped
 from cugrouped import reference
 from cugrouped.grouped_block_fp8 import MX_DIMS, mx_swizzle, mx_unswizzle
 from cugrouped.reference import fp8 as rfp8
-from test_block_cast_transpose import BLOCK_SPLITS, _permuted, assert_same_bits
-from test_pad_cast_transpose import DTYPES, ORDERS, make_inputs
+from test_pad_cast_transpose import DTYPES, ORDERS
 
-FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+pytest.register_assert_rewrite("_block_common")
+from _block_common import (BLOCK_SPLITS, FP8, MXFP8_CAST, assert_same_bits,  # noqa: E402
+                           check_bad_out_buffer_is_rejected, check_cuda_gather,
+                           check_cuda_matches_reference, check_emulated_kernel, check_gather,
+                           check_one_sided_copy, check_over_several_chunks,
+                           check_torch_tensors_in_and_out)
+
+case_data = MXFP8_CAST.case_data
 
 
 def te_scale_index(r: int, c: int, cols_padded: int) -> int:
@@ -125,18 +130,6 @@ def test_scale_bytes_at_the_e8m0_edges():
 # ------------------------------------------------------------------------------------------------
 # The CUDA kernel on the CPU emulator, bit for bit.
 
-def run_both(xs, m_splits, form, **kw):
-    args = (xs, None) if form == "list" else (np.concatenate(xs, axis=0), list(m_splits))
-    want = reference.multi_mxfp8_cast_transpose(*args, **kw)
-    if form == "device":
-        got = cugrouped.multi_mxfp8_cast_transpose(args[0], np.array(m_splits, np.int64),
-                                                   splits_on_device=True, backend="emulate", **kw)
-        assert got.m_pad_splits is None
-    else:
-        got = cugrouped.multi_mxfp8_cast_transpose(*args, backend="emulate", **kw)
-    return got, want
-
-
 ALIGNS = (32, 1, 16, 128)
 # split case x dtype x input form; the format, align and fiber order rotate
 CASES = [
@@ -146,57 +139,29 @@ CASES = [
 ]
 
 
-def case_data(split, dtype):
-    m_splits, k = BLOCK_SPLITS[split]
-    seed = zlib.crc32(repr((split, dtype, "mx")).encode())
-    return m_splits, make_inputs(m_splits, k, dtype, seed, specials=split in ("skewed", "edges"))
-
-
 @pytest.mark.parametrize("split,dtype,fmt,align,form,order", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
 def test_emulated_kernel_matches_reference(split, dtype, fmt, align, form, order):
-    m_splits, xs = case_data(split, dtype)
-    with cugrouped.emulation_order(order):
-        got, want = run_both(xs, m_splits, form, fp8_format=fmt, align=align,
-                             column_sums=form != "list")
-    assert_same_bits(got, want, f"{split}/{dtype}/{fmt}/align={align}/{form}")
-    for i, m in enumerate(m_splits):        # the transposed copy's padding columns are zeros
-        assert not np.asarray(got.columnwise(i))[:, m:].any()
+    check_emulated_kernel(MXFP8_CAST, split, dtype, form, order,
+                          f"{split}/{dtype}/{fmt}/align={align}/{form}",
+                          fp8_format=fmt, align=align, column_sums=form != "list")
 
 
 @pytest.mark.parametrize("which", ["rowwise", "columnwise"])
 def test_one_sided_copies(which):
     m_splits, xs = case_data("edges", "bfloat16")
-    got, want = run_both(xs, m_splits, "tensor", rowwise=which == "rowwise",
-                         columnwise=which == "columnwise")
-    assert_same_bits(got, want, which)
-    assert (got.data is None) == (which == "columnwise") and (got.data_t is None) == (which == "rowwise")
+    check_one_sided_copy(MXFP8_CAST, xs, m_splits, which, which)
 
 
 def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
-    rng = np.random.default_rng(5)
-    m_splits = [int(v) for v in rng.integers(0, 140, size=150)]
-    m_splits[70:75] = [0] * 5
-    xs = make_inputs(m_splits, 72, "float16", seed=6)
-    for form in ("list", "device"):
-        with cugrouped.record_launches() as launches:
-            got, want = run_both(xs, m_splits, form, column_sums=True)
-        assert_same_bits(got, want, form)
-        assert len(launches) == 3 and all(", 3, false, true>" in x.kernel for x in launches), form
+    check_over_several_chunks(MXFP8_CAST, (5, 6), 72, kernel_has=", 3, false, true>",
+                              column_sums=True)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("form", ["host", "device"])
 def test_gather_equals_permute_then_cast(dtype, form):
-    rng = np.random.default_rng(zlib.crc32(repr(("mx", dtype, form)).encode()))
-    tokens = make_inputs([300], 200, dtype, seed=int(rng.integers(1 << 30)))[0]
-    m_splits = [130, 0, 8, 262]
-    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)      # some zero rows
-    splits = m_splits if form == "host" else np.array(m_splits, np.int64)
-    got = cugrouped.multi_mxfp8_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
-                                               splits_on_device=form == "device")
-    want = reference.multi_mxfp8_cast_transpose(_permuted(tokens, idx), m_splits)
-    assert_same_bits(got, want, f"gather {dtype} {form}")
+    check_gather(MXFP8_CAST, ("mx", dtype, form), dtype, form, f"gather {dtype} {form}")
 
 
 def test_out_buffers_are_written_in_place_and_dequantize():
@@ -218,18 +183,8 @@ def test_out_buffers_are_written_in_place_and_dequantize():
 
 def test_torch_tensors_in_and_out():
     torch = pytest.importorskip("torch")
-    x = torch.randn(300, 136, dtype=torch.bfloat16)
-    want = reference.multi_mxfp8_cast_transpose(x.view(torch.int16).numpy().view(np.uint16),
-                                                [100, 0, 200], dtype="bfloat16")
-    for backend in ("reference", "emulate"):
-        for splits in ([100, 0, 200], torch.tensor([100, 0, 200])):
-            got = cugrouped.multi_mxfp8_cast_transpose(x, splits, backend=backend)
-            assert got.data.dtype == torch.float8_e4m3fn and got.scale_inv.dtype == torch.uint8
-            assert isinstance(got, cugrouped.GroupedMXFP8)
-            host = cugrouped.GroupedMXFP8(**{f: (v.view(torch.uint8).numpy() if f == "data" else
-                                                 v.numpy() if isinstance(v, torch.Tensor) else v)
-                                             for f, v in vars(got).items()})
-            assert_same_bits(host, want, f"torch {backend}")
+    results = check_torch_tensors_in_and_out(MXFP8_CAST, torch.uint8)
+    assert all(isinstance(got, cugrouped.GroupedMXFP8) for got in results)
 
 
 def test_launch_count_and_sizes():
@@ -262,14 +217,8 @@ def test_bad_input_is_rejected_clearly(call, exc, match):
 
 @pytest.mark.parametrize("backend", ["emulate", "reference"])
 def test_bad_out_buffer_is_rejected_before_anything_is_written(backend):
-    out = cugrouped.multi_mxfp8_cast_transpose(X, [10], backend="emulate")
-    good = out.scale_inv
-    out.scale_inv = np.zeros(good.size, np.float32)          # float32 where E8M0 bytes belong
-    before = {n: np.array(getattr(out, n)) for n in ("data", "data_t", "scale_inv_t")}
-    with pytest.raises(ValueError, match=r"out\.scale_inv"):
-        cugrouped.multi_mxfp8_cast_transpose(X * 3, [10], out=out, backend=backend)
-    for n, b in before.items():
-        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b.view(np.uint8)), n
+    check_bad_out_buffer_is_rejected(MXFP8_CAST, X, backend, "scale_inv",
+                                     lambda s: np.zeros(s.size, np.float32))  # float32, not E8M0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,42 +227,15 @@ def test_bad_out_buffer_is_rejected_before_anything_is_written(backend):
 GPU_CASES = [c for c in CASES if c[4] != "tensor"]
 
 
-def _to_host(res):
-    import cupy
-
-    return cugrouped.GroupedMXFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
-                                     for f, v in vars(res).items()})
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("split,dtype,fmt,align,form,order", GPU_CASES,
                          ids=["-".join(map(str, c)) for c in GPU_CASES])
 def test_cuda_matches_reference(split, dtype, fmt, align, form, order):
-    import cupy
-
-    m_splits, xs = case_data(split, dtype)
-    carrier = {"bfloat16": np.uint16}.get(dtype)
-    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
-    splits = None
-    if form == "device":
-        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
-    kw = dict(fp8_format=fmt, align=align, column_sums=form == "device")
-    want = reference.multi_mxfp8_cast_transpose(xs, **kw)
-    got = cugrouped.multi_mxfp8_cast_transpose(dxs, splits, dtype=dtype if carrier else None, **kw)
-    assert_same_bits(_to_host(got), want, f"cuda {split}/{dtype}/{fmt}/{form}")
+    check_cuda_matches_reference(MXFP8_CAST, split, dtype, form, f"cuda {split}/{dtype}/{fmt}/{form}",
+                                 fp8_format=fmt, align=align, column_sums=form == "device")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["host", "device"])
 def test_cuda_gather_matches_reference(form):
-    import cupy
-
-    rng = np.random.default_rng(33)
-    tokens = make_inputs([300], 256, "float16", seed=34)[0]
-    m_splits = [136, 0, 8, 264] * 20                       # 80 experts: two launches
-    idx = rng.integers(-3, 300, sum(m_splits)).astype(np.int64)
-    splits = m_splits if form == "host" else cupy.asarray(np.array(m_splits, np.int64))
-    got = cugrouped.multi_mxfp8_cast_transpose(cupy.asarray(tokens), splits,
-                                               row_index=cupy.asarray(idx))
-    want = reference.multi_mxfp8_cast_transpose(_permuted(tokens, idx), m_splits)
-    assert_same_bits(_to_host(got), want, f"cuda gather {form}")
+    check_cuda_gather(MXFP8_CAST, (33, 34), "float16", form, f"cuda gather {form}")

@@ -19,6 +19,9 @@ from cugrouped.pytorch import (Float8BlockScaling, Format, MMParams, MXFP8BlockS
                                cpu_cast_backend, fp8_autocast)
 from test_pytorch_grouped_linear import assert_bits_equal, make_layer, run, run_compiled
 
+pytest.register_assert_rewrite("_block_common")
+from _block_common import skip_unless_block_gemms  # noqa: E402
+
 K, N = 256, 144          # two 128-blocks of k (the second whole), n not a multiple of 128
 SPLITS = {"uneven": [16, 8, 136], "empty_first": [0, 40, 24], "empty_middle": [24, 0, 128],
           "single": [264]}
@@ -67,16 +70,17 @@ def loop_reference(layer, x, dy, splits, recipe=RECIPE):
     return y, dx, dw, dyq.column_sums
 
 
-@pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
-def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
-    sp = SPLITS[split]
+# The checks both block recipes run (test_pytorch_mxfp8.py calls them with MXFP8BlockScaling, its
+# own token counts and k, n).
+
+def check_layer_equals_the_reference_loop(recipe, sp, seed, k, n):
+    """Forward and every gradient of a layer with varied block magnitudes equal
+    loop_reference's bit for bit."""
     E = len(sp)
-    layer = block_varied(make_layer(E, K, N))
-    recipe = Float8BlockScaling(fp8_format=fmt)
-    g = torch.Generator().manual_seed(len(split))
-    x = torch.randn(sum(sp), K, generator=g) * torch.exp2(torch.randint(-4, 4, (sum(sp), 1), generator=g))
-    dy = torch.randn(sum(sp), N, generator=g) * 1e-2
+    layer = block_varied(make_layer(E, k, n))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sp), k, generator=g) * torch.exp2(torch.randint(-4, 4, (sum(sp), 1), generator=g))
+    dy = torch.randn(sum(sp), n, generator=g) * 1e-2
     y, dx, dws, dbs = run(layer, x, sp, recipe, False, dy)
     ry, rdx, rdw, rdb = loop_reference(layer, x, dy, sp, recipe)
     assert np.array_equal(y.detach().numpy(), ry.astype(np.float32))
@@ -86,29 +90,74 @@ def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
         assert np.array_equal(dbs[i].numpy(), rdb[i]), i
 
 
+def check_list_and_tensor_inputs_identical(recipe, sp, k, n):
+    base = make_layer(len(sp), k, n)
+    x, dy = torch.randn(sum(sp), k), torch.randn(sum(sp), n)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    assert_bits_equal(run(a, x, sp, recipe, True, dy, steps=2), run(b, x, sp, recipe, False, dy, steps=2))
+
+
+def check_emulated_casts_give_the_reference_bits(recipe, sp, k, n):
+    """A bfloat16 layer with its casts on the CUDA kernel's CPU emulator gives the reference
+    twin's bits; returns the emulated run's outputs and the cast kernels it launched."""
+    base = make_layer(len(sp), k, n, dtype=torch.bfloat16)
+    x = torch.randn(sum(sp), k).to(torch.bfloat16)
+    dy = torch.randn(sum(sp), n).to(torch.bfloat16)
+    with cpu_cast_backend("emulate"):
+        with record_launches() as log:
+            emu = run(copy.deepcopy(base), x, sp, recipe, False, dy)
+    with cpu_cast_backend("reference"):
+        ref = run(copy.deepcopy(base), x, sp, recipe, False, dy)
+    assert_bits_equal(emu, ref)
+    return emu, [r.kernel for r in log if "block_cast_transpose" in r.kernel]
+
+
+def check_compiled_matches_eager(recipe, splits, k, n):
+    """torch.compile(fullgraph=True) gives eager's bits over changing token counts."""
+    torch._dynamo.reset()
+    eager = make_layer(len(splits[0]), k, n)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    for sp in splits:
+        x = torch.randn(sum(sp), k)
+        assert_bits_equal(run_compiled(compiled, compiled_layer, x, sp, recipe),
+                          run(eager, x, sp, recipe, False))
+
+
+def check_gpu_layer_matches_cpu(recipe, sp, k, n):
+    """The same bfloat16 layer on CUDA against the CPU layer: the casts are bit-exact, so only
+    the GEMMs' float32 accumulation order differs."""
+    cpu = make_layer(len(sp), k, n, dtype=torch.bfloat16)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(sum(sp), k).to(torch.bfloat16)
+    dy = (torch.randn(sum(sp), n) * 1e-2).to(torch.bfloat16)
+    want = run(cpu, x, sp, recipe, False, dy)
+    got = run(gpu, x.cuda(), sp, recipe, False, dy.cuda())
+    for name, g, w in zip(("y", "dx"), got[:2], want[:2]):
+        g, w = g.float().cpu(), w.float()
+        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * w.abs().max().item()), name
+    for i in range(len(sp)):
+        g, w = got[2][i].float().cpu(), want[2][i].float()
+        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * max(w.abs().max().item(), 1e-30)), i
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
+def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
+    check_layer_equals_the_reference_loop(Float8BlockScaling(fp8_format=fmt), SPLITS[split],
+                                          len(split), K, N)
+
+
 @pytest.mark.parametrize("split", SPLITS)
 def test_list_and_tensor_inputs_identical(split):
-    sp = SPLITS[split]
-    base = make_layer(len(sp), K, N)
-    x, dy = torch.randn(sum(sp), K), torch.randn(sum(sp), N)
-    a, b = copy.deepcopy(base), copy.deepcopy(base)
-    assert_bits_equal(run(a, x, sp, RECIPE, True, dy, steps=2), run(b, x, sp, RECIPE, False, dy, steps=2))
+    check_list_and_tensor_inputs_identical(RECIPE, SPLITS[split], K, N)
 
 
 def test_bfloat16_layer_and_the_emulated_kernels():
     """bfloat16 activations and weights; the casts on the CUDA kernel's CPU emulator give the
     reference twin's bits (the layer's two CPU cast backends)."""
-    sp = [24, 0, 40]
-    base = make_layer(3, K, N, dtype=torch.bfloat16)
-    x = torch.randn(64, K).to(torch.bfloat16)
-    dy = torch.randn(64, N).to(torch.bfloat16)
-    with cpu_cast_backend("emulate"):
-        with record_launches() as log:
-            emu = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
-    assert sum("block_cast_transpose" in r.kernel for r in log) == 3   # x, w, dy: one launch each
-    with cpu_cast_backend("reference"):
-        ref = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
-    assert_bits_equal(emu, ref)
+    emu, casts = check_emulated_casts_give_the_reference_bits(RECIPE, [24, 0, 40], K, N)
+    assert len(casts) == 3                                  # x, w, dy: one launch each
     assert emu[0].dtype == torch.bfloat16 and emu[2][0].dtype == torch.bfloat16
 
 
@@ -154,14 +203,7 @@ def test_fused_wgrad_accumulates_into_main_grad(recipe, n, sp):
 def test_torch_compile_fullgraph_matches_eager():
     """Token counts that change every step (as a router's do): after the second set torch.compile
     makes them symbolic, which the custom ops' fake shapes must accept."""
-    torch._dynamo.reset()
-    eager = make_layer(3, K, N)
-    compiled_layer = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_layer, fullgraph=True)
-    for sp in ([16, 0, 24], [32, 8, 16], [48, 16, 8], [8, 8, 8]):
-        x = torch.randn(sum(sp), K)
-        assert_bits_equal(run_compiled(compiled, compiled_layer, x, sp, RECIPE),
-                          run(eager, x, sp, RECIPE, False))
+    check_compiled_matches_eager(RECIPE, ([16, 0, 24], [32, 8, 16], [48, 16, 8], [8, 8, 8]), K, N)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -287,22 +329,8 @@ def test_gpu_block_scaling_layer_matches_cpu():
     """The same layer on CUDA (cast kernels, cuBLASLt block-scaled GEMMs) against the CPU layer:
     the casts are bit-exact, so only the GEMMs' float32 accumulation order differs (bounded as in
     tests/test_grouped_gemm_block.py)."""
-    from test_grouped_gemm_block import skip_unless_block_gemms
-
     skip_unless_block_gemms()
-    sp = [16, 0, 136]
-    cpu = make_layer(3, K, N, dtype=torch.bfloat16)
-    gpu = copy.deepcopy(cpu).cuda()
-    x = torch.randn(152, K).to(torch.bfloat16)
-    dy = (torch.randn(152, N) * 1e-2).to(torch.bfloat16)
-    want = run(cpu, x, sp, RECIPE, False, dy)
-    got = run(gpu, x.cuda(), sp, RECIPE, False, dy.cuda())
-    for name, g, w in zip(("y", "dx"), got[:2], want[:2]):
-        g, w = g.float().cpu(), w.float()
-        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * w.abs().max().item()), name
-    for i in range(3):
-        g, w = got[2][i].float().cpu(), want[2][i].float()
-        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * max(w.abs().max().item(), 1e-30)), i
+    check_gpu_layer_matches_cpu(RECIPE, [16, 0, 136], K, N)
 
 
 @pytest.mark.gpu
@@ -310,8 +338,6 @@ def test_gpu_block_scaling_fused_permute_with_pad_rows_matches_cpu():
     """The permute gathered by the CUDA block cast, with -1 (zero) rows as MoEFeedForward's
     padding makes them, and the tokens' gradient summed back by the scatter_rows kernel: equal
     to the CPU layer within the GEMMs' accumulation bound."""
-    from test_grouped_gemm_block import skip_unless_block_gemms
-
     skip_unless_block_gemms()
     cpu = make_layer(2, K, N, dtype=torch.bfloat16)
     gpu = copy.deepcopy(cpu).cuda()

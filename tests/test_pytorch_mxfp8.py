@@ -7,16 +7,20 @@ weight cache and fused wgrad: tests/test_pytorch_block_scaling.py, over both blo
 
 from __future__ import annotations
 
-import copy
-
-import numpy as np
 import pytest
 import torch
 
 from cugrouped.ops import record_launches
 from cugrouped.pytorch import Format, MXFP8BlockScaling, cpu_cast_backend, fp8_autocast
-from test_pytorch_block_scaling import _moe_run, block_varied, loop_reference
-from test_pytorch_grouped_linear import assert_bits_equal, make_layer, run, run_compiled
+from test_pytorch_block_scaling import (_moe_run, check_compiled_matches_eager,
+                                        check_emulated_casts_give_the_reference_bits,
+                                        check_gpu_layer_matches_cpu,
+                                        check_layer_equals_the_reference_loop,
+                                        check_list_and_tensor_inputs_identical)
+from test_pytorch_grouped_linear import assert_bits_equal, make_layer
+
+pytest.register_assert_rewrite("_block_common")
+from _block_common import skip_unless_block_gemms  # noqa: E402
 
 K, N = 256, 160          # two 128-tiles of k; n = 160: a partial tile, 5 scale blocks
 SPLITS = {"uneven": [32, 64, 160], "empty_first": [0, 96, 32], "empty_middle": [32, 0, 128],
@@ -27,44 +31,18 @@ RECIPE = MXFP8BlockScaling()
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
 def test_layer_equals_the_reference_loop_bit_for_bit(split, fmt):
-    sp = SPLITS[split]
-    E = len(sp)
-    layer = block_varied(make_layer(E, K, N))
-    recipe = MXFP8BlockScaling(fp8_format=fmt)
-    g = torch.Generator().manual_seed(len(split))
-    x = torch.randn(sum(sp), K, generator=g) * torch.exp2(torch.randint(-4, 4, (sum(sp), 1), generator=g))
-    dy = torch.randn(sum(sp), N, generator=g) * 1e-2
-    y, dx, dws, dbs = run(layer, x, sp, recipe, False, dy)
-    ry, rdx, rdw, rdb = loop_reference(layer, x, dy, sp, recipe)   # (the block test's loop: MXFP8
-                                                                   # casts for this recipe)
-    assert np.array_equal(y.detach().numpy(), ry.astype(np.float32))
-    assert np.array_equal(dx.numpy(), rdx)
-    for i in range(E):
-        assert np.array_equal(dws[i].numpy(), rdw[i]), i
-        assert np.array_equal(dbs[i].numpy(), rdb[i]), i
+    # (the block test's loop_reference: MXFP8 casts for this recipe)
+    check_layer_equals_the_reference_loop(MXFP8BlockScaling(fp8_format=fmt), SPLITS[split],
+                                          len(split), K, N)
 
 
 def test_list_and_tensor_inputs_identical():
-    sp = SPLITS["empty_middle"]
-    base = make_layer(len(sp), K, N)
-    x, dy = torch.randn(sum(sp), K), torch.randn(sum(sp), N)
-    a, b = copy.deepcopy(base), copy.deepcopy(base)
-    assert_bits_equal(run(a, x, sp, RECIPE, True, dy, steps=2), run(b, x, sp, RECIPE, False, dy, steps=2))
+    check_list_and_tensor_inputs_identical(RECIPE, SPLITS["empty_middle"], K, N)
 
 
 def test_bfloat16_layer_and_the_emulated_kernels():
-    sp = [32, 0, 64]
-    base = make_layer(3, K, N, dtype=torch.bfloat16)
-    x = torch.randn(96, K).to(torch.bfloat16)
-    dy = torch.randn(96, N).to(torch.bfloat16)
-    with cpu_cast_backend("emulate"):
-        with record_launches() as log:
-            emu = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
-    mx = [r.kernel for r in log if "block_cast_transpose" in r.kernel]
+    _, mx = check_emulated_casts_give_the_reference_bits(RECIPE, [32, 0, 64], K, N)
     assert len(mx) == 3 and all(", 3" in k for k in mx)      # x, w, dy: one MXFP8 launch each
-    with cpu_cast_backend("reference"):
-        ref = run(copy.deepcopy(base), x, sp, RECIPE, False, dy)
-    assert_bits_equal(emu, ref)
 
 
 def test_checkpoint_recomputes_the_same_bits():
@@ -85,14 +63,7 @@ def test_checkpoint_recomputes_the_same_bits():
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
-    eager = make_layer(3, K, N)
-    compiled_layer = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_layer, fullgraph=True)
-    for sp in ([32, 0, 64], [64, 32, 32], [96, 32, 0]):
-        x = torch.randn(sum(sp), K)
-        assert_bits_equal(run_compiled(compiled, compiled_layer, x, sp, RECIPE),
-                          run(eager, x, sp, RECIPE, False))
+    check_compiled_matches_eager(RECIPE, ([32, 0, 64], [64, 32, 32], [96, 32, 0]), K, N)
 
 
 def test_row_index_is_gathered_by_the_mx_cast():
@@ -148,25 +119,5 @@ def test_moe_pads_experts_to_32():
 def test_gpu_mx_layer_matches_cpu():
     """The same layer on CUDA (cast kernels, cuBLASLt VEC32_UE8M0 GEMMs) against the CPU layer;
     sm_100+ with cuBLAS 12.8+ only (the GEMMs), else it skips with the library's reason."""
-    import cupy
-
-    from cugrouped.cublaslt import version
-    from cugrouped.ops import grouped_gemm as gg
-
-    reason = gg.block_scaling_unsupported(version(), int(cupy.cuda.Device().compute_capability),
-                                          mx=True)
-    if reason:
-        pytest.skip(reason)
-    sp = [32, 0, 160]
-    cpu = make_layer(3, K, N, dtype=torch.bfloat16)
-    gpu = copy.deepcopy(cpu).cuda()
-    x = torch.randn(192, K).to(torch.bfloat16)
-    dy = (torch.randn(192, N) * 1e-2).to(torch.bfloat16)
-    want = run(cpu, x, sp, RECIPE, False, dy)
-    got = run(gpu, x.cuda(), sp, RECIPE, False, dy.cuda())
-    for name, g, w in zip(("y", "dx"), got[:2], want[:2]):
-        g, w = g.float().cpu(), w.float()
-        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * w.abs().max().item()), name
-    for i in range(3):
-        g, w = got[2][i].float().cpu(), want[2][i].float()
-        assert torch.allclose(g, w, rtol=2**-7, atol=2**-11 * max(w.abs().max().item(), 1e-30)), i
+    skip_unless_block_gemms(mx=True)
+    check_gpu_layer_matches_cpu(RECIPE, [32, 0, 160], K, N)
