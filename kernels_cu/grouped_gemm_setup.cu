@@ -13,7 +13,13 @@
 //   pointer of matrix X (A, B, D) = base_X + group_stride_X * e + token_stride_X * P_e   (bytes)
 //   rows / cols / ld of X        = the constant in the argument block, or t_e where it is -1
 //                                  (ld is at least 1)
-//   A / B scale pointer          = scale_base + 4 * e  (one float32 scale_inv per expert), or 0
+//   A / B scale pointer          = scale base + group_stride * e + token_stride * Q_e   (bytes),
+//                                  or 0 without scales; Q_e is the exclusive prefix of
+//                                  q(t_e) = roundup(ceil(t_e / div), mult), the expert's rows of
+//                                  its scale layout that grow with its tokens (block scales:
+//                                  roundup(t, 4), ceil(t / 128), roundup(ceil(t / 32), 4), ...);
+//                                  a per-tensor scale_inv is (group_stride 4, token_stride 0), a
+//                                  weight's block scales (their bytes, 0)
 // Device counts are clamped exactly as the cast kernel clamps them: negative counts are 0 and the
 // prefix never passes total_rows (m_e = min(S_e, total) - min(S_{e-1}, total), S the inclusive
 // sum), so both kernels see the same experts.
@@ -46,6 +52,14 @@ struct GgsMatrix {
     i32 pad_;
 };
 
+// One scale operand (A or B): see the header; base 0 writes null pointers.
+struct GgsScale {
+    u64 base;
+    i64 group_stride;    // bytes added per expert index
+    i64 token_stride;    // bytes added per unit of the exclusive prefix of q(tokens)
+    i32 div, mult;       // q(t) = roundup(ceil(t / div), mult), both >= 1
+};
+
 // Offsets (bytes from the workspace base) of the arrays; the order of GG_* below.
 enum GgsArray : int {
     GG_A = 0, GG_B, GG_C, GG_D, GG_A_SCALE, GG_B_SCALE,
@@ -54,10 +68,10 @@ enum GgsArray : int {
 };
 
 // Kernel argument block, passed by value (a NumPy structured scalar of the same layout on the
-// host side). sizeof = 3*40 + 16 + 8 + 8 + 8 + 17*4 + 4*4 + 4*256 + 2*256 = 1784 bytes (< 4 KB).
+// host side). sizeof = 3*40 + 2*32 + 8 + 8 + 8 + 17*4 + 4*4 + 4*256 + 2*256 = 1832 bytes (< 4 KB).
 struct GgsArgs {
     GgsMatrix mat[3];                       // A, B, D
-    u64 scale_base[2];                      // A scale, B scale (float32 arrays), or 0
+    GgsScale scale[2];                      // A scale, B scale
     const i64* m_dev;                       // device counts, or null: m_host
     i64 total_rows;                         // device counts are clamped to it
     u8* workspace;                          // the arrays' base
@@ -96,6 +110,18 @@ grouped_gemm_setup_kernel(const GgsArgs args) {
     const i64 align = args.token_align;
     const i64 tokens = (m + align - 1) / align * align;
     const i64 prefix = ggs_block_exclusive_scan(tokens, warp_totals);
+    u64 scale_ptr[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const GgsScale& sc = args.scale[s];
+        i64 q_prefix = 0;
+        if (sc.token_stride != 0) {          // the same in every thread: all of them scan
+            const i64 q = (tokens + sc.div - 1) / sc.div;
+            q_prefix = ggs_block_exclusive_scan((q + sc.mult - 1) / sc.mult * sc.mult, warp_totals);
+        }
+        scale_ptr[s] = sc.base ? sc.base + static_cast<u64>(sc.group_stride * e + sc.token_stride * q_prefix)
+                               : 0u;
+    }
     if (e == 0) {
         reinterpret_cast<float*>(args.workspace + args.offset[GG_ALPHA])[0] = args.alpha;
         reinterpret_cast<float*>(args.workspace + args.offset[GG_BETA])[0] = args.beta;
@@ -119,11 +145,8 @@ grouped_gemm_setup_kernel(const GgsArgs args) {
     reinterpret_cast<u64*>(ws + args.offset[GG_B])[g] = ptr[1];
     reinterpret_cast<u64*>(ws + args.offset[GG_C])[g] = ptr[2];
     reinterpret_cast<u64*>(ws + args.offset[GG_D])[g] = ptr[2];
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-        const u64 base = args.scale_base[s];
-        reinterpret_cast<u64*>(ws + args.offset[GG_A_SCALE + s])[g] = base ? base + 4u * static_cast<u64>(e) : 0u;
-    }
+    reinterpret_cast<u64*>(ws + args.offset[GG_A_SCALE])[g] = scale_ptr[0];
+    reinterpret_cast<u64*>(ws + args.offset[GG_B_SCALE])[g] = scale_ptr[1];
 #pragma unroll
     for (int x = 0; x < 3; ++x) {
 #pragma unroll

@@ -23,7 +23,8 @@ BLOCK_S="${CUGROUPED_GPU_BLOCK_TESTS_S:-60}"
 # of their own, after the others: a CUDA fault there poisons only its own processes' contexts.
 BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
              tests/test_pytorch_block_scaling.py tests/test_mxfp8_cast_transpose.py
-             tests/test_grouped_gemm_mxfp8.py tests/test_pytorch_mxfp8.py)
+             tests/test_grouped_gemm_mxfp8.py tests/test_pytorch_mxfp8.py
+             tests/test_grouped_gemm_block_model.py)
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
 if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then

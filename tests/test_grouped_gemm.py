@@ -1141,6 +1141,39 @@ def _col_major(ptr, dtype, rows, cols, ld):
                                            strides=(isz, ld * isz)).view(dtype)
 
 
+def _model_scales(ptr, mode, outer, k):
+    """The factor cuBLAS applies to each element of an FP8 operand stored as ``outer`` rows of
+    ``k`` (A: op(A)'s m rows; B: op(B)'s n columns), scale mode ``mode`` at host address ``ptr``:
+    a scalar, or an ``(outer, k)`` array from the block layouts as grouped_block_fp8's docstring
+    states them (counted here, not by cugrouped): VEC128_32F ``[c // 128, r]`` of
+    ``(ceil(k / 128), roundup(outer, 4))``; BLK128x128_32F ``[r // 128, c // 128]`` of
+    ``(ceil(outer / 128), roundup(ceil(k / 128), 4))``; VEC32_UE8M0 the byte ``2^(e - 127)`` of
+    block ``c // 32`` of row ``r`` in 128 x 4 tiles of 512 bytes, row-major over the tiles (of
+    ``roundup(ceil(k / 32), 4) / 4`` per tile row), ``(r % 32) * 16 + (r % 128) // 32 * 4 +
+    (c // 32) % 4`` inside one."""
+    if mode in (E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+                E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F):
+        return float(_host_mem(ptr, 4).view(np.float32)[0])
+    assert ptr % 16 == 0, "block scales need 16-byte pointers"
+    r = np.arange(outer)[:, None]
+    c = np.arange(k)[None, :]
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F:
+        rows = cdiv(outer, 4) * 4
+        s = _host_mem(ptr, 4 * cdiv(k, 128) * rows).view(np.float32)
+        return s[(c // 128) * rows + r].astype(np.float64)
+    if mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
+        cols = cdiv(cdiv(k, 128), 4) * 4
+        s = _host_mem(ptr, 4 * cdiv(outer, 128) * cols).view(np.float32)
+        return s[(r // 128) * cols + c // 128].astype(np.float64)
+    assert mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0, mode
+    tiles_per_row = cdiv(cdiv(k, 32), 4)
+    s = _host_mem(ptr, 512 * cdiv(outer, 128) * tiles_per_row)
+    cb = c // 32
+    idx = ((r // 128) * tiles_per_row + cb // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + cb % 4
+    return np.ldexp(1.0, s[idx].astype(np.int64) - 127)
+
+
 def _model_matmul(calls):
     """A fake ``cublasLtMatmul`` (the launch's signature) that computes on host memory; each call's
     description is appended to ``calls``."""
@@ -1180,7 +1213,14 @@ def _model_matmul(calls):
         assert types[2] == types[3], "C and D share a type"
         fp8 = types[0] in (E.CUDA_R_8F_E4M3, E.CUDA_R_8F_E5M2)
         sa_ptr, sb_ptr = desc_attr(desc, "A_SCALE_POINTER"), desc_attr(desc, "B_SCALE_POINTER")
+        modes = (desc_attr(desc, "A_SCALE_MODE"), desc_attr(desc, "B_SCALE_MODE")) if fp8 else ()
         if fp8:
+            block = [md not in (E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+                                E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F) for md in modes]
+            assert block[0] == block[1], "block scales on both operands or neither"
+            assert not block[0] or not desc_attr(desc, "FAST_ACCUM"), "no fast accumulation"
+            if not grouped:
+                assert E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F not in modes
             assert (ta, tb) == (E.CUBLAS_OP_T, E.CUBLAS_OP_N), "FP8 is TN only"
             assert types[1] in (E.CUDA_R_8F_E4M3, E.CUDA_R_8F_E5M2)
             assert not (types[0] == types[1] == E.CUDA_R_8F_E5M2)
@@ -1203,8 +1243,7 @@ def _model_matmul(calls):
                         for n in ("ROWS_ARRAY", "COLS_ARRAY", "LD_ARRAY")] for x in (la, lb, lc, ld_)}
             ptrs = [array_at(p, count, np.uint64) for p in (a, b, c, d)]
             if fp8:
-                assert desc_attr(desc, "A_SCALE_MODE") == E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
-                assert desc_attr(desc, "B_SCALE_MODE") == E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
+                assert E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F not in modes, "grouped: per group"
                 sas, sbs = array_at(sa_ptr, count, np.uint64), array_at(sb_ptr, count, np.uint64)
             groups = [dict(ptr=[p[g] for p in ptrs],
                            lay=[tuple(v[g] for v in dims[x]) for x in (la, lb, lc, ld_)],
@@ -1220,13 +1259,14 @@ def _model_matmul(calls):
             opA = A.T if ta == E.CUBLAS_OP_T else A
             opB = B.T if tb == E.CUBLAS_OP_T else B
             m, k = opA.shape
+            if fp8:   # TN: op(A) is A's m stored rows of k, op(B) B's n stored rows transposed
+                opA = opA * _model_scales(int(g["sa"]), modes[0], m, k)
+                opB = (opB.T * _model_scales(int(g["sb"]), modes[1], opB.shape[1], k)).T
             assert opB.shape[0] == k and (dr, dc) == (m, opB.shape[1]) == (cr, cc)
             if fp8:
                 for p, isz, ldv in ((pa, 1, ald), (pb, 1, bld), (pd, _CUDA_NP[types[3]].itemsize, dld)):
                     assert p % 16 == 0 and (ldv * isz) % 16 == 0, "FP8 needs 16-byte pointers and lds"
             y = opA @ opB * al
-            if fp8:
-                y = y * f32_at(g["sa"]) * f32_at(g["sb"])
             if be != 0:
                 y = y + be * _col_major(pc, _CUDA_NP[types[2]], cr, cc, cld).astype(np.float64)
             if bias_ptr:

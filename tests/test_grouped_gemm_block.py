@@ -159,11 +159,12 @@ def test_capability_rules_and_path():
     p = gg.check_fprop(X, W)
     _, blocks = gg.outputs(p, None, np)
     vp = gg.plan_arrays(p, blocks)
-    path, why = gg.choose_path(p, vp, version=130800, compute_capability=90, has_symbol=True,
+    # the grouped GEMM takes block scales from cuBLAS 13.6 (test_grouped_gemm_block_model.py)
+    path, why = gg.choose_path(p, vp, version=130500, compute_capability=90, has_symbol=True,
                                discrete_out=False)
-    assert path == "loop" and "block" in why
-    with pytest.raises(RuntimeError, match="block"):
-        gg.choose_path(p, vp, version=130800, compute_capability=90, has_symbol=True,
+    assert path == "loop" and "block-scaled" in why and "13.6" in why
+    with pytest.raises(RuntimeError, match="13.6"):
+        gg.choose_path(p, vp, version=130500, compute_capability=90, has_symbol=True,
                        discrete_out=False, requested="grouped")
 
 

@@ -28,7 +28,21 @@ SPLITS = {
 T = gs.TOKENS
 
 
-def _spec(E, token_align=1, slots=None, beta=0.0):
+# Scale pointers: per-tensor (one float32 per expert), or block scales as the grouped GEMM's
+# block-scaled passes give them (A a weight's: a constant size per expert; B an activation's:
+# a size that grows with q(tokens) = roundup(ceil(t / div), mult)).
+SCALES = {
+    "per_tensor": (0x7F3000000000, 0x7F3000001000),
+    "none": (0, 0),
+    "vec128_rows": (gs.ScaleSpec(0x7F3000000000, 4 * 16, 0), gs.ScaleSpec(0x7F4000000000, 0, 4 * 3, 1, 4)),
+    "vec128_cols": (gs.ScaleSpec(0x7F3000000000, 0, 4 * 64, 128, 1),
+                    gs.ScaleSpec(0x7F4000000000, 0, 4 * 48, 128, 1)),
+    "mx_cols": (gs.ScaleSpec(0x7F3000000000, 512, 0), gs.ScaleSpec(0x7F4000000000, 0, 128, 32, 4)),
+    "blk_cols": (gs.ScaleSpec(0x7F3000000000, 0, 4 * 2, 128, 4), gs.ScaleSpec(0, 0, 0)),
+}
+
+
+def _spec(E, token_align=1, slots=None, beta=0.0, scales="per_tensor"):
     # fake device addresses: the kernel only computes them
     a = gs.MatrixSpec(0x7F0000000000, 2048 * 64, 0, 64, 2048, 64)
     b = gs.MatrixSpec(0x7F1000000000, 0, 64, 64, T, 64)
@@ -37,7 +51,7 @@ def _spec(E, token_align=1, slots=None, beta=0.0):
         a = gs.MatrixSpec(0x7F0000000000, 0, 64, T, 64, T)
         b = gs.MatrixSpec(0x7F1000000000, 0, 48, T, 48, T)
         d = gs.MatrixSpec(0x7F2000000000, 4 * 64 * 48, 0, 64, 48, 64)
-    return gs.SetupSpec(a, b, d, E, token_align, (0x7F3000000000, 0x7F3000001000), 1.0, beta, slots)
+    return gs.SetupSpec(a, b, d, E, token_align, SCALES[scales], 1.0, beta, slots)
 
 
 def _workspace(spec):
@@ -56,9 +70,10 @@ def _run(backend, spec, order="forward", **counts):
 
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("token_align", [1, 16])
-def test_emulated_matches_reference_host_counts(split, token_align):
+@pytest.mark.parametrize("scales", SCALES)
+def test_emulated_matches_reference_host_counts(split, token_align, scales):
     m = SPLITS[split]
-    spec = _spec(len(m), token_align)
+    spec = _spec(len(m), token_align, scales=scales)
     want = _run("reference", spec, m_host=m)
     for order in ("forward", "reverse", 7):
         got = _run("emulate", spec, order, m_host=m)
@@ -66,9 +81,10 @@ def test_emulated_matches_reference_host_counts(split, token_align):
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_emulated_matches_reference_device_counts(split):
+@pytest.mark.parametrize("scales", ["per_tensor", "vec128_rows", "mx_cols"])
+def test_emulated_matches_reference_device_counts(split, scales):
     m = np.array(SPLITS[split], np.int64)
-    spec = _spec(len(m), 16, beta=1.0)
+    spec = _spec(len(m), 16, beta=1.0, scales=scales)
     for dev, total in ((m, int(m.sum())),                      # exact
                        (np.where(m > 2, m + 5, -3), int(m.sum())),   # clamped and negatives
                        (m, max(int(m.sum()) // 2, 0))):         # total cuts the tail
@@ -108,9 +124,33 @@ def test_reference_layout_and_values():
     assert rd("alpha", np.float32, 1)[0] == 1.0 and rd("beta", np.float32, 1)[0] == 0.0
 
 
+def test_block_scale_pointers_by_hand():
+    """q(t) = roundup(ceil(t / div), mult) per expert, its exclusive prefix times the token
+    stride, plus the group stride per expert index; no base: null pointers."""
+    m = [3, 0, 130, 5]
+    ws = _run("reference", _spec(4, 16, scales="mx_cols"), m_host=m)      # tokens 16, 0, 144, 16
+    off, _ = gg.grouped_workspace_layout(4)
+    rd = lambda name: np.frombuffer(ws[off[name]:off[name] + 32], np.uint64).tolist()  # noqa: E731
+    assert rd("a_scale") == [0x7F3000000000 + 512 * e for e in range(4)]
+    # q = roundup(ceil(t / 32), 4): 4, 0, 8, 4 -> prefix 0, 4, 4, 12
+    assert rd("b_scale") == [0x7F4000000000 + 128 * p for p in (0, 4, 4, 12)]
+    ws = _run("reference", _spec(4, 1, scales="vec128_rows"), m_host=m)   # tokens 3, 0, 130, 5
+    # q = roundup(t, 4): 4, 0, 132, 8 -> prefix 0, 4, 4, 136
+    assert rd("b_scale") == [0x7F4000000000 + 12 * p for p in (0, 4, 4, 136)]
+    ws = _run("reference", _spec(4, 16, scales="blk_cols"), m_host=m)
+    # q = roundup(ceil(t / 128), 4): 4, 0, 4, 4 -> prefix 0, 4, 4, 8
+    assert rd("a_scale") == [0x7F3000000000 + 8 * p for p in (0, 4, 4, 8)]
+    assert rd("b_scale") == [0] * 4
+
+
 def test_struct_layout_and_bad_arguments():
-    assert gs.args_dtype().itemsize == 1784          # sizeof(cg::GgsArgs), see the kernel header
-    assert gs.args_dtype().fields["m_host"][1] == 244         # offsetof(GgsArgs, m_host)
+    assert gs.args_dtype().itemsize == 1832          # sizeof(cg::GgsArgs), see the kernel header
+    assert gs.args_dtype().fields["m_host"][1] == 292         # offsetof(GgsArgs, m_host)
+    with pytest.raises(ValueError, match="div, mult"):
+        gs.ScaleSpec(1, 0, 4, 0, 1)
+    with pytest.raises(ValueError, match="scales"):
+        s3 = _spec(3)
+        gs.SetupSpec(s3.a, s3.b, s3.d, 3, 1, (0,))
     with pytest.raises(ValueError, match="num_experts"):
         _spec(gs.MAX_GROUPS + 1)
     with pytest.raises(ValueError, match="slots"):

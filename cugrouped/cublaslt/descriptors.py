@@ -260,8 +260,9 @@ class GemmConfig:
     def attributes(self) -> dict[str, int]:
         """Every attribute :func:`matmul_desc` sets besides the per-call pointers. A grouped GEMM
         (TransformerEngine's Hopper settings) reads alpha and beta from the device (one scalar
-        each for all groups) and, with FP8, one scale per group from device arrays of pointers
-        (``PER_BATCH_SCALAR_32F``)."""
+        each for all groups) and, with FP8, each group's scales from device arrays of pointers:
+        one float32 per group (``PER_BATCH_SCALAR_32F``) or its block scales (the block modes,
+        as in the per-expert calls)."""
         attrs = {"TRANSA": self.transa, "TRANSB": self.transb,
                  "POINTER_MODE": E.CUBLASLT_POINTER_MODE_DEVICE if self.grouped
                  else E.CUBLASLT_POINTER_MODE_HOST,
@@ -271,7 +272,7 @@ class GemmConfig:
             attrs["BIAS_DATA_TYPE"] = self.bias_type
         if self.scaled:
             attrs["FAST_ACCUM"] = int(self.fast_accum)
-            if self.grouped:
+            if self.grouped and not (self.a_scale_mode or self.b_scale_mode):
                 attrs["A_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
                 attrs["B_SCALE_MODE"] = E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F
             elif self.a_scale_mode or self.b_scale_mode:   # block scales (never set otherwise:

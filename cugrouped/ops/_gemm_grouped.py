@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..cublaslt import _enums as E
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
 from . import grouped_gemm_setup as _setup  # registers the setup kernel (compile-check, warmup)
@@ -34,6 +35,13 @@ GROUPED_MIN_VERSION_BLACKWELL = 130300     # sm_100..sm_110, BF16/FP16 and FP8
 GROUPED_MIN_VERSION_HOPPER = 130400        # sm_90, BF16/FP16
 GROUPED_MIN_VERSION_HOPPER_FP8 = 130500    # sm_90, FP8 per-tensor scaling (PER_BATCH_SCALAR_32F)
 GROUPED_BAD_VERSIONS = (130700, 130801)    # [lo, hi): TE reports data corruption with per-group outputs
+# Block-scaled operands (per-group scale pointer arrays, the loop's scale layouts), after
+# TransformerEngine's grouped path: MXFP8 (VEC32_UE8M0) on sm_100..sm_110 from the first grouped
+# cuBLAS; Hopper's 1 x 128 / 128 x 128 blocks (VEC128_32F, BLK128x128_32F; never both 2-D) on sm_90
+# from 13.6 (13.4 has them, but TE enables them from 13.6: its algorithm selection fix; 2-D x 2-D
+# is refused by the operand checks on every path).
+GROUPED_MIN_VERSION_MXFP8 = 130300
+GROUPED_MIN_VERSION_HOPPER_BLOCK = 130600
 GROUPED_MAX_GROUPS = 256                   # what one setup launch's argument block will hold
 _GROUPED_INPUTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
@@ -56,12 +64,33 @@ def grouped_gemm_unsupported(version: int, compute_capability: int, *, fp8: bool
     return None
 
 
+def grouped_block_unsupported(version: int, compute_capability: int, a_mode: int, b_mode: int
+                              ) -> str | None:
+    """Why cuBLASLt's grouped GEMM cannot take these block-scaled operands (scale modes of A and
+    B), or None if it can (on top of :func:`grouped_gemm_unsupported`)."""
+
+    cc = int(compute_capability)
+    if E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 in (a_mode, b_mode):
+        if cc < 100:
+            return f"grouped MXFP8 GEMMs run on sm_100..sm_110, not sm_{cc}"
+        need = GROUPED_MIN_VERSION_MXFP8
+    else:
+        if cc >= 100:
+            return f"grouped 128-element block-scaled GEMMs run on Hopper (sm_90), not sm_{cc}"
+        need = GROUPED_MIN_VERSION_HOPPER_BLOCK
+    if version < need:
+        return (f"grouped block-scaled GEMMs on sm_{cc} need cuBLAS {need // 10000}."
+                f"{need // 100 % 100}+, this is {version // 10000}.{version // 100 % 100}")
+    return None
+
+
 def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capability: int,
                 has_symbol: bool, discrete_out: bool, requested: str | None = None) -> tuple[str, str]:
     """``("grouped" | "loop", reason)`` for a planned problem.
 
-    The loop is kept when the library or GPU lacks the grouped GEMM, for a bias epilogue (not
-    offered by the grouped path), more than :data:`GROUPED_MAX_GROUPS` experts, the cuBLAS
+    The loop is kept when the library or GPU lacks the grouped GEMM (for block-scaled operands:
+    :func:`grouped_block_unsupported`), for a bias epilogue (not offered by the grouped path),
+    more than :data:`GROUPED_MAX_GROUPS` experts, the cuBLAS
     versions with the per-group-output corruption (``discrete_out``: wgrad into a list of
     ``main_grad`` buffers), and when a group's m, n or k is not a multiple of 16 bytes of its
     input type (NVIDIA's grouped samples state that requirement; to be relaxed once a GPU test
@@ -76,8 +105,8 @@ def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capabili
     reason = grouped_gemm_unsupported(version, compute_capability, fp8=problem.fp8,
                                       in_dtype=in_dtype, has_symbol=has_symbol)
     if reason is None and problem.block_scaled:
-        reason = "block-scaled FP8 runs in the per-expert loop (cuBLASLt's grouped GEMM is not " \
-                 "wired for block scales here)"
+        reason = grouped_block_unsupported(version, compute_capability, problem.right_scale_mode,
+                                           problem.left_scale_mode)
     if reason is None and problem.bias is not None:
         reason = "the grouped GEMM has no bias epilogue"
     if reason is None and len(problem.reduction) > GROUPED_MAX_GROUPS:
@@ -204,12 +233,37 @@ def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec 
     keep = np.ones(E_, bool)
     keep[list(vp.skipped)] = False
     slots = tuple(int(v) for v in np.where(keep, np.cumsum(keep) - 1, -1))
-    scales = (int(problem.right_scale[0]) if problem.right_scale is not None else 0,
-              int(problem.left_scale[0]) if problem.left_scale is not None else 0)
-    for sc in (problem.right_scale, problem.left_scale):
-        if sc is not None and not np.array_equal(np.asarray(sc), sc[0] + 4 * np.arange(E_)):
-            return None
+    scales = tuple(_scale_spec(sc, tokens, problem.block_scaled)
+                   for sc in (problem.right_scale, problem.left_scale))
+    if None in scales:
+        return None
     return _setup.SetupSpec(mats["a"], mats["b"], mats["d"], E_, 1, scales, 1.0, vp.beta, slots)
+
+
+# q(t) of the block-scale layouts (grouped_block_fp8): (div, mult) for roundup(t, 4) (1 x 128
+# rows), ceil(t / 128) (128-row blocks, MXFP8 tile rows), roundup(ceil(t / 32), 4) (MXFP8
+# columns) and roundup(ceil(t / 128), 4) (128 x 128 columns).
+_SCALE_ROWS = ((1, 4), (128, 1), (32, 4), (128, 4))
+
+
+def _scale_spec(ptrs, tokens: np.ndarray, block: bool) -> "_setup.ScaleSpec | None":
+    """The setup kernel's description of one operand's per-expert scale pointers (those the loop
+    passes), or None when no rule reproduces every one of them: per-tensor, one float32 per
+    expert; block scales, a constant size per expert (weights) or one that grows with
+    q(tokens) (activations and gradients)."""
+    if ptrs is None:
+        return _setup.ScaleSpec()
+    p = np.asarray(ptrs, dtype=np.int64)
+    if not block:
+        ok = np.array_equal(p, p[0] + 4 * np.arange(len(p)))
+        return _setup.ScaleSpec.per_expert_float(int(p[0])) if ok else None
+    for div, mult in _SCALE_ROWS:
+        spec = _setup.ScaleSpec(int(p[0]), 0, 0, div, mult)
+        q = spec.q(tokens)
+        aff = _affine(p, np.concatenate([[0], np.cumsum(q)[:-1]]).astype(np.int64))
+        if aff is not None:
+            return dataclasses.replace(spec, group_stride=aff[0], token_stride=aff[1])
+    return None
 
 
 def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: str | None = None):

@@ -13,7 +13,7 @@ table, and each expert's ``scale_inv`` is passed as cuBLASLt's A/B scale pointer
 :class:`~cugrouped.GroupedBlockFP8` results of ``multi_block_cast_transpose`` (the same copies;
 the scale pointer is the expert's first block scale and cuBLASLt's A/B scale modes are
 ``VEC128_32F`` / ``BLK128x128_32F``; Hopper (sm_90) only, cuBLAS 12.9+, split accumulation,
-token counts in multiples of 8, the per-expert loop), or lists of plain bfloat16 / float16 / float32 arrays (the
+token counts in multiples of 8; MXFP8's ``GroupedMXFP8``: ``VEC32_UE8M0``, sm_100+), or lists of plain bfloat16 / float16 / float32 arrays (the
 same layer without FP8).
 
 Arrays may be NumPy (reference backend), CuPy or CUDA torch tensors (cuBLASLt): every operand,
@@ -42,8 +42,9 @@ from ._gemm_checks import (  # noqa: F401  (re-exported)
 )
 from ._gemm_grouped import (  # noqa: F401  (re-exported)
     GROUPED_BAD_VERSIONS, GROUPED_INT_ARRAYS, GROUPED_MAX_GROUPS, GROUPED_MIN_VERSION_BLACKWELL,
-    GROUPED_MIN_VERSION_HOPPER, GROUPED_MIN_VERSION_HOPPER_FP8, GROUPED_PTR_ARRAYS, _GroupedState,
-    _launch_grouped, choose_path, grouped_descriptors, grouped_gemm_unsupported,
+    GROUPED_MIN_VERSION_HOPPER, GROUPED_MIN_VERSION_HOPPER_BLOCK, GROUPED_MIN_VERSION_HOPPER_FP8,
+    GROUPED_MIN_VERSION_MXFP8, GROUPED_PTR_ARRAYS, _GroupedState, _launch_grouped, choose_path,
+    grouped_block_unsupported, grouped_descriptors, grouped_gemm_unsupported,
     grouped_setup_spec, grouped_workspace_layout, path_for,
 )
 from ._gemm_launch import (  # noqa: F401  (re-exported)
@@ -68,6 +69,7 @@ __all__ = [
     "FP8_MULTIPLE", "NUM_STREAMS", "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
     "VecPlan", "plan_arrays", "grouped_gemm_unsupported", "choose_path", "grouped_workspace_layout",
     "grouped_descriptors", "GROUPED_MAX_GROUPS", "block_scaling_unsupported",
+    "grouped_block_unsupported",
     "BLOCK_SCALING_MIN_VERSION",
 ]
 

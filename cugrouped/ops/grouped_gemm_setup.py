@@ -20,7 +20,7 @@ from .. import _jit
 from . import _launch
 
 __all__ = ["KERNEL_SPEC", "KERNEL_NAME", "MAX_GROUPS", "THREADS", "ARRAY_NAMES", "MatrixSpec",
-           "SetupSpec", "args_dtype", "pack_args", "grouped_gemm_setup"]
+           "ScaleSpec", "SetupSpec", "args_dtype", "pack_args", "grouped_gemm_setup"]
 
 MAX_GROUPS = 256           # must match CG_GGS_MAX_GROUPS in kernels_cu/grouped_gemm_setup.cu
 THREADS = MAX_GROUPS
@@ -50,12 +50,40 @@ class MatrixSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScaleSpec:
+    """The scale pointers of one operand: expert ``e``'s is ``base + group_stride * e +
+    token_stride * Q_e`` (bytes), ``Q_e`` the exclusive prefix of ``q(t) = roundup(ceil(t / div),
+    mult)`` over the tokens: the rows of the expert's scale layout that grow with its tokens.
+    ``base`` 0: no scales (null pointers)."""
+
+    base: int = 0
+    group_stride: int = 0
+    token_stride: int = 0
+    div: int = 1
+    mult: int = 1
+
+    def __post_init__(self):
+        if self.div < 1 or self.mult < 1:
+            raise ValueError(f"div, mult: expected >= 1, got {self.div}, {self.mult}")
+
+    @classmethod
+    def per_expert_float(cls, base: int) -> "ScaleSpec":
+        """One float32 ``scale_inv`` per expert, back to back (per-tensor scaling)."""
+        return cls(base, 4 if base else 0, 0)
+
+    def q(self, tokens):
+        """``roundup(ceil(tokens / div), mult)`` (ints or int64 arrays)."""
+        return ((tokens + self.div - 1) // self.div + self.mult - 1) // self.mult * self.mult
+
+
+@dataclasses.dataclass(frozen=True)
 class SetupSpec:
     """Everything the setup kernel computes from, besides the counts.
 
     ``token_align``: an expert's tokens are its count rounded up to it (1: rows; 16: the padded
-    transposed copies wgrad reduces over). ``scales``: base addresses of the A and B ``scale_inv``
-    arrays (float32, one per expert), 0 for none. ``slots``: per expert, its group index or -1 to
+    transposed copies wgrad reduces over). ``scales``: the A and B scale pointers, each a
+    :class:`ScaleSpec` or an int: the base of one float32 ``scale_inv`` per expert, 0 for none
+    (stored as ``ScaleSpec.per_expert_float``). ``slots``: per expert, its group index or -1 to
     drop it (None: expert ``e`` is group ``e``); ``groups`` the number of groups written.
     """
 
@@ -64,12 +92,17 @@ class SetupSpec:
     d: MatrixSpec
     num_experts: int
     token_align: int = 1
-    scales: tuple[int, int] = (0, 0)
+    scales: tuple = (0, 0)
     alpha: float = 1.0
     beta: float = 0.0
     slots: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if len(self.scales) != 2:
+            raise ValueError(f"scales: expected (A, B), got {self.scales!r}")
+        object.__setattr__(self, "scales", tuple(
+            s if isinstance(s, ScaleSpec) else ScaleSpec.per_expert_float(int(s))
+            for s in self.scales))
         if not 1 <= self.num_experts <= MAX_GROUPS:
             raise ValueError(f"num_experts: expected 1..{MAX_GROUPS}, got {self.num_experts}")
         if self.token_align < 1:
@@ -94,7 +127,9 @@ def args_dtype() -> np.dtype:
     """NumPy twin of ``struct cg::GgsArgs`` (passed to the kernel by value)."""
     mat = np.dtype([("base", "<u8"), ("group_stride", "<i8"), ("token_stride", "<i8"),
                     ("rows", "<i4"), ("cols", "<i4"), ("ld", "<i4"), ("pad_", "<i4")], align=True)
-    return np.dtype([("mat", mat, 3), ("scale_base", "<u8", 2), ("m_dev", "<u8"),
+    scale = np.dtype([("base", "<u8"), ("group_stride", "<i8"), ("token_stride", "<i8"),
+                      ("div", "<i4"), ("mult", "<i4")], align=True)
+    return np.dtype([("mat", mat, 3), ("scale", scale, 2), ("m_dev", "<u8"),
                      ("total_rows", "<i8"), ("workspace", "<u8"),
                      ("offset", "<i4", len(ARRAY_NAMES)), ("num_experts", "<i4"),
                      ("token_align", "<i4"), ("alpha", "<f4"), ("beta", "<f4"),
@@ -110,7 +145,8 @@ def pack_args(spec: SetupSpec, workspace_ptr: int, offsets: dict[str, int], *,
     arg = np.zeros((), dtype=args_dtype())
     for i, m in enumerate((spec.a, spec.b, spec.d)):
         arg["mat"][i] = (m.base, m.group_stride, m.token_stride, m.rows, m.cols, m.ld, 0)
-    arg["scale_base"] = spec.scales
+    for i, sc in enumerate(spec.scales):
+        arg["scale"][i] = (sc.base, sc.group_stride, sc.token_stride, sc.div, sc.mult)
     arg["workspace"] = workspace_ptr
     arg["offset"] = [offsets[n] for n in ARRAY_NAMES]
     arg["num_experts"] = spec.num_experts

@@ -4,7 +4,8 @@ setup kernel writes into the grouped GEMM's device workspace.
 Written from the contract in the header of ``kernels_cu/grouped_gemm_setup.cu``: tokens are the
 (clamped) counts rounded up to ``token_align``; each matrix's pointer is ``base + group_stride * e
 + token_stride * P_e``; rows/cols/ld are constants or the tokens (ld at least 1); scale pointers
-``base + 4 e``; expert ``e`` goes to group ``slots[e]`` (dropped when negative); alpha and beta are
+``base + group_stride * e + token_stride * Q_e`` with ``Q_e`` the exclusive prefix of
+``roundup(ceil(t_e / div), mult)`` (null without a base); expert ``e`` goes to group ``slots[e]`` (dropped when negative); alpha and beta are
 the two float32 scalars.
 """
 
@@ -47,8 +48,12 @@ def setup_arrays(spec, m) -> dict[str, np.ndarray]:
                 v = np.maximum(v, 1)
             out[f"{name}_{dim}"] = v[order].astype(np.int32)
     out["c"] = out["d"].copy()
-    for name, base in (("a_scale", spec.scales[0]), ("b_scale", spec.scales[1])):
-        out[name] = (np.uint64(base) + 4 * e.astype(np.uint64) if base else np.zeros_like(e, np.uint64))[order]
+    for name, sc in (("a_scale", spec.scales[0]), ("b_scale", spec.scales[1])):
+        q = (tokens + sc.div - 1) // sc.div
+        q = (q + sc.mult - 1) // sc.mult * sc.mult
+        q_prefix = np.concatenate([[0], np.cumsum(q)[:-1]]).astype(np.int64)
+        ptr = np.uint64(sc.base) + (sc.group_stride * e + sc.token_stride * q_prefix).astype(np.uint64)
+        out[name] = (ptr if sc.base else np.zeros_like(e, np.uint64))[order]
     out["alpha"], out["beta"] = np.float32(spec.alpha), np.float32(spec.beta)
     return out
 
