@@ -59,21 +59,28 @@ def as_bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
 
 
-def assert_same_bits(got, want, label=""):
-    for name in ("data", "data_t", "amax", "scale", "scale_inv", "column_sums"):
+def assert_buffers_equal(got, want, names, worst_case=(), label=""):
+    """The buffers ``names`` of two cast results equal bit for bit (absent in both or neither);
+    with device splits those in ``worst_case`` are sized for the worst case and compared on the
+    prefix the experts fill; and the same host view of the splits."""
+    for name in names:
         g, w = as_bits(getattr(got, name)), as_bits(getattr(want, name))
         if w is None:
             assert g is None, f"{label} {name}"
             continue
-        if name == "data_t" and got.splits_on_device:
-            # device splits: data_t is sized for the worst case; the experts fill its prefix
-            assert g.shape[0] >= w.shape[0], f"{label} data_t too small"
+        if got.splits_on_device and name in worst_case:
+            assert g.shape[0] >= w.shape[0], f"{label} {name} too small"
             g = g[: w.shape[0]]
         assert g.shape == w.shape, f"{label} {name}: shape {g.shape} != {w.shape}"
         bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
         assert bad.size == 0, (f"{label} {name}: {bad.size} of {w.size} differ, first at {bad[0]}: "
                                f"{g.reshape(-1)[bad[0]]:#x} != {w.reshape(-1)[bad[0]]:#x}")
     assert got.host_splits() == (want.m_splits, want.m_pad_splits), label
+
+
+def assert_same_bits(got, want, label=""):
+    assert_buffers_equal(got, want, ("data", "data_t", "amax", "scale", "scale_inv", "column_sums"),
+                         ("data_t",), label)
 
 
 def run_both(xs, m_splits, form, **kw):
