@@ -68,7 +68,8 @@ enum GgsArray : int {
 };
 
 // Kernel argument block, passed by value (a NumPy structured scalar of the same layout on the
-// host side). sizeof = 3*40 + 2*32 + 8 + 8 + 8 + 17*4 + 4*4 + 4*256 + 2*256 = 1832 bytes (< 4 KB).
+// host side). sizeof = 3*40 + 2*32 + 8 + 8 + 8 + 17*4 + 4*4 + 4*256 + 2*256 = 1828, padded to 1832
+// bytes (< 4 KB).
 struct GgsArgs {
     GgsMatrix mat[3];                       // A, B, D
     GgsScale scale[2];                      // A scale, B scale

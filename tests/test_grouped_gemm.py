@@ -1150,7 +1150,8 @@ def _model_scales(ptr, mode, outer, k):
     ``(ceil(outer / 128), roundup(ceil(k / 128), 4))``; VEC32_UE8M0 the byte ``2^(e - 127)`` of
     block ``c // 32`` of row ``r`` in 128 x 4 tiles of 512 bytes, row-major over the tiles (of
     ``roundup(ceil(k / 32), 4) / 4`` per tile row), ``(r % 32) * 16 + (r % 128) // 32 * 4 +
-    (c // 32) % 4`` inside one."""
+    (c // 32) % 4`` inside one. These layouts are the ones cugrouped states too: a GPU run, not
+    this model, is what shows cuBLAS reads them so."""
     if mode in (E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
                 E.CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F):
         return float(_host_mem(ptr, 4).view(np.float32)[0])

@@ -125,6 +125,67 @@ def test_grouped_wgrad_accumulates_into_main_grad(kind):
     gg.clear_memo()
 
 
+@pytest.mark.parametrize("pass_name", list(PASSES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_grouped_arrays_equal_the_loop_calls(kind, pass_name):
+    """Exact: every group's operand, output and scale pointers and shapes, as the emulated setup
+    kernel writes them, are those of the loop's call for that expert."""
+    from test_grouped_gemm import _read_groups
+
+    gg.clear_memo()
+    m_splits, k, n = SPLITS[kind]["jagged"]
+    args = _args(pass_name, *make_operands(kind, m_splits, k, n, seed=39))
+    st, _ = _state(kind, True)
+    st.matmul = lambda *a: 0
+    call = gg.checked(pass_name, args, dict(out_dtype="float32", fast_accum=False, **(
+        {"accumulate": False} if pass_name == "wgrad" else {})))
+    out, blocks, vp = gg.prepared_out(call, None, np)
+    path, reason, spec = gg.path_for(call.problem, vp, blocks, st)
+    assert path == "grouped", reason
+    gg._launch_plan(vp, call.problem, blocks, st)
+    groups, _, _ = _read_groups(st.grouped.workspaces[0], spec.groups)
+    loop = vp.calls()
+    assert len(groups) == len(loop) == sum(1 for m in m_splits if m)
+    for g, c in zip(groups, loop):
+        assert (g["a"], g["b"], g["d"], g["sa"], g["sb"]) == (
+            c.a_ptr, c.b_ptr, c.d_ptr, c.a_scale_ptr, c.b_scale_ptr)
+        assert (g["a_rows"], g["a_cols"], g["a_ld"]) == c.a_layout[1:]
+        assert (g["b_rows"], g["b_cols"], g["b_ld"]) == c.b_layout[1:]
+    gg.clear_memo()
+
+
+def test_scale_rule_fit():
+    """_scale_spec: a rule reproducing each layout's pointers is found from them alone (leading
+    empty experts included), per-tensor scales stay one float32 per expert, and pointers no rule reproduces
+    give None (the loop)."""
+    from cugrouped.ops._gemm_grouped import _SCALE_ROWS, _scale_spec
+
+    tokens = np.array([0, 0, 48, 130, 16], np.int64)
+    base = 0x7F0000000000
+    for div, mult in _SCALE_ROWS:
+        q = ((tokens + div - 1) // div + mult - 1) // mult * mult
+        ptrs = base + 96 * np.concatenate([[0], np.cumsum(q)[:-1]])
+        sc = _scale_spec(tuple(int(p) for p in ptrs), tokens, True)
+        # (another rule may reproduce the same pointers for these tokens: equally right)
+        assert sc is not None and sc.group_stride == 0
+        got = sc.base + sc.token_stride * np.concatenate([[0], np.cumsum(sc.q(tokens))[:-1]])
+        assert np.array_equal(got, ptrs), (div, mult)
+    weights = tuple(base + 512 * e for e in range(5))
+    assert _scale_spec(weights, tokens, True) == gg_setup().ScaleSpec(base, 512, 0)
+    assert _scale_spec(tuple(base + 4 * e for e in range(5)), tokens, False) == \
+        gg_setup().ScaleSpec.per_expert_float(base)
+    assert _scale_spec(tuple(base + 8 * e for e in range(5)), tokens, False) is None
+    gapped = (base, base, base + 64, base + 64 + 4 * 131, base + 4096)
+    assert _scale_spec(gapped, tokens, True) is None
+    assert _scale_spec(None, tokens, True) == gg_setup().ScaleSpec()
+
+
+def gg_setup():
+    from cugrouped.ops import grouped_gemm_setup
+
+    return grouped_gemm_setup
+
+
 def test_grouped_block_rules():
     VEC, BLK = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
     MX = E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0

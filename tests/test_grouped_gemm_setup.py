@@ -148,8 +148,8 @@ def test_struct_layout_and_bad_arguments():
     assert gs.args_dtype().fields["m_host"][1] == 292         # offsetof(GgsArgs, m_host)
     with pytest.raises(ValueError, match="div, mult"):
         gs.ScaleSpec(1, 0, 4, 0, 1)
+    s3 = _spec(3)
     with pytest.raises(ValueError, match="scales"):
-        s3 = _spec(3)
         gs.SetupSpec(s3.a, s3.b, s3.d, 3, 1, (0,))
     with pytest.raises(ValueError, match="num_experts"):
         _spec(gs.MAX_GROUPS + 1)

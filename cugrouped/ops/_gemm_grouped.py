@@ -205,6 +205,15 @@ def _dim(values: np.ndarray, tokens: np.ndarray) -> int | None:
     return None
 
 
+def grouped_tokens(problem: Problem) -> np.ndarray:
+    """The setup kernel's per-expert tokens (int64): the rows of fprop's and dgrad's left operand
+    (and output), the padded reduction of wgrad. The spec is fitted to them and the launch passes
+    them, so both come from here."""
+    if problem.pass_name == "wgrad":
+        return np.asarray(problem.reduction, dtype=np.int64)
+    return np.asarray(as_blocks(problem.left).rows, dtype=np.int64)
+
+
 def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec | None":
     """The setup kernel's description of ``problem`` writing ``out`` (host counts: the tokens are
     the per-expert token dimension of the plan -- rows of fprop/dgrad, the padded reduction of
@@ -216,7 +225,7 @@ def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec 
     if not 1 <= E_ <= _setup.MAX_GROUPS:
         return None
     r = np.asarray(problem.reduction, dtype=np.int64)
-    tokens = r if problem.pass_name == "wgrad" else O.rows
+    tokens = grouped_tokens(problem)
     prefix = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
     rt, lt = problem.right_t, problem.left_t
     p, q = O.rows, O.cols
@@ -258,11 +267,12 @@ def _scale_spec(ptrs, tokens: np.ndarray, block: bool) -> "_setup.ScaleSpec | No
         ok = np.array_equal(p, p[0] + 4 * np.arange(len(p)))
         return _setup.ScaleSpec.per_expert_float(int(p[0])) if ok else None
     for div, mult in _SCALE_ROWS:
-        spec = _setup.ScaleSpec(int(p[0]), 0, 0, div, mult)
-        q = spec.q(tokens)
+        q = _setup.ScaleSpec(int(p[0]), 0, 0, div, mult).q(tokens)
         aff = _affine(p, np.concatenate([[0], np.cumsum(q)[:-1]]).astype(np.int64))
         if aff is not None:
-            return dataclasses.replace(spec, group_stride=aff[0], token_stride=aff[1])
+            gs, ts = aff
+            return _setup.ScaleSpec(int(p[0]), gs, ts, div, mult) if ts else \
+                _setup.ScaleSpec(int(p[0]), gs, 0)
     return None
 
 
@@ -325,9 +335,8 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
     ws = g.workspace(caller.ptr)
     base = _setup._ptr(ws)
     groups = spec.groups
-    tokens = [int(v) for v in (problem.reduction if problem.pass_name == "wgrad"
-                               else as_blocks(problem.left).rows)]
-    _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]], m_host=tokens,
+    _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]],
+                              m_host=grouped_tokens(problem).tolist(),
                               backend=g.setup_backend)
     config = dataclasses.replace(vp.config, grouped=True)
     avg = tuple((vp.mnk.sum(axis=0) // max(groups, 1)).tolist())
