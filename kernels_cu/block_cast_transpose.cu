@@ -110,22 +110,6 @@ struct BctExpert {
     i64 src_rows;
 };
 
-// What a gathered zero row reads: one segment (16 float32) of zeros.
-__device__ __align__(16) const u8 kBctZeroSegment[kSeg * 4] = {};
-
-// Where the segment at (row `grow` < m, column `gcol`) of the expert's input starts: in place, or
-// (GATHER) token x.idx[grow] or kBctZeroSegment for an index outside [0, src_rows) -- a select,
-// so a full tile's loads stay in one basic block.
-template <int BYTES, bool GATHER>
-CG_DEVICE const void* bct_segment_src(const BctExpert& x, i64 grow, i64 gcol) {
-    if (!GATHER) return static_cast<const char*>(x.in) + (grow * x.ld + gcol) * BYTES;
-    const i64 r = x.idx[grow];
-    const bool in_range = static_cast<u64>(r) < static_cast<u64>(x.src_rows);   // r < 0 too
-    return in_range ? static_cast<const void*>(static_cast<const char*>(x.in) +
-                                               (r * x.ld + gcol) * BYTES)
-                    : static_cast<const void*>(kBctZeroSegment);
-}
-
 CG_HOST_DEVICE i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 CG_HOST_DEVICE i64 round_up4(i64 v) { return (v + 3) / 4 * 4; }
 
@@ -342,14 +326,14 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            Traits::load_raw(bct_segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
+            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
         }
     } else {
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
             // (rows past m read nothing: not even their index)
-            const void* src = grow < m ? bct_segment_src<Traits::bytes, GATHER>(x, grow, gcol)
+            const void* src = grow < m ? segment_src<Traits::bytes, GATHER>(x, grow, gcol)
                                        : x.in;
             load_segment<IN>(src, grow < m ? ncol : 0, raw[it]);
         }

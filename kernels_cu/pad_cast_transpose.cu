@@ -93,24 +93,6 @@ struct PctExpert {
     i64 src_rows;
 };
 
-// What a gathered zero row reads: one segment (16 float32) of zeros.
-__device__ __align__(16) const u8 kPctZeroSegment[PCT_SEG * 4] = {};
-
-// Where the segment at (row `grow`, column `gcol`) of the expert's input starts. GATHER (a
-// separate instantiation, so that the kernels without it keep their registers and their
-// full-tile loads in one basic block, tests/test_sass.py): row x.idx[grow] of the token matrix,
-// or kPctZeroSegment for an index outside [0, src_rows) -- a select, no branch.
-template <int BYTES, bool GATHER>
-CG_DEVICE const void* segment_src(const PctExpert& x, i64 grow, i64 gcol) {
-    if (!GATHER) return static_cast<const char*>(x.in) + (grow * x.ld + gcol) * BYTES;
-    const i64 r = x.idx[grow];
-    const bool in_range = static_cast<u64>(r) < static_cast<u64>(x.src_rows);   // r < 0 too
-    return in_range ? static_cast<const void*>(static_cast<const char*>(x.in) +
-                                               (r * x.ld + gcol) * BYTES)
-                    : static_cast<const void*>(kPctZeroSegment);
-}
-
-
 CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k) {
     const i64 rows = (m_pad + PCT_TILE_M - 1) / PCT_TILE_M;
     return (rows > 0 ? rows : 1) * tiles_k;
@@ -278,7 +260,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (full_tile) {
             Traits::unpack(raw[it], v);
         } else if (grow < m && gcol < k) {
-            // (a gathered zero row reads kPctZeroSegment: 64 bytes of zeros, 16-byte aligned)
+            // (a gathered zero row reads kZeroSegment: 64 bytes of zeros, 16-byte aligned)
             const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);
             if (gcol + PCT_SEG <= k && aligned16(src)) {
                 uint4 w[Traits::words];

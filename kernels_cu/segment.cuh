@@ -127,6 +127,24 @@ CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
         if (j < n) dst[j] = static_cast<u8>(words[j / 4] >> (8 * (j % 4)));
 }
 
+// What a gathered zero row reads: one segment (kSeg float32) of zeros.
+__device__ __align__(16) const u8 kZeroSegment[kSeg * 4] = {};
+
+// Where the segment at (row `grow`, column `gcol`) of expert `x`'s input starts (X: the kernel's
+// per-expert view, with in, ld, idx, src_rows). GATHER (a separate instantiation, so that the
+// kernels without it keep their registers and their full-tile loads in one basic block,
+// tests/test_sass.py): row x.idx[grow] of the token matrix, or kZeroSegment for an index outside
+// [0, src_rows) -- a select, no branch.
+template <int BYTES, bool GATHER, class X>
+CG_DEVICE const void* segment_src(const X& x, i64 grow, i64 gcol) {
+    if (!GATHER) return static_cast<const char*>(x.in) + (grow * x.ld + gcol) * BYTES;
+    const i64 r = x.idx[grow];
+    const bool in_range = static_cast<u64>(r) < static_cast<u64>(x.src_rows);   // r < 0 too
+    return in_range ? static_cast<const void*>(static_cast<const char*>(x.in) +
+                                               (r * x.ld + gcol) * BYTES)
+                    : static_cast<const void*>(kZeroSegment);
+}
+
 // Which expert of the chunk owns flat tile t (tile_start is non-decreasing, E <= 64: a short
 // binary search, the same in every thread, so no divergence).
 CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
