@@ -50,6 +50,8 @@ class _Config:
     gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
     fast_accum: tuple = (True, False, False)   # FP8 fast accumulation of fprop, dgrad, wgrad
     block: tuple = ()               # Float8BlockScaling: (input, weight, grad) block dims, else ()
+    owners: tuple = ()              # single_grouped_weight: (weight,), whose attributes (lazy
+                                    # main_grad, grad_added_to_main_grad) stand for every expert
 
     def unpack(self, flat):
         E = self.num_experts
@@ -207,9 +209,13 @@ class _GroupedLinearFn(torch.autograd.Function):
         if cfg.fuse_wgrad and need_wgrad:
             # Megatron-FSDP allocates main_grad before backward (lazy); an expert without a
             # wgrad here (frozen, or left out by autograd) gets a scratch output instead
-            main_grads = [(_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
-                           else main_grads[i]) if wanted[i] else None
-                          for i, w in enumerate(ctx.ws)]
+            if cfg.lazy_main_grad and cfg.owners:     # one (E, n, k) main_grad
+                whole = _check_main_grad(None, cfg.owners[0], cfg.owners[0].get_main_grad())
+                main_grads = [g if want else None for g, want in zip(whole.unbind(0), wanted)]
+            else:
+                main_grads = [(_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
+                               else main_grads[i]) if wanted[i] else None
+                              for i, w in enumerate(ctx.ws)]
             g_dtype = main_grad_dtype(main_grads)
             main_grads = [g if g is not None else torch.empty(w.shape, dtype=g_dtype,
                                                               device=w.device)
@@ -309,10 +315,11 @@ class _GroupedLinearFn(torch.autograd.Function):
             # tensor per weight: AccumulateGrad steals it (a shared one would be copied).
             dws = [None] * E
             for i, w in enumerate(ctx.ws):
-                if wanted[i] and hasattr(w, "grad_added_to_main_grad"):
-                    w.grad_added_to_main_grad = True
+                owner = cfg.owners[0] if cfg.owners else w    # its views share one parameter's
+                if wanted[i] and hasattr(owner, "grad_added_to_main_grad"):
+                    owner.grad_added_to_main_grad = True
                     # zeros where Megatron adds the dummy into main_grad anyway
-                    dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
+                    dws[i] = (torch.zeros_like if getattr(owner, "zero_out_wgrad", False)
                               else torch.empty_like)(w)
         dxs = [None] * nx
         if dx is not None and cfg.gather:      # back to the tokens: the permute's adjoint
@@ -329,12 +336,14 @@ class _GroupedLinearFn(torch.autograd.Function):
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_main_grad(i: int, w: torch.Tensor, g) -> torch.Tensor:
+def _check_main_grad(i: int | None, w: torch.Tensor, g) -> torch.Tensor:
     """Megatron's ``main_grad``: float32, or 16-bit (``grad_reduce_in_fp32=False`` keeps it in
-    the parameters' dtype); the GEMM accumulates into it in float32 and rounds once."""
+    the parameters' dtype); the GEMM accumulates into it in float32 and rounds once. ``i`` None:
+    the single grouped ``weight``."""
     if not isinstance(g, torch.Tensor) or g.dtype not in MAIN_GRAD_DTYPES or g.shape != w.shape \
             or g.device != w.device:
-        raise ValueError(f"weight{i}.main_grad: fuse_wgrad_accumulation=True needs a float32, "
+        name = "weight" if i is None else f"weight{i}"
+        raise ValueError(f"{name}.main_grad: fuse_wgrad_accumulation=True needs a float32, "
                          f"bfloat16 or float16 tensor of shape {tuple(w.shape)} on {w.device} "
                          f"(got {None if g is None else (g.dtype, tuple(g.shape))})")
     return g

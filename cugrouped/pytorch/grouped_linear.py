@@ -131,6 +131,15 @@ class GroupedLinear(torch.nn.Module):
     delay_wgrad_compute : bool  backward computes dgrad (and dbias) only and queues the weight
         gradients; each :meth:`backward_dw` call computes the oldest queued ones (so they can
         overlap communication, as Megatron's MoE schedules do). Not under ``torch.compile``.
+    single_grouped_weight, single_grouped_bias : bool  keep all experts' weights as one
+        parameter ``weight`` of shape ``(E, out_features, in_features)`` (and the biases as one
+        ``bias``, ``(E, out_features)``) instead of ``weight{i}`` / ``bias{i}``, as
+        TransformerEngine 2.14's options of those names (there a ``GroupedTensor``; here a plain
+        tensor). One optimizer tensor, one ``main_grad`` ``(E, n, k)`` (whose experts are evenly
+        placed, so the wgrad GEMM can be one grouped call), and the Megatron attributes
+        (``main_grad``, ``grad_added_to_main_grad``, ``overwrite_main_grad``, ...) on that one
+        parameter. ``weights()`` / ``biases()`` return its per-expert views. Checkpoints load
+        across the two layouts (``weight{i}`` into ``weight`` and back).
     save_original_input : bool  FP8 with ``Float8CurrentScaling``: save the input itself for
         backward instead of its transposed FP8 copy, and cast that copy in backward (the same
         bits). Saves memory when the input is kept alive anyway (e.g. by the activation
@@ -146,8 +155,13 @@ class GroupedLinear(torch.nn.Module):
                  get_rng_state_tracker=None, rng_tracker_name: str | None = None,
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
                  ub_name: str | None = None, delay_wgrad_compute: bool = False,
-                 save_original_input: bool = False):
+                 save_original_input: bool = False, single_grouped_weight: bool = False,
+                 single_grouped_bias: bool = False):
         super().__init__()
+        for name, v in (("single_grouped_weight", single_grouped_weight),
+                        ("single_grouped_bias", single_grouped_bias)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}: expected a bool, got {v!r}")
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
                         ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -179,18 +193,28 @@ class GroupedLinear(torch.nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.init_method = init_method
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = single_grouped_bias and self.use_bias
+        if self.single_grouped_weight:
+            self.weight = torch.nn.Parameter(torch.empty(
+                num_gemms, out_features, in_features, dtype=self.params_dtype, device=device))
+        if self.single_grouped_bias:
+            self.bias = torch.nn.Parameter(torch.empty(
+                num_gemms, out_features, dtype=self.params_dtype, device=device))
         for i in range(num_gemms):
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
-                out_features, in_features, dtype=self.params_dtype, device=device)))
-            if self.use_bias:
+            if not self.single_grouped_weight:
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
+                    out_features, in_features, dtype=self.params_dtype, device=device)))
+            if self.use_bias and not self.single_grouped_bias:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
                     torch.empty(out_features, dtype=self.params_dtype, device=device)))
+        self._register_load_state_dict_pre_hook(self._load_either_layout)
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             self.register_buffer(f"fp8_{name}", None, persistent=False)
         self._fp8_recipe: DelayedScaling | None = None
         self._fp8_weight_cache: tuple | None = None
         self._grad_acc_cache: tuple | None = None
-        self.reset_parameters(defer_init=self.weight0.is_meta)
+        self.reset_parameters(defer_init=self._weight_params()[0].is_meta)
         self._mark_parameters()
 
     @staticmethod
@@ -248,22 +272,59 @@ class GroupedLinear(torch.nn.Module):
         ``delay_wgrad_compute`` ``skip_backward_post_hook`` (Megatron's DDP then skips its
         grad-ready hook for them and registers it with
         :meth:`register_wgrad_accumulation_and_reduce_hooks`, which backward_dw() runs)."""
-        for w in self.weights():
+        for w in self._weight_params():
             w.tensor_model_parallel = True
-            w.partition_dim = 1 if self.parallel_mode == "row" else 0
+            w.partition_dim = (1 if self.parallel_mode == "row" else 0) + (w.dim() - 2)
             w.partition_stride = 1
         if self.delay_wgrad_compute:
-            for p in (*self.weights(), *self.biases()):
+            for p in (*self._weight_params(), *self._bias_params()):
                 p.skip_backward_post_hook = True
 
     # -- parameters ---------------------------------------------------------------------------
     def weights(self) -> list[torch.Tensor]:
-        """``[weight0, ..., weight{E-1}]``, each ``(out_features, in_features)``."""
+        """``[weight0, ..., weight{E-1}]``, each ``(out_features, in_features)`` (with
+        ``single_grouped_weight``: the views ``weight[i]``)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def biases(self) -> list[torch.Tensor]:
-        """``[bias0, ...]`` (``(out_features,)`` each), or ``[]`` without biases."""
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+        """``[bias0, ...]`` (``(out_features,)`` each; with ``single_grouped_bias`` the views
+        ``bias[i]``), or ``[]`` without biases."""
+        if not self.use_bias:
+            return []
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _weight_params(self) -> list[torch.nn.Parameter]:
+        """The weight parameters: ``[weight]`` or ``[weight0, ...]``."""
+        return [self.weight] if self.single_grouped_weight else self.weights()
+
+    def _bias_params(self) -> list[torch.nn.Parameter]:
+        return [self.bias] if self.single_grouped_bias else self.biases()
+
+    def _weight_owners(self) -> list[torch.nn.Parameter]:
+        """Per expert, the parameter whose attributes (``main_grad`` flags, AccumulateGrad node)
+        stand for its weight."""
+        return [self.weight] * self.num_gemms if self.single_grouped_weight else self.weights()
+
+    def _load_either_layout(self, state_dict, prefix, *args) -> None:
+        """``load_state_dict`` pre-hook: ``weight{i}`` entries load into a single grouped
+        ``weight`` (stacked) and a single ``weight`` into ``weight{i}`` (its rows), biases alike,
+        as TransformerEngine's layer does."""
+        E = self.num_gemms
+        for name, single in (("weight", self.single_grouped_weight),
+                             ("bias", self.single_grouped_bias)):
+            per = [f"{prefix}{name}{i}" for i in range(E)]
+            if single and all(k in state_dict for k in per) and prefix + name not in state_dict:
+                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per])
+            elif not single and prefix + name in state_dict and not any(k in state_dict for k in per):
+                whole = state_dict[prefix + name]
+                if isinstance(whole, torch.Tensor) and whole.dim() >= 1 and whole.shape[0] == E:
+                    del state_dict[prefix + name]
+                    for k, part in zip(per, whole.unbind(0)):
+                        state_dict[k] = part
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
@@ -296,7 +357,7 @@ class GroupedLinear(torch.nn.Module):
             if st is not None and st.compatible(recipe, self.num_gemms):
                 st = st.with_history_len(recipe)
             else:
-                st = DelayedScalingState(self.num_gemms, recipe, self.weight0.device)
+                st = DelayedScalingState(self.num_gemms, recipe, self._weight_params()[0].device)
         self._set_state(st)
         return st
 
@@ -350,14 +411,14 @@ class GroupedLinear(torch.nn.Module):
         if int(state.get("num_experts", -1)) != self.num_gemms:
             raise ValueError(f"state_dict: FP8 extra state is for {state.get('num_experts')} "
                              f"experts, this layer has {self.num_gemms}")
-        self._set_state(DelayedScalingState.from_dict(state, self.weight0.device))
+        self._set_state(DelayedScalingState.from_dict(state, self._weight_params()[0].device))
 
     # -- forward ------------------------------------------------------------------------------
     def _check_input(self, inp, m_splits, rows=None):
         """(splits, first tensor); ``rows``: the rows ``m_splits`` must count when they are not
         ``inp``'s (a gather)."""
         E, k = self.num_gemms, self.in_features
-        w0 = self.weight0
+        w0 = self._weight_params()[0]
         if isinstance(inp, (list, tuple)):
             if len(inp) != E:
                 raise ValueError(f"inp: expected a list of {E} tensors (one per expert), got {len(inp)}")
@@ -543,7 +604,7 @@ class GroupedLinear(torch.nn.Module):
         # TransformerEngine: the first micro-batch's wgrad, and a weight marked
         # overwrite_main_grad (Megatron-FSDP), overwrite main_grad instead of adding to it
         accumulate = is_first_microbatch is not True and \
-            not getattr(ws[0], "overwrite_main_grad", False)
+            not getattr(self._weight_owners()[0], "overwrite_main_grad", False)
         if recipe is None:
             calibration = get_calibration_recipe()
             if calibration is not None and not recomputing():
@@ -551,7 +612,8 @@ class GroupedLinear(torch.nn.Module):
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
-                          grad_accs=self._grad_accumulators(ws), lazy_main_grad=lazy)
+                          grad_accs=self._grad_accumulators(), lazy_main_grad=lazy,
+                          owners=self._single_owner())
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
         else:
             y = self._forward_fp8(recipe, splits, xs, ws, bs, (fuse, lazy, main_grads),
@@ -577,7 +639,12 @@ class GroupedLinear(torch.nn.Module):
         state = super().__getstate__()
         return {**state, "_grad_acc_cache": None}
 
-    def _grad_accumulators(self, ws) -> tuple:
+    def _single_owner(self) -> tuple:
+        """``(weight,)`` with ``single_grouped_weight`` (the one parameter whose attributes the
+        autograd function reads and sets for every expert), else ``()``."""
+        return (self.weight,) if self.single_grouped_weight else ()
+
+    def _grad_accumulators(self) -> tuple:
         """The weights' AccumulateGrad nodes (None for a frozen one; cached per parameter set),
         with which backward skips a fused or deferred wgrad that autograd was not asked for; ()
         when neither is on, under torch.compile, or for weights that are not leaves."""
@@ -585,6 +652,7 @@ class GroupedLinear(torch.nn.Module):
                 not torch.is_grad_enabled() or torch.compiler.is_compiling() or \
                 not hasattr(torch._C, "_will_engine_execute_node"):
             return ()
+        ws = self._weight_owners()
         # torch makes a parameter a new accumulator when its data changes dtype or device
         key = tuple((w, w.requires_grad, w.dtype, w.device) for w in ws)
         cache = self._grad_acc_cache
@@ -622,7 +690,14 @@ class GroupedLinear(torch.nn.Module):
         with torch.no_grad():      # grads are plain tensors, as autograd's
             fn, wanted = self.wgrad_store.pop()
             dws = fn()
-            if dws is not None:
+            if dws is not None and self.single_grouped_weight:
+                if any(wanted):            # one parameter: all its experts or none
+                    dw = torch.stack(dws)
+                    if self.weight.grad is None:
+                        self.weight.grad = dw
+                    else:
+                        self.weight.grad += dw
+            elif dws is not None:
                 for w, dw, want in zip(self.weights(), dws, wanted):
                     if not want:       # frozen, or not asked for by that backward
                         continue
@@ -688,11 +763,19 @@ class GroupedLinear(torch.nn.Module):
         if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled()
                 and any(w.requires_grad for w in ws)):
             return False, False, ()
-        if hasattr(ws[0], "__fsdp_param__"):
+        owners = self._weight_params()
+        if hasattr(owners[0], "__fsdp_param__"):
             if torch.compiler.is_compiling():
                 raise RuntimeError("fuse_wgrad_accumulation: Megatron-FSDP's lazily allocated "
                                    "main_grad is not supported under torch.compile")
             return True, True, ()
+        if self.single_grouped_weight:   # one (E, n, k) main_grad: its experts' views
+            w = self.weight
+            g = _check_main_grad(None, w, getattr(w, "main_grad", None)) if w.requires_grad \
+                else None
+            main_grads = tuple(g.unbind(0)) if g is not None else (None,) * self.num_gemms
+            main_grad_dtype(main_grads)
+            return True, False, main_grads
         # a frozen expert needs none (Megatron gives main_grad to trainable parameters only)
         main_grads = tuple(_check_main_grad(i, w, getattr(w, "main_grad", None))
                            if w.requires_grad else None for i, w in enumerate(ws))
@@ -774,9 +857,9 @@ class GroupedLinear(torch.nn.Module):
                       fuse, accumulate_main_grad, cast_backend,
                       get_fp8_group() if delayed and recipe.reduce_amax else None,
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
-                      self.save_original_input, self._grad_accumulators(ws), lazy,
+                      self.save_original_input, self._grad_accumulators(), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
                       row_index is not None, _fast_accum(recipe),
-                      recipe.block_dims if block else ())
+                      recipe.block_dims if block else (), self._single_owner())
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))
