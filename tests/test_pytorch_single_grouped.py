@@ -48,7 +48,8 @@ def test_parameters_and_views():
     assert names["weight"].shape == (3, 48, 32) and names["bias"].shape == (3, 48)
     ws = layer.weights()
     assert len(ws) == 3 and all(w._base is layer.weight for w in ws)
-    assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == 1
+    assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == 0   # as TE
+    assert "single_grouped_weight=True, single_grouped_bias=True" in repr(layer)
     assert not hasattr(layer, "weight0")
     only_w = GroupedLinear(3, 32, 48, device="cpu", single_grouped_weight=True)
     assert [n for n, _ in only_w.named_parameters()] == ["weight", "bias0", "bias1", "bias2"]
@@ -81,6 +82,37 @@ def test_equals_the_per_expert_layout_mxfp8():
     assert_bits_equal(y1, y0)
     assert_bits_equal(dx1, dx0)
     assert_bits_equal(one.weight.grad, torch.stack(dw0))
+
+
+def test_equals_the_per_expert_layout_block_scaling():
+    from cugrouped.pytorch import Float8BlockScaling
+
+    per = make_layer(2, k=128, n=128)
+    one = single_twin(per)
+    x, dy = torch.randn(48, 128), torch.randn(48, 128)
+    y0, dx0, dw0, _ = run(per, x, [16, 32], Float8BlockScaling(), False, dy)
+    y1, dx1, _, _ = run(one, x, [16, 32], Float8BlockScaling(), False, dy)
+    assert_bits_equal(y1, y0)
+    assert_bits_equal(dx1, dx0)
+    assert_bits_equal(one.weight.grad, torch.stack(dw0))
+
+
+def test_the_layer_is_freed_without_the_cycle_collector():
+    """The state-dict hook holds the layer weakly: dropping the last reference frees it (and its
+    weights) at once, as for any module."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        for single in (False, True):
+            layer = GroupedLinear(2, 32, 48, device="cpu", single_grouped_weight=single)
+            ref = weakref.ref(layer)
+            del layer
+            assert ref() is None, single
+    finally:
+        gc.enable()
 
 
 def test_gradcheck_float64():
@@ -175,6 +207,18 @@ def test_checkpoints_load_across_layouts(tmp_path):
     fresh_per.load_state_dict(torch.load(tmp_path / "one.pt"), strict=True)
     for a, b in zip(fresh_per.weights(), per.weights()):
         assert_bits_equal(a.detach(), b.detach())
+    # a checkpoint with both layouts: the target's own entries load, the others are dropped
+    both = {**torch.load(tmp_path / "per.pt"), "weight": 2 * one.weight.detach(),
+            "bias": one.bias.detach()}
+    res = fresh_one.load_state_dict(dict(both), strict=True)
+    assert not res.unexpected_keys
+    assert_bits_equal(fresh_one.weight.detach(), 2 * one.weight.detach())
+    res = fresh_per.load_state_dict(dict(both), strict=True)
+    assert_bits_equal(fresh_per.weights()[1].detach(), per.weights()[1].detach())
+    # a missing expert is reported as the target's missing key
+    partial = {k: v for k, v in torch.load(tmp_path / "per.pt").items() if k != "weight1"}
+    with pytest.raises(RuntimeError, match="Missing key.*weight"):
+        single_twin(make_layer(3)).load_state_dict(partial, strict=True)
     # the delayed-scaling state travels with either layout
     rec = RECIPES["delayed"]
     run(one, torch.randn(17, 32), SP, rec, False)

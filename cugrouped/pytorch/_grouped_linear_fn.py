@@ -50,8 +50,9 @@ class _Config:
     gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
     fast_accum: tuple = (True, False, False)   # FP8 fast accumulation of fprop, dgrad, wgrad
     block: tuple = ()               # Float8BlockScaling: (input, weight, grad) block dims, else ()
-    owners: tuple = ()              # single_grouped_weight: (weight,), whose attributes (lazy
-                                    # main_grad, grad_added_to_main_grad) stand for every expert
+    # single_grouped_weight: (weight,), whose attributes (lazy main_grad,
+    # grad_added_to_main_grad) stand for every expert (not compared: a tensor's == is elementwise)
+    owners: tuple = dataclasses.field(default=(), compare=False)
 
     def unpack(self, flat):
         E = self.num_experts

@@ -92,8 +92,9 @@ class GroupedLinear(torch.nn.Module):
     ----------
     num_gemms : int  number of experts E.
     in_features, out_features : int  k and n (multiples of 16 for FP8).
-    bias : bool  per-expert biases ``bias{i}``.
-    params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)``
+    bias : bool  per-expert biases ``bias{i}`` (or one ``bias``: ``single_grouped_bias``).
+    params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)`` (or of the
+        single grouped ``weight`` ``(E, n, k)`` and ``bias`` ``(E, n)``)
         (default ``torch.get_default_dtype()``).
     device : ``"cuda"`` (default, as in TransformerEngine), ``"cpu"`` or ``"meta"``. On
         ``"meta"`` nothing is initialised; materialise with ``to_empty(device=...)`` and then call
@@ -101,7 +102,8 @@ class GroupedLinear(torch.nn.Module):
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
         or bf16 / fp16 as Megatron keeps it with ``grad_reduce_in_fp32=False``: one dtype for
         all experts; the GEMM accumulates in fp32 and rounds the sum once; allocated by the
-        caller, e.g. Megatron's DDP) instead of producing ``weight{i}.grad``.
+        caller, e.g. Megatron's DDP) instead of producing ``weight{i}.grad`` (with
+        ``single_grouped_weight``: into the one ``weight.main_grad``, ``(E, n, k)``).
         As in TransformerEngine: the GEMM overwrites ``main_grad`` instead when
         ``is_first_microbatch=True`` or the weight has ``overwrite_main_grad = True``; a weight
         that has a ``grad_added_to_main_grad`` attribute gets it set to True and a dummy
@@ -208,7 +210,9 @@ class GroupedLinear(torch.nn.Module):
             if self.use_bias and not self.single_grouped_bias:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
                     torch.empty(out_features, dtype=self.params_dtype, device=device)))
-        self._register_load_state_dict_pre_hook(self._load_either_layout)
+        # a plain function with the module passed in (held weakly): a bound method would make
+        # the layer refer to itself and wait for the cycle collector to be freed
+        self._register_load_state_dict_pre_hook(_load_either_layout, with_module=True)
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             self.register_buffer(f"fp8_{name}", None, persistent=False)
         self._fp8_recipe: DelayedScaling | None = None
@@ -274,7 +278,7 @@ class GroupedLinear(torch.nn.Module):
         :meth:`register_wgrad_accumulation_and_reduce_hooks`, which backward_dw() runs)."""
         for w in self._weight_params():
             w.tensor_model_parallel = True
-            w.partition_dim = (1 if self.parallel_mode == "row" else 0) + (w.dim() - 2)
+            w.partition_dim = 1 if self.parallel_mode == "row" else 0   # TE's, in both layouts
             w.partition_stride = 1
         if self.delay_wgrad_compute:
             for p in (*self._weight_params(), *self._bias_params()):
@@ -309,26 +313,12 @@ class GroupedLinear(torch.nn.Module):
         stand for its weight."""
         return [self.weight] * self.num_gemms if self.single_grouped_weight else self.weights()
 
-    def _load_either_layout(self, state_dict, prefix, *args) -> None:
-        """``load_state_dict`` pre-hook: ``weight{i}`` entries load into a single grouped
-        ``weight`` (stacked) and a single ``weight`` into ``weight{i}`` (its rows), biases alike,
-        as TransformerEngine's layer does."""
-        E = self.num_gemms
-        for name, single in (("weight", self.single_grouped_weight),
-                             ("bias", self.single_grouped_bias)):
-            per = [f"{prefix}{name}{i}" for i in range(E)]
-            if single and all(k in state_dict for k in per) and prefix + name not in state_dict:
-                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per])
-            elif not single and prefix + name in state_dict and not any(k in state_dict for k in per):
-                whole = state_dict[prefix + name]
-                if isinstance(whole, torch.Tensor) and whole.dim() >= 1 and whole.shape[0] == E:
-                    del state_dict[prefix + name]
-                    for k, part in zip(per, whole.unbind(0)):
-                        state_dict[k] = part
 
     def extra_repr(self) -> str:
+        single = "".join(f", {n}=True" for n in ("single_grouped_weight", "single_grouped_bias")
+                         if getattr(self, n))
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.use_bias}")
+                f"out_features={self.out_features}, bias={self.use_bias}{single}")
 
     # -- delayed-scaling state (saved in state_dict as extra state) ---------------------------
     def fp8_state(self) -> DelayedScalingState | None:
@@ -863,3 +853,31 @@ class GroupedLinear(torch.nn.Module):
                       recipe.block_dims if block else (), self._single_owner())
         return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))
+
+
+def _load_either_layout(module: "GroupedLinear", state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook: ``weight{i}`` entries load into a single grouped ``weight``
+    (stacked) and a single ``weight`` into ``weight{i}`` (its rows), biases alike, as
+    TransformerEngine's layer does; where a checkpoint holds both, the other layout's entries are
+    dropped. (``torch.distributed.checkpoint`` reads by the target's own keys and is not
+    converted.)"""
+    E = module.num_gemms
+    for name, single in (("weight", module.single_grouped_weight),
+                         ("bias", module.single_grouped_bias)):
+        per = [f"{prefix}{name}{i}" for i in range(E)]
+        whole_key = prefix + name
+        if single:
+            if all(k in state_dict for k in per) and whole_key not in state_dict:
+                state_dict[whole_key] = torch.stack([state_dict.pop(k) for k in per])
+            elif whole_key in state_dict:
+                for k in per:
+                    state_dict.pop(k, None)
+        elif whole_key in state_dict:
+            whole = state_dict[whole_key]
+            if any(k in state_dict for k in per):
+                if all(k in state_dict for k in per):
+                    del state_dict[whole_key]
+            elif isinstance(whole, torch.Tensor) and whole.dim() >= 1 and whole.shape[0] == E:
+                del state_dict[whole_key]
+                for k, part in zip(per, whole.unbind(0)):
+                    state_dict[k] = part
