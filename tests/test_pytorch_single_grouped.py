@@ -267,3 +267,20 @@ def test_torch_compile_fused_wgrad_matches_eager(recipe):
         run(eager, x, SP, rec, False, is_first_microbatch=first)
         run(compiled, x, SP, rec, False, is_first_microbatch=first)
     assert_bits_equal(compiled_layer.weight.main_grad, eager.weight.main_grad)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_weight_gradient_is_not_stacked_again(fused):
+    """The one weight goes into the autograd function whole: its FP8 wgrad (one (E, n, k) GEMM
+    output) or its one dummy gradient comes back as it is, with no per-expert grads stacked (an
+    unbind of the parameter would cost a copy of the weight gradient per backward)."""
+    one = single_twin(make_layer(3), fuse_wgrad_accumulation=fused)
+    if fused:
+        one.weight.main_grad = torch.zeros_like(one.weight)
+        one.weight.grad_added_to_main_grad = False
+    x = torch.randn(17, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(one, x, SP, RECIPES["current"], False)
+    names = [e.name for e in prof.events()]
+    assert "aten::stack" not in names and "UnbindBackward0" not in names
+    assert one.weight.grad.shape == (3, 48, 32) and one.bias.grad.shape == (3, 48)

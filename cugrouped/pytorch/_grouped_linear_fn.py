@@ -50,16 +50,26 @@ class _Config:
     gather: bool = False            # fused permute: xs = (tokens,), a row_index after main_grads
     fast_accum: tuple = (True, False, False)   # FP8 fast accumulation of fprop, dgrad, wgrad
     block: tuple = ()               # Float8BlockScaling: (input, weight, grad) block dims, else ()
-    # single_grouped_weight: (weight,), whose attributes (lazy main_grad,
-    # grad_added_to_main_grad) stand for every expert (not compared: a tensor's == is elementwise)
-    owners: tuple = dataclasses.field(default=(), compare=False)
+    # single_grouped_weight / _bias: the weights (biases) come in as one (E, ...) tensor, whose
+    # gradient goes out as one tensor (no per-expert grads stacked again) and whose attributes
+    # (main_grad flags, lazy main_grad) stand for every expert
+    stacked: tuple = (False, False)
+
+    def counts(self) -> tuple[int, int, int]:
+        """How many input tensors carry the inputs, the weights and the biases."""
+        E = self.num_experts
+        return (E if self.list_mode else 1, 1 if self.stacked[0] else E,
+                0 if not self.has_bias else 1 if self.stacked[1] else E)
 
     def unpack(self, flat):
-        E = self.num_experts
-        nx = E if self.list_mode else 1
+        """(inputs, weights, biases, FP8 weights, delayed state, main_grads); weights and biases
+        per expert (the views of a stacked one)."""
+        E, (nx, nw, nb) = self.num_experts, self.counts()
         xs, flat = flat[:nx], flat[nx:]
-        ws, flat = flat[:E], flat[E:]
-        bs, flat = (flat[:E], flat[E:]) if self.has_bias else ((), flat)
+        ws, flat = flat[:nw], flat[nw:]
+        bs, flat = flat[:nb], flat[nb:]
+        ws = tuple(ws[0].unbind(0)) if self.stacked[0] else ws
+        bs = tuple(bs[0].unbind(0)) if bs and self.stacked[1] else bs
         nwq = 0 if not self.fp8 else 4 if self.block else 3   # (data, data_t, scale_inv[, _t])
         wq, flat = flat[:nwq], flat[nwq:]
         state, flat = (flat[:4], flat[4:]) if self.delayed else ((), flat)
@@ -124,14 +134,15 @@ class _GroupedLinearFn(torch.autograd.Function):
         # the fused permute (FP8, the default backward only): the cast gathers the rows itself
         row_index = flat[-1] if cfg.gather else None
         x_list = [xs[0]] if cfg.gather else cfg.expert_rows(xs, m_splits)
-        nx = len(xs)
+        nx, nw, _ = cfg.counts()
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
-        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + nw])
         ctx.cfg, ctx.m_splits = cfg, m_splits
         ctx.x_dtype, ctx.w_dtype = xs[0].dtype, ws[0].dtype
         ctx.b_dtype = bs[0].dtype if bs else None
         ctx.main_grads = main_grads
-        ctx.ws = ws if cfg.fuse_wgrad else ()
+        # the weight parameters themselves (one when stacked): their Megatron attributes
+        ctx.ws = flat[nx:nx + nw] if cfg.fuse_wgrad else ()
         if not cfg.fp8:
             # weights in another dtype than the input (torch.autocast): computed in the input's
             # dtype, their grads returned in their own
@@ -171,7 +182,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             for part, b in zip(_split(y, m_splits), bs):
                 part.add_(b)
         if cfg.delayed and cfg.grad_enabled and not (
-                need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + E])):
+                need_dgrad or need_wgrad or (bs and ctx.needs_input_grad[2 + nx + nw])):
             # no backward will run: fold this step's input and weight amaxes in now (under
             # no_grad nothing is: evaluation leaves the scales alone, as in TransformerEngine)
             update_scales(state, 2 * E, cfg.amax_group, cfg.num_e4m3, cfg.amax_compute_algo,
@@ -192,17 +203,17 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         cfg, m_splits = ctx.cfg, ctx.m_splits
         E, k, n = cfg.num_experts, cfg.k, cfg.n
-        nx = E if cfg.list_mode else 1
+        nx, nw, nb = cfg.counts()
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
         # the experts whose weight gradient this backward produces: those that need one and,
         # with side effects (main_grad written, a wgrad queued), whose AccumulateGrad the engine
         # runs (torch.autograd.grad(y, x) or backward(inputs=...) may leave some or all out)
-        wanted = list(ctx.needs_input_grad[2 + nx:2 + nx + E])
+        wanted = list(ctx.needs_input_grad[2 + nx:2 + nx + nw]) * (E // nw)
         if cfg.grad_accs:
             wanted = [w and (a is None or _engine_will_execute(a))
                       for w, a in zip(wanted, cfg.grad_accs)]
         need_wgrad = any(wanted)
-        need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + E:2 + nx + 2 * E])
+        need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + nw:2 + nx + nw + nb])
         dy = dy.contiguous()
         dy_list = _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
@@ -210,17 +221,18 @@ class _GroupedLinearFn(torch.autograd.Function):
         if cfg.fuse_wgrad and need_wgrad:
             # Megatron-FSDP allocates main_grad before backward (lazy); an expert without a
             # wgrad here (frozen, or left out by autograd) gets a scratch output instead
-            if cfg.lazy_main_grad and cfg.owners:     # one (E, n, k) main_grad
-                whole = _check_main_grad(None, cfg.owners[0], cfg.owners[0].get_main_grad())
+            if cfg.lazy_main_grad and cfg.stacked[0]:     # one (E, n, k) main_grad
+                whole = _check_main_grad(None, ctx.ws[0], ctx.ws[0].get_main_grad())
                 main_grads = [g if want else None for g, want in zip(whole.unbind(0), wanted)]
-            else:
-                main_grads = [(_check_main_grad(i, w, w.get_main_grad()) if cfg.lazy_main_grad
-                               else main_grads[i]) if wanted[i] else None
+            elif cfg.lazy_main_grad:
+                main_grads = [_check_main_grad(i, w, w.get_main_grad()) if wanted[i] else None
                               for i, w in enumerate(ctx.ws)]
+            else:
+                main_grads = [g if want else None for g, want in zip(main_grads, wanted)]
             g_dtype = main_grad_dtype(main_grads)
-            main_grads = [g if g is not None else torch.empty(w.shape, dtype=g_dtype,
-                                                              device=w.device)
-                          for g, w in zip(main_grads, ctx.ws)]
+            main_grads = [g if g is not None else torch.empty((n, k), dtype=g_dtype,
+                                                              device=dy.device)
+                          for g in main_grads]
         x_dtype = ctx.x_dtype
 
         def hp_wgrad(x_list):
@@ -296,45 +308,64 @@ class _GroupedLinearFn(torch.autograd.Function):
                                                        main_grads, acc, cfg.fast_accum[2],
                                                        *blocks)
                         return None
-                    return list(cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si_t,
-                                                     cfg.fmt_bwd, k, n, list(m_splits),
-                                                     w_dtype, cfg.fast_accum[2], *blocks).unbind(0))
+                    return cops.eager.fp8_wgrad(xt, xsi, cfg.fmt_fwd, dy_t, dy_si_t, cfg.fmt_bwd,
+                                                k, n, list(m_splits), w_dtype, cfg.fast_accum[2],
+                                                *blocks)                  # (E, n, k)
                 wgrad_fn = _wgrad
             if need_dbias:
-                dbs = list(colsum.to(ctx.b_dtype).unbind(0))
+                dbs = colsum.to(ctx.b_dtype)                              # (E, n)
+        if dbs is not None:            # a stacked bias gets one (E, n) gradient
+            dbs = [_stacked(dbs)] if cfg.stacked[1] else list(dbs)
         if wgrad_fn is not None:
+            # the weights' gradient: one (E, n, k) tensor when stacked, else one per expert
+            wgrad_fn = functools.partial(_weight_grads, wgrad_fn, cfg.stacked[0])
             if cfg.wgrad_store is not None:
                 cfg.wgrad_store.put((wgrad_fn, wanted))   # GroupedLinear.backward_dw() runs it
             else:
                 dws = wgrad_fn()
-                if dws is not None:
+                if dws is not None and cfg.stacked[0]:
+                    dws = [dws if wanted[0] else None]
+                elif dws is not None:
                     dws = [g if want else None for g, want in zip(dws, wanted)]
         if cfg.fuse_wgrad and need_wgrad:
             # TransformerEngine's contract with Megatron: a weight that carries the
             # grad_added_to_main_grad attribute gets it set and an (uninitialised) dummy gradient,
             # so that its grad-accumulation hook fires; any other weight gets None. A fresh
             # tensor per weight: AccumulateGrad steals it (a shared one would be copied).
-            dws = [None] * E
+            dws = [None] * nw          # one parameter per weight input (all experts' if stacked)
             for i, w in enumerate(ctx.ws):
-                owner = cfg.owners[0] if cfg.owners else w    # its views share one parameter's
-                if wanted[i] and hasattr(owner, "grad_added_to_main_grad"):
-                    owner.grad_added_to_main_grad = True
+                if wanted[i] and hasattr(w, "grad_added_to_main_grad"):
+                    w.grad_added_to_main_grad = True
                     # zeros where Megatron adds the dummy into main_grad anyway
-                    dws[i] = (torch.zeros_like if getattr(owner, "zero_out_wgrad", False)
+                    dws[i] = (torch.zeros_like if getattr(w, "zero_out_wgrad", False)
                               else torch.empty_like)(w)
         dxs = [None] * nx
         if dx is not None and cfg.gather:      # back to the tokens: the permute's adjoint
             dxs = [scatter_rows(dx, row_index, ctx.num_tokens)]
         elif dx is not None:
             dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
-        grads = [None, None, *dxs, *(dws if dws is not None else [None] * E)]
+        grads = [None, None, *dxs, *(dws if dws is not None else [None] * nw)]
         if cfg.has_bias:
-            grads += dbs if dbs is not None else [None] * E
+            grads += dbs if dbs is not None else [None] * nb
         grads += [None] * (len(ctx.needs_input_grad) - len(grads))
         return tuple(grads)
 
 
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _stacked(g) -> torch.Tensor:
+    """Per-expert gradients as one tensor: as they are when already one, else stacked."""
+    return g if isinstance(g, torch.Tensor) else torch.stack(list(g))
+
+
+def _weight_grads(wgrad_fn, stacked: bool):
+    """``wgrad_fn()``'s weight gradients (None: written into main_grad) as the weights came in:
+    one ``(E, n, k)`` tensor when stacked (the FP8 GEMM's own output, not copied), else a list."""
+    g = wgrad_fn()
+    if g is None:
+        return None
+    return _stacked(g) if stacked else list(g)
 
 
 def _check_main_grad(i: int | None, w: torch.Tensor, g) -> torch.Tensor:

@@ -576,6 +576,7 @@ class GroupedLinear(torch.nn.Module):
             inp = first = inp.reshape(-1, k)
         recipe = get_fp8_recipe()
         ws, all_bs = self.weights(), self.biases()
+        b_whole = self.bias if self.single_grouped_bias else None
         xs = tuple(inp) if list_mode else (inp,)
         fuse, lazy, main_grads = self._main_grads(ws)
         act_dtype = self._autocast_dtype(first.device)
@@ -589,8 +590,16 @@ class GroupedLinear(torch.nn.Module):
             # weight per forward (TE casts the same way).
             xs = tuple(x.to(act_dtype) for x in xs)
             first = xs[0]
-            all_bs = [b.to(act_dtype) for b in all_bs]
+            if self.single_grouped_bias:
+                b_whole = self.bias.to(act_dtype)
+                all_bs = list(b_whole.unbind(0))
+            else:
+                all_bs = [b.to(act_dtype) for b in all_bs]
         bs = all_bs if self.apply_bias else []
+        # what the autograd function takes: a single grouped weight (bias) as the one tensor
+        # (its gradient then comes back as one, with no per-expert grads stacked again)
+        w_in = (self.weight,) if self.single_grouped_weight else tuple(ws)
+        b_in = () if not bs else (b_whole,) if self.single_grouped_bias else tuple(bs)
         # TransformerEngine: the first micro-batch's wgrad, and a weight marked
         # overwrite_main_grad (Megatron-FSDP), overwrite main_grad instead of adding to it
         accumulate = is_first_microbatch is not True and \
@@ -603,10 +612,11 @@ class GroupedLinear(torch.nn.Module):
                           fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
                           grad_accs=self._grad_accumulators(), lazy_main_grad=lazy,
-                          owners=self._single_owner())
-            y = _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *main_grads)
+                          stacked=self._stacked())
+            y = _GroupedLinearFn.apply(cfg, splits, *xs, *w_in, *b_in, *main_grads)
         else:
-            y = self._forward_fp8(recipe, splits, xs, ws, bs, (fuse, lazy, main_grads),
+            y = self._forward_fp8(recipe, splits, xs, ws, bs, (w_in, b_in),
+                                  (fuse, lazy, main_grads),
                                   list_mode, is_first_microbatch, first, accumulate,
                                   row_index if gather else None)
         if list_mode:
@@ -629,10 +639,9 @@ class GroupedLinear(torch.nn.Module):
         state = super().__getstate__()
         return {**state, "_grad_acc_cache": None}
 
-    def _single_owner(self) -> tuple:
-        """``(weight,)`` with ``single_grouped_weight`` (the one parameter whose attributes the
-        autograd function reads and sets for every expert), else ``()``."""
-        return (self.weight,) if self.single_grouped_weight else ()
+    def _stacked(self) -> tuple[bool, bool]:
+        """The autograd function's ``stacked`` option: weights, biases as one tensor each."""
+        return self.single_grouped_weight, self.single_grouped_bias
 
     def _grad_accumulators(self) -> tuple:
         """The weights' AccumulateGrad nodes (None for a frozen one; cached per parameter set),
@@ -682,7 +691,7 @@ class GroupedLinear(torch.nn.Module):
             dws = fn()
             if dws is not None and self.single_grouped_weight:
                 if any(wanted):            # one parameter: all its experts or none
-                    dw = torch.stack(dws)
+                    dw = dws               # one (E, n, k) tensor
                     if self.weight.grad is None:
                         self.weight.grad = dw
                     else:
@@ -787,8 +796,8 @@ class GroupedLinear(torch.nn.Module):
             not recipe.override_linear_precision[2]
         return (inp, True) if fused else (gather_rows(inp, row_index), False)
 
-    def _forward_fp8(self, recipe, splits, xs, ws, bs, fused, list_mode, is_first_microbatch,
-                     first, accumulate_main_grad, row_index=None):
+    def _forward_fp8(self, recipe, splits, xs, ws, bs, inputs, fused, list_mode,
+                     is_first_microbatch, first, accumulate_main_grad, row_index=None):
         E, k, n = self.num_gemms, self.in_features, self.out_features
         fuse, lazy, main_grads = fused
         fm = getattr(recipe, "feature_multiple", 16)    # MXFP8: whole 32-element scale blocks
@@ -850,8 +859,9 @@ class GroupedLinear(torch.nn.Module):
                       self.save_original_input, self._grad_accumulators(), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
                       row_index is not None, _fast_accum(recipe),
-                      recipe.block_dims if block else (), self._single_owner())
-        return _GroupedLinearFn.apply(cfg, splits, *xs, *ws, *bs, *wq, *state, *main_grads,
+                      recipe.block_dims if block else (), self._stacked())
+        w_in, b_in = inputs
+        return _GroupedLinearFn.apply(cfg, splits, *xs, *w_in, *b_in, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))
 
 
