@@ -172,11 +172,12 @@ def test_registered_for_compile_check():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["uniform", "skewed", "empty_first", "many"])
-def test_gpu_matches_reference(split):
+@pytest.mark.parametrize("scales", ["per_tensor", "vec128_rows", "mx_cols"])
+def test_gpu_matches_reference(split, scales):
     import cupy
 
     m = np.array(SPLITS[split], np.int64)
-    spec = _spec(len(m), 16, beta=1.0)
+    spec = _spec(len(m), 16, beta=1.0, scales=scales)
     want = _run("reference", spec, m_host=m)
     _, nbytes = gg.grouped_workspace_layout(spec.groups)
     for counts in (dict(m_host=m.tolist()), dict(m_dev=cupy.asarray(m), total_rows=int(m.sum()))):

@@ -68,7 +68,6 @@ def grouped_block_unsupported(version: int, compute_capability: int, a_mode: int
                               ) -> str | None:
     """Why cuBLASLt's grouped GEMM cannot take these block-scaled operands (scale modes of A and
     B), or None if it can (on top of :func:`grouped_gemm_unsupported`)."""
-
     cc = int(compute_capability)
     if E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 in (a_mode, b_mode):
         if cc < 100:

@@ -125,7 +125,8 @@ class _WgradStore:
 
 class _GroupedLinearFn(torch.autograd.Function):
     """apply(cfg, m_splits, *xs, *weights, *biases, *fp8 weights, *delayed state, *main_grads
-    [, row_index])."""
+    [, row_index]); weights and biases are E tensors each, or one ``(E, ...)`` tensor each with
+    ``cfg.stacked`` (:meth:`_Config.counts`)."""
 
     @staticmethod
     def forward(ctx, cfg: _Config, m_splits: tuple, *flat):
