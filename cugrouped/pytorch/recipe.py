@@ -427,6 +427,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | N
 
 
 def is_fp8_enabled() -> bool:
+    """True inside an enabled ``fp8_autocast`` (the innermost one decides), as in
+    TransformerEngine."""
     return bool(_STACK) and _STACK[-1][0]
 
 
