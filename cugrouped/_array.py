@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayView", "as_view", "array_kind", "DTYPE_ITEMSIZE", "FLOAT_INPUT_DTYPES"]
+__all__ = ["ArrayView", "as_view", "array_kind", "array_is_device", "data_ptr", "is_contiguous",
+           "as_bytes", "DTYPE_ITEMSIZE", "FLOAT_INPUT_DTYPES"]
 
 # Names we use for dtypes, and their size in bytes.
 DTYPE_ITEMSIZE = {
@@ -166,3 +167,46 @@ def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayVie
 
         device = cupy.cuda.runtime.pointerGetAttributes(cai["data"][0]).device
     return ArrayView(int(cai["data"][0]), shape, strides, name, device, kind, x)
+
+
+def array_is_device(x: Any) -> bool:
+    """True for a CuPy array, a CUDA torch tensor, or anything with ``__cuda_array_interface__``
+    (without importing torch)."""
+    return hasattr(x, "__cuda_array_interface__") or (
+        type(x).__module__.startswith("torch")
+        and getattr(getattr(x, "device", None), "type", "") == "cuda")
+
+
+def data_ptr(a: Any) -> int:
+    """The data pointer of a NumPy / CuPy / torch array (or anything :func:`as_view` reads); 0 for
+    None."""
+    if a is None:
+        return 0
+    kind = array_kind(a)
+    if kind == "numpy":
+        return a.ctypes.data
+    if kind == "cupy":
+        return a.data.ptr
+    if kind == "torch":
+        return a.data_ptr()
+    return as_view(a).ptr
+
+
+def is_contiguous(v: ArrayView) -> bool:
+    """C-contiguous, ignoring the strides of size-1 dimensions; an empty view is contiguous
+    (torch reports 0 strides for those)."""
+    if 0 in v.shape:
+        return True
+    expect, acc = [], 1
+    for n in reversed(v.shape):
+        expect.append(acc)
+        acc *= n
+    return all(s == e for s, e, n in zip(v.strides, reversed(expect), v.shape) if n > 1)
+
+
+def as_bytes(a: Any) -> Any:
+    """NumPy / CuPy buffers (FP8 ones included) as their bytes; torch callers pass uint8 tensors
+    already."""
+    if array_kind(a) in ("numpy", "cupy") and a.dtype != np.uint8:
+        return a.view(np.uint8)
+    return a

@@ -13,6 +13,7 @@ import pytest
 
 import cugrouped
 from cugrouped.cublaslt import _enums as E
+from cugrouped.ops import _launch
 from cugrouped.ops import grouped_gemm as gg
 from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 
@@ -1514,8 +1515,8 @@ def torch_on_device(monkeypatch):
     use = {"path": "loop"}
     monkeypatch.setattr(gg, "_state", lambda device: states[use["path"]][0])
     scopes = []
-    monkeypatch.setattr(gg, "_device_scope",
-                        lambda device: scopes.append(device) or contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "device_scope",
+                        lambda backend, device: scopes.append(device) or contextlib.nullcontext())
     # the torch front: torch's stream made current (a no-op here), new outputs on the CPU
     from cugrouped.pytorch import functional
 

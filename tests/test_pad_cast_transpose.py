@@ -14,6 +14,7 @@ import pytest
 
 import cugrouped
 from cugrouped import reference
+from cugrouped.ops import _cast_inputs
 from cugrouped.ops import pad_cast_transpose as pct
 
 # The split taxonomy (design.md §6): name -> (m_splits, k)
@@ -847,7 +848,7 @@ def test_argument_blocks_are_reused_only_for_identical_values():
     xs = make_inputs([9, 0, 20], 32, "float32", 3)
     x = np.concatenate(xs)
     first = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate")
-    g = pct.normalize_inputs(x, [9, 0, 20])
+    g = _cast_inputs.normalize_inputs(x, [9, 0, 20])
     plans = pct.plan_launches(g.m_splits, g.k, 16)
     a = pct._packed_groups(g, first, plans, 16)
     assert pct._packed_groups(g, first, plans, 16) is a            # same values: same blocks
@@ -855,7 +856,7 @@ def test_argument_blocks_are_reused_only_for_identical_values():
     b = pct._packed_groups(g, other, plans, 16)
     assert b is not a and b[0]["out_row"][0] == np.asarray(other.data).ctypes.data
     x2 = x.copy()                                                   # new input pointer
-    c = pct._packed_groups(pct.normalize_inputs(x2, [9, 0, 20]), other, plans, 16)
+    c = pct._packed_groups(_cast_inputs.normalize_inputs(x2, [9, 0, 20]), other, plans, 16)
     assert c is not b and c[0]["in"][0] == x2.ctypes.data
     # and results stay right when blocks are reused
     again = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate", out=first)

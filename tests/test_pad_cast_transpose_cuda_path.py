@@ -18,7 +18,7 @@ import pytest
 
 from cugrouped import _jit, reference
 from cugrouped.grouped_fp8 import GroupedFP8
-from cugrouped.ops import _launch
+from cugrouped.ops import _cast_inputs, _launch
 from cugrouped.ops import pad_cast_transpose as pct
 
 from test_pad_cast_transpose import assert_same_bits, make_inputs, scales_for
@@ -45,7 +45,7 @@ def fake_device(monkeypatch):
 
     monkeypatch.setattr(_launch, "device_scratch", device_scratch)
     scopes = []
-    monkeypatch.setattr(pct, "_device_scope",
+    monkeypatch.setattr(_launch, "device_scope",
                         lambda backend, device: scopes.append((backend, device)) or contextlib.nullcontext())
     calls = []
 
@@ -63,7 +63,9 @@ def on_device(fn, *args, **kw):
     """Call ``fn`` with every array the op views seen as living on device 0."""
     real_view = pct.as_view
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pct, "as_view", lambda x, **k: dataclasses.replace(real_view(x, **k), device=0))
+        for module in (pct, _cast_inputs):     # the op's checks and the inputs' normalisation
+            mp.setattr(module, "as_view",
+                       lambda x, **k: dataclasses.replace(real_view(x, **k), device=0))
         return fn(*args, **kw)
 
 
@@ -167,7 +169,7 @@ def test_cuda_path_allocates_new_outputs_on_the_inputs_device(fake_device, monke
         finally:
             inside.pop()
 
-    monkeypatch.setattr(pct, "_device_scope", scope)
+    monkeypatch.setattr(_launch, "device_scope", scope)
     real_outputs = pct._outputs
     monkeypatch.setattr(pct, "_outputs", lambda g, xp, *a: seen.append(list(inside)) or
                         real_outputs(g, np, *a))   # NumPy stands in for CuPy's allocator

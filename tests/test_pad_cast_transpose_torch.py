@@ -74,11 +74,12 @@ def test_torch_front_passes_the_scale_options(backend):
 def test_torch_front_checks_the_inputs_once(monkeypatch):
     """The front sizes its torch outputs from normalize_inputs and hands the result on, so the
     O(E) per-tensor checks are not repeated inside the op (host time per expert)."""
-    from cugrouped.ops import pad_cast_transpose as pct
+    from cugrouped.ops import _cast_inputs
 
     calls = []
-    real = pct.normalize_inputs
-    monkeypatch.setattr(pct, "normalize_inputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = _cast_inputs.normalize_inputs
+    monkeypatch.setattr(_cast_inputs, "normalize_inputs",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     x = _inputs()
     got = cugrouped.multi_pad_cast_transpose(list(torch.split(x, SPLITS)), backend="emulate")
     assert len(calls) == 1

@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ..ops import _cast_inputs
 from ..ops import pad_cast_transpose as pct
 from .common import cpu_loop_us, environment
 
@@ -43,7 +44,7 @@ def bench_planning(rows: list[dict]) -> None:
                       ("torch", "tensor", (torch.from_numpy(x), m))]
         for kind, form, args in forms:
             def once():
-                g = pct.normalize_inputs(*args)
+                g = _cast_inputs.normalize_inputs(*args)
                 pct.check_scale_and_out(g, 16, True, True, False, scale, None)
                 res = pct._outputs(g, np, "e4m3", 16, True, True, False, scale, None)
                 plans = pct.plan_launches(g.m_splits, g.k, 16)

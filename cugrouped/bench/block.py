@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import block_cast_transpose as bct
+from ..ops import _cast_inputs
 from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
 from .common import copy_bandwidth_gbs, cpu_loop_us, host_us, median_ms
@@ -198,7 +199,7 @@ def bench_block_planning(rows: list[dict]) -> None:
         x = np.empty((sum(m), 128), np.float32)
 
         def once():
-            g = pct.normalize_inputs(x, m)
+            g = _cast_inputs.normalize_inputs(x, m)
             res = bct._outputs(g, np, "e4m3", 1, 16, True, True, None)
             plans = bct.plan_block_launches(g.m_splits, g.k)
             bct._packed_groups(g, res, plans, 16, 1)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._array import ArrayView, as_view
+from .._array import ArrayView, array_is_device, as_view
 from ..cublaslt import _enums as E
 from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, scale_dtype
 from ..grouped_fp8 import GroupedFP8
@@ -282,8 +282,6 @@ def split_rows(a: Any, m_splits: Any, arg: str) -> Any:
     row views the ops take (views: nothing is copied); ``a`` itself when ``m_splits`` is None."""
     if m_splits is None:
         return a
-    from .pad_cast_transpose import array_is_device
-
     if isinstance(a, (GroupedFP8, GroupedBlockFP8, list, tuple)):
         raise ValueError(f"m_splits: goes with one 2-D {arg} array; a list or GroupedFP8 {arg} "
                          f"carries its own split sizes")

@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
            "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture",
-           "ChunkLaunch", "chunks_of_tiles", "device_chunks", "ArgMemo", "pack_chunks"]
+           "ChunkLaunch", "chunks_of_tiles", "device_chunks", "ArgMemo", "pack_chunks",
+           "pointer_offsets", "device_scope"]
 
 BACKENDS = ("cuda", "emulate", "reference")
 
@@ -244,3 +245,22 @@ def pack_chunks(dtype: np.dtype, plans: Sequence[ChunkLaunch], per_expert: dict,
             arg[name] = value
         args.append(arg)
     return args
+
+
+def pointer_offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
+    """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)`` as uint64, or
+    nulls shaped like ``like`` when ``base`` is 0 (a buffer that is not written)."""
+    if not base:
+        return np.zeros_like(like)
+    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
+    return np.uint64(base) + (first * itemsize).astype(np.uint64)
+
+
+def device_scope(backend: str, device: int):
+    """The operands' device made current for the allocations and launches of a ``"cuda"`` call
+    (CuPy allocates, and kernels and cuBLASLt run, on the current device); a no-op otherwise."""
+    if backend != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(device)

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _jit
-from .._array import array_kind, as_view
+from .._array import array_kind, as_bytes, as_view, data_ptr, is_contiguous
 from ..grouped_block_fp8 import (BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, result_type,
                                  scale_dtype)
 from ..grouped_fp8 import FP8_FORMATS
-from . import _launch
-from .pad_cast_transpose import (ChunkLaunch, GroupedInput, _as_bytes, _contiguous, _device_scope,
-                                 _offsets, _ptr, _row_stride, check_scale_options, normalize_inputs,
-                                 padded_splits)
+from . import _cast_inputs, _launch
+from ._cast_inputs import GroupedInput, row_stride
+from ._launch import ChunkLaunch
+from .pad_cast_transpose import padded_splits
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
            "GATHER_KERNEL_SPEC",
@@ -189,7 +189,7 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
             raise ValueError(f"out.{name}: expected float32, got {v.dtype}")
         if name.startswith("scale") and si == 1 and v.dtype != "uint8":
             raise ValueError(f"out.{name}: expected uint8 (E8M0 bytes), got {v.dtype}")
-        if not _contiguous(v):
+        if not is_contiguous(v):
             raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
 
 
@@ -259,9 +259,10 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
     if column_sums and row_index is not None:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
     if normalized is None:
-        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
+        normalized = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device,
+                                                   row_index)
     g = normalized
-    eps = check_scale_options(amax_epsilon, power_2_scale, None)
+    eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     if out is not None:
         check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums)
     backend = _launch.resolve_backend(backend, g.on_device)
@@ -279,7 +280,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
         plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
     else:
         plans = plan_block_launches(g.m_splits, g.k)
-    with _device_scope(backend, g.device):
+    with _launch.device_scope(backend, g.device):
         res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out,
                        column_sums)
         gather = g.row_index is not None
@@ -306,8 +307,8 @@ def _outputs(g: GroupedInput, xp, fp8_format, dims, align, rowwise, columnwise, 
     cls, sdt = result_type(dims), scale_dtype(dims)
     if out is not None:
         return cls(
-            data=_as_bytes(out.data, xp) if rowwise else None,
-            data_t=_as_bytes(out.data_t, xp) if columnwise else None,
+            data=as_bytes(out.data) if rowwise else None,
+            data_t=as_bytes(out.data_t) if columnwise else None,
             scale_inv=out.scale_inv if rowwise else None,
             scale_inv_t=out.scale_inv_t if columnwise else None,
             m_splits=splits, m_pad_splits=m_pad, fp8_format=fp8_format, k=g.k, align=align,
@@ -329,10 +330,10 @@ _PACKED = _launch.ArgMemo(64)
 
 def _packed_groups(g: GroupedInput, res: GroupedBlockFP8, plans, align: int, dims: int) -> list:
     """:func:`_pack_groups`, remembered per argument values (every value written into them)."""
-    bufs = tuple(_ptr(b) for b in (res.data, res.data_t, res.scale_inv, res.scale_inv_t))
+    bufs = tuple(data_ptr(b) for b in (res.data, res.data_t, res.scale_inv, res.scale_inv_t))
     gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     if g.m_dev is not None:
-        key = ("dev", g.num_experts, g.k, align, dims, g.base.ptr, _row_stride(g.base),
+        key = ("dev", g.num_experts, g.k, align, dims, g.base.ptr, row_stride(g.base),
                g.m_dev.ptr, g.total_rows, bufs, gather)
     else:
         key = (g.m_splits, g.k, align, dims, g.ptrs.tobytes(), g.lds.tobytes(), bufs, gather)
@@ -348,7 +349,7 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
         for chunk in plans:
             arg = np.zeros((), dtype=dt)
             arg["num_experts"] = chunk.count
-            arg["in"][0], arg["ld"][0] = g.base.ptr, _row_stride(g.base)
+            arg["in"][0], arg["ld"][0] = g.base.ptr, row_stride(g.base)
             arg["out_row"][0], arg["out_col"][0] = data, data_t
             arg["sinv_row"][0], arg["sinv_col"][0] = sinv, sinv_t
             arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
@@ -359,11 +360,11 @@ def _pack_groups(g: GroupedInput, bufs: tuple, plans, align: int, dims: int) -> 
     m = np.asarray(g.m_splits, dtype=np.int64)
     mp = np.asarray(padded_splits(g.m_splits, align), dtype=np.int64)
     srow, scol = block_scale_sizes(g.m_splits, mp, g.k, dims)
-    out_row = _offsets(data, m * g.k, 1, g.ptrs)
-    out_col = _offsets(data_t, mp * g.k, 1, g.ptrs)
+    out_row = _launch.pointer_offsets(data, m * g.k, 1, g.ptrs)
+    out_col = _launch.pointer_offsets(data_t, mp * g.k, 1, g.ptrs)
     si = scale_dtype(dims).itemsize                   # E8M0 bytes or float32
-    sinv_row = _offsets(sinv, srow, si, g.ptrs)
-    sinv_col = _offsets(sinv_t, scol, si, g.ptrs)
+    sinv_row = _launch.pointer_offsets(sinv, srow, si, g.ptrs)
+    sinv_col = _launch.pointer_offsets(sinv_t, scol, si, g.ptrs)
 
     def gather(chunk) -> dict:   # the chunk's first index; the blocks add the counts
         if g.row_index is None:
@@ -390,7 +391,7 @@ def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool,
     else:
         ptrs = (None, None, None)
     return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale)) + \
-        tuple(np.uint64(_ptr(a)) for a in ptrs)
+        tuple(np.uint64(data_ptr(a)) for a in ptrs)
 
 
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,

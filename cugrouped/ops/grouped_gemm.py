@@ -177,13 +177,6 @@ def _run_arrays(call: "Checked", out, backend, path=None):
     # caller passes out=: the ops allocate CuPy outputs only, see new_output).
     import cupy
 
-    with _device_scope(device):
+    with _launch.device_scope("cuda", device):
         return launch_checked(call, out, cupy, _state(device), path)
-
-
-def _device_scope(device: int):
-    """The operands' device made current for the launch (cuBLASLt runs on the current device)."""
-    import cupy
-
-    return cupy.cuda.Device(device)
 

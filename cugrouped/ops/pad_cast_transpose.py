@@ -7,27 +7,25 @@ emulator, or the NumPy reference (:func:`cugrouped.reference.multi_pad_cast_tran
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from .. import _jit
-from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_kind, as_view
+from .._array import array_kind, as_bytes, as_view, data_ptr, is_contiguous
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
-from . import _launch
+from . import _cast_inputs, _launch
+from ._cast_inputs import GroupedInput, row_stride
 from ._launch import ChunkLaunch
 
-__all__ = ["multi_pad_cast_transpose", "GroupedInput", "normalize_inputs", "check_scale_and_out",
+__all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "padded_splits", "plan_launches_device", "output_sizes",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "GATHER_KERNEL_SPEC", "kernel_name",
            "GEMM_K_MULTIPLE",
-           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
-           "check_scale_options"]
+           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -134,202 +132,7 @@ def output_sizes(g: "GroupedInput", align: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks.
-
-@dataclasses.dataclass(frozen=True)
-class GroupedInput:
-    """Normalised input. Host splits: per-expert row pointers and row strides (``ptrs``, ``lds``).
-    Device splits: ``m_splits`` is None, ``base`` is the whole array and ``m_dev`` the counts."""
-
-    base: ArrayView
-    m_splits: tuple[int, ...] | None
-    k: int
-    dtype: str
-    on_device: bool
-    kind: str
-    device: int
-    total_rows: int
-    num_experts: int
-    ptrs: np.ndarray | None = None      # uint64 (E,): first element of each expert
-    lds: np.ndarray | None = None       # int64 (E,): row stride of each expert, in elements
-    m_dev: ArrayView | None = None
-    row_index: ArrayView | None = None  # gather: int64 (total_rows,) rows of ``base`` (tokens)
-    src_rows: int = 0                   # gather: rows of ``base``
-
-
-def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
-    if array_is_device(m_splits):
-        raise TypeError("m_splits: a device array was given with splits_on_device=False; pass a host "
-                        "sequence of ints, or leave splits_on_device=None to let the kernel read it")
-    if type(m_splits) in (list, tuple) and set(map(type, m_splits)) <= {int}:
-        splits = tuple(m_splits)                      # the common case, without NumPy
-    else:
-        arr = np.asarray(m_splits)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {m_splits!r}")
-        splits = tuple(int(v) for v in arr)
-    if splits and min(splits) < 0:
-        raise ValueError(f"m_splits: expected non-negative counts, got {splits}")
-    if sum(splits) != rows:
-        raise ValueError(f"m_splits: counts sum to {sum(splits)} but inputs has {rows} rows")
-    return splits
-
-
-def array_is_device(x: Any) -> bool:
-    return hasattr(x, "__cuda_array_interface__") or (
-        type(x).__module__.startswith("torch") and getattr(getattr(x, "device", None), "type", "") == "cuda")
-
-
-def _device_splits(m_splits: Any, view: ArrayView) -> ArrayView:
-    mv = as_view(m_splits, arg="m_splits")
-    if mv.dtype != "int64" or len(mv.shape) != 1 or (mv.shape[0] > 1 and mv.strides[0] != 1):
-        raise TypeError(f"m_splits: a count array read by the kernel must be a contiguous 1-D int64 "
-                        f"array, got {mv.dtype} of shape {mv.shape} (use .astype(int64))")
-    if mv.shape[0] == 0:
-        raise ValueError("m_splits: expected at least one expert")
-    if (mv.on_device, mv.device) != (view.on_device, view.device):
-        raise ValueError("m_splits: the count array must live where inputs lives")
-    return mv
-
-
-def _row_stride(v: ArrayView) -> int:
-    return v.strides[0] if v.shape[0] > 1 else v.shape[1]
-
-
-def _check_row_index(row_index: Any, view: ArrayView) -> ArrayView:
-    """The gather's row indices: a contiguous 1-D int64 array where ``inputs`` lives. Host
-    indices are checked against the token rows here; device ones cannot be without a sync (the
-    kernel reads an index outside ``[0, rows)`` as a zero row)."""
-    iv = as_view(row_index, arg="row_index")
-    if iv.dtype != "int64" or len(iv.shape) != 1 or (iv.shape[0] > 1 and iv.strides[0] != 1):
-        raise TypeError(f"row_index: expected a contiguous 1-D int64 array, got {iv.dtype} of "
-                        f"shape {iv.shape}")
-    if (iv.on_device, iv.device) != (view.on_device, view.device):
-        raise ValueError("row_index: must live where inputs lives")
-    if not iv.on_device and iv.shape[0]:
-        idx = np.asarray(row_index)
-        if int(idx.max()) >= view.shape[0]:
-            raise ValueError(f"row_index: indices must be below the {view.shape[0]} rows of "
-                             f"inputs (negative ones select a zero row), got {int(idx.max())}")
-    return iv
-
-
-def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None,
-                     splits_on_device: bool | None = None, row_index: Any = None) -> GroupedInput:
-    """Check ``inputs`` / ``m_splits`` (/ ``row_index``) and describe them; raises
-    TypeError/ValueError naming the argument. Nothing is copied."""
-    if splits_on_device is None:
-        splits_on_device = m_splits is not None and array_is_device(m_splits)
-    if row_index is not None:
-        return _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index)
-    if isinstance(inputs, (list, tuple)):
-        if splits_on_device:
-            raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
-        if len(inputs) == 0:
-            raise ValueError("inputs: expected at least one expert, got an empty sequence")
-        views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
-        _check_views(views, True)
-        splits = tuple([v.shape[0] for v in views])
-        if m_splits is not None and _host_splits(m_splits, sum(splits)) != splits:
-            raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
-                             f"a list; got {m_splits}")
-        first = views[0]
-        return GroupedInput(first, splits, first.shape[1], first.dtype, first.on_device, first.kind,
-                            first.device, sum(splits), len(splits),
-                            np.array([v.ptr for v in views], dtype=np.uint64),
-                            np.array([_row_stride(v) for v in views], dtype=np.int64))
-    view = as_view(inputs, dtype=dtype, arg="inputs")
-    if len(view.shape) != 2:
-        raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array or a list of 2-D "
-                         f"arrays, got shape {view.shape}")
-    if m_splits is None:
-        raise ValueError("m_splits: required when inputs is a single array")
-    _check_views([view], False)
-    if splits_on_device:
-        mv = _device_splits(m_splits, view)
-        return GroupedInput(view, None, view.shape[1], view.dtype, view.on_device, view.kind,
-                            view.device, view.shape[0], mv.shape[0], m_dev=mv)
-    splits = _host_splits(m_splits, view.shape[0])
-    if len(splits) == 0:
-        raise ValueError("m_splits: expected at least one expert")
-    ld = _row_stride(view)
-    ptrs, lds = _split_pointers(splits, view.ptr, ld, view.itemsize)
-    return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
-                        view.device, view.shape[0], len(splits), ptrs, lds)
-
-
-def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> GroupedInput:
-    """Gather (fused MoE permute): ``inputs`` is the ``(tokens, k)`` matrix, and expert ``i``'s
-    rows are ``inputs[row_index[o_i : o_i + m_i]]`` with ``o_i`` the sum of the counts before."""
-    if isinstance(inputs, (list, tuple)):
-        raise ValueError("row_index: gathers rows of a single (tokens, k) inputs array, not a list")
-    view = as_view(inputs, dtype=dtype, arg="inputs")
-    if len(view.shape) != 2:
-        raise ValueError(f"inputs: expected a 2-D (tokens, k) array, got shape {view.shape}")
-    if m_splits is None:
-        raise ValueError("m_splits: required with row_index (the count of each expert's rows)")
-    _check_views([view], False)
-    iv = _check_row_index(row_index, view)
-    rows = iv.shape[0]
-    ld = _row_stride(view)
-    if splits_on_device:
-        mv = _device_splits(m_splits, view)
-        return GroupedInput(view, None, view.shape[1], view.dtype, view.on_device, view.kind,
-                            view.device, rows, mv.shape[0], m_dev=mv, row_index=iv,
-                            src_rows=view.shape[0])
-    try:
-        splits = _host_splits(m_splits, rows)
-    except ValueError as err:
-        raise ValueError(str(err).replace("but inputs has", "but row_index has")) from None
-    if len(splits) == 0:
-        raise ValueError("m_splits: expected at least one expert")
-    E = len(splits)
-    return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
-                        view.device, rows, E, np.full(E, view.ptr, dtype=np.uint64),
-                        np.full(E, ld, dtype=np.int64), row_index=iv, src_rows=view.shape[0])
-
-
-@functools.lru_cache(maxsize=64)   # same splits, same buffer: same pointers (arrays read-only)
-def _split_pointers(splits: tuple[int, ...], ptr: int, ld: int, itemsize: int):
-    """First-element pointers and row strides of the experts of one ``(sum(splits), k)`` array."""
-    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
-    ptrs = np.uint64(ptr) + (first_rows * (ld * itemsize)).astype(np.uint64)
-    lds = np.full(len(splits), ld, dtype=np.int64)
-    ptrs.flags.writeable = lds.flags.writeable = False
-    return ptrs, lds
-
-
-def _check_views(views: list[ArrayView], is_list: bool) -> None:
-    first = views[0]
-    if len(first.shape) != 2:
-        raise ValueError(f"inputs{'[0]' if is_list else ''}: expected a 2-D (m_i, k) array, got "
-                         f"shape {first.shape}")
-    k, dt, place = first.shape[1], first.dtype, (first.kind, first.device)
-    if dt not in FLOAT_INPUT_DTYPES:
-        hint = (" (CuPy callers pass bfloat16 as a uint16 view with dtype='bfloat16')"
-                if first.kind == "cupy" else "")
-        raise TypeError(f"inputs{'[0]' if is_list else ''}: expected dtype float32, float16 or "
-                        f"bfloat16, got {dt}{hint}")
-    for i, v in enumerate(views):
-        shape = v.shape
-        if len(shape) == 2 and shape[1] == k and v.dtype == dt and (v.kind, v.device) == place and (
-                shape[0] == 0 or ((k <= 1 or v.strides[1] == 1) and (shape[0] <= 1 or v.strides[0] >= k))):
-            continue                                   # the common case: one test per view
-        name = f"inputs[{i}]" if is_list else "inputs"
-        if len(shape) != 2:
-            raise ValueError(f"{name}: expected a 2-D (m_i, k) array, got shape {shape}")
-        if v.dtype != dt:
-            raise TypeError(f"{name}: dtype {v.dtype} differs from inputs[0]'s {dt}")
-        if shape[1] != k:
-            raise ValueError(f"{name}: has k={shape[1]} columns, inputs[0] has {k}")
-        if (v.kind, v.device) != place:
-            raise ValueError(f"{name}: is a {v.kind} array on device {v.device}, inputs[0] is a "
-                             f"{first.kind} array on device {first.device}")
-        raise ValueError(f"{name}: expected rows with unit column stride (row-major), got "
-                         f"strides {v.strides} (in elements) for shape {shape}")
-    if k < 1:
-        raise ValueError(f"inputs: expected k >= 1 columns, got {k}")
-
+# Argument checks (the inputs' own: :mod:`._cast_inputs`).
 
 def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True,
                   columnwise: bool = True) -> None:
@@ -341,30 +144,6 @@ def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
-
-
-_FLT_MIN = float(np.finfo(np.float32).tiny)
-
-
-def check_scale_options(amax_epsilon, power_2_scale, scale) -> float:
-    """TransformerEngine's current-scaling options; returns ``amax_epsilon`` as the float32 value
-    the kernel compares with. They shape the scale computed from this call's amax, so they need
-    ``scale=None``; the epsilon must be 0 or a positive normal float32 (a denormal one would be
-    flushed to 0 by the GPU's comparison, not by the CPU's)."""
-    if not isinstance(power_2_scale, (bool, np.bool_)):
-        raise TypeError(f"power_2_scale: expected a bool, got {power_2_scale!r}")
-    if isinstance(amax_epsilon, (bool, np.bool_)) or \
-            not isinstance(amax_epsilon, (int, float, np.integer, np.floating)):
-        raise TypeError(f"amax_epsilon: expected a float, got {amax_epsilon!r}")
-    with np.errstate(over="ignore"):
-        eps = float(np.float32(amax_epsilon))
-    if not (eps == 0.0 or _FLT_MIN <= eps < float("inf")):
-        raise ValueError(f"amax_epsilon: expected 0 or a finite float32 >= {_FLT_MIN:.9g} (the "
-                         f"smallest normal), got {amax_epsilon!r}")
-    if scale is not None and (eps != 0.0 or power_2_scale):
-        raise ValueError("amax_epsilon, power_2_scale: options of current scaling (scale=None); "
-                         "a given scale is used as it is")
-    return eps
 
 
 def check_amax_accumulate(amax_accumulate, scale, out) -> None:
@@ -472,13 +251,15 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
     buffers (uint8 ``data`` / ``data_t``). A caller that has already checked the options and
-    run :func:`normalize_inputs` on exactly these ``inputs`` / ``m_splits`` passes its result as
-    ``normalized`` (the torch front does, to size its outputs): the O(E) checks run once."""
+    run :func:`._cast_inputs.normalize_inputs` on exactly these ``inputs`` / ``m_splits`` passes
+    its result as ``normalized`` (the torch front does, to size its outputs): the O(E) checks
+    run once."""
     if normalized is None:
         check_options(fp8_format, margin, align, rowwise, columnwise)
-        normalized = normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
+        normalized = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device,
+                                                   row_index)
     g = normalized
-    eps = check_scale_options(amax_epsilon, power_2_scale, scale)
+    eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
@@ -498,7 +279,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
     # New outputs are allocated inside the scope too: CuPy allocates on the current device, and
     # the kernels (on the inputs' device) must not be handed another device's memory.
-    with _device_scope(backend, g.device):
+    with _launch.device_scope(backend, g.device):
         res = _outputs(g, xp, fp8_format, align, rowwise, columnwise, column_sums, scale, out)
         res.total_rows = g.total_rows
         if g.m_dev is not None:
@@ -511,15 +292,6 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
                                  else ml_dtypes.float8_e5m2)
     return res
-
-
-def _device_scope(backend: str, device: int):
-    """The inputs' device made current for the launches (kernels run on the current device)."""
-    if backend != "cuda":
-        return contextlib.nullcontext()
-    import cupy
-
-    return cupy.cuda.Device(device)
 
 
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
@@ -541,16 +313,6 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
                  g.k, align, rule, ptrs, cs, amax_accumulate, gather)
 
 
-def _contiguous(v: ArrayView) -> bool:
-    if 0 in v.shape:          # an empty buffer is trivially contiguous (torch reports 0 strides)
-        return True
-    expect, acc = [], 1
-    for n in reversed(v.shape):
-        expect.append(acc)
-        acc *= n
-    return all(s == e for s, e, n in zip(v.strides, reversed(expect), v.shape) if n > 1)
-
-
 def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out,
                         amax_accumulate=False) -> None:
     """Validate ``scale`` and ``out`` against the inputs before anything is launched or written."""
@@ -559,7 +321,7 @@ def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums
     rows, col_bytes = output_sizes(g, align)
     if scale is not None:
         sv = as_view(scale, arg="scale")
-        if sv.dtype != "float32" or sv.shape != (E,) or not _contiguous(sv):
+        if sv.dtype != "float32" or sv.shape != (E,) or not is_contiguous(sv):
             raise ValueError(f"scale: expected a contiguous float32 array of shape ({E},), got "
                              f"{sv.dtype} {sv.shape}")
         if sv.on_device != g.on_device or (g.on_device and sv.device != g.device):
@@ -584,7 +346,7 @@ def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums
         if v.shape != spec[0] or v.itemsize != spec[1] or (v.on_device, v.device) != (g.on_device, g.device):
             raise ValueError(f"out.{name}: expected shape {spec[0]} with {spec[1]}-byte items "
                              f"on the inputs' device, got shape {v.shape} dtype {v.dtype}")
-        if not _contiguous(v):
+        if not is_contiguous(v):
             raise ValueError(f"out.{name}: must be contiguous, got strides {v.strides}")
 
 
@@ -597,8 +359,8 @@ def _outputs(g: GroupedInput, xp, fp8_format, align, rowwise, columnwise, column
     if out is not None:
         res = dataclasses.replace(out, m_splits=g.m_splits, m_pad_splits=m_pad, fp8_format=fp8_format,
                                   k=k, align=align)
-        res.data = _as_bytes(out.data, xp) if rowwise else None
-        res.data_t = _as_bytes(out.data_t, xp) if columnwise else None
+        res.data = as_bytes(out.data) if rowwise else None
+        res.data_t = as_bytes(out.data_t) if columnwise else None
         if scale is not None:
             res.scale = scale
         if not column_sums:
@@ -615,27 +377,6 @@ def _outputs(g: GroupedInput, xp, fp8_format, align, rowwise, columnwise, column
         column_sums=xp.empty((E, k), dtype=np.float32) if column_sums else None)
 
 
-def _as_bytes(a, xp):
-    """NumPy / CuPy FP8 buffers as their bytes (torch callers pass uint8 tensors already)."""
-    if array_kind(a) in ("numpy", "cupy") and a.dtype != np.uint8:
-        return a.view(np.uint8)
-    return a
-
-
-def _ptr(a) -> int:
-    """Data pointer of a NumPy / CuPy / torch array (or anything :func:`as_view` reads); 0 for None."""
-    if a is None:
-        return 0
-    kind = array_kind(a)
-    if kind == "numpy":
-        return a.ctypes.data
-    if kind == "cupy":
-        return a.data.ptr
-    if kind == "torch":
-        return a.data_ptr()
-    return as_view(a).ptr
-
-
 _PACKED = _launch.ArgMemo(64)
 
 
@@ -644,42 +385,34 @@ def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], a
     holds every value written into them (splits, k, align, every pointer and row stride)."""
     gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     if g.m_dev is not None:
-        key = ("dev", g.num_experts, g.k, align, g.base.ptr, _row_stride(g.base), g.m_dev.ptr,
-               g.total_rows, _ptr(res.data), _ptr(res.data_t), gather)
+        key = ("dev", g.num_experts, g.k, align, g.base.ptr, row_stride(g.base), g.m_dev.ptr,
+               g.total_rows, data_ptr(res.data), data_ptr(res.data_t), gather)
     else:
-        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), _ptr(res.data),
-               _ptr(res.data_t), gather)
+        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), data_ptr(res.data),
+               data_ptr(res.data_t), gather)
     return _PACKED.get(key, lambda: _pack_groups(g, res, plans, align))
-
-
-def _offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
-    """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)``, or nulls."""
-    if not base:
-        return np.zeros_like(like)
-    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
-    return np.uint64(base) + (first * itemsize).astype(np.uint64)
 
 
 def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
     """The by-value argument block of every chunk (pointers, sizes, tile offsets), vectorised."""
     dt = group_dtype()
-    data_ptr = _ptr(res.data)
-    data_t_ptr = _ptr(res.data_t)
+    row_ptr = data_ptr(res.data)
+    col_ptr = data_ptr(res.data_t)
     args = []
     if g.m_dev is not None:    # the blocks derive the per-expert fields from the device counts
         for chunk in plans:
             arg = np.zeros((), dtype=dt)
             arg["num_experts"] = chunk.count
-            arg["in"][0], arg["out_row"][0], arg["out_col"][0] = g.base.ptr, data_ptr, data_t_ptr
-            arg["ld"][0] = _row_stride(g.base)
+            arg["in"][0], arg["out_row"][0], arg["out_col"][0] = g.base.ptr, row_ptr, col_ptr
+            arg["ld"][0] = row_stride(g.base)
             arg["first_expert"], arg["m_dev"], arg["total_rows"] = chunk.first, g.m_dev.ptr, g.total_rows
             if g.row_index is not None:
                 arg["row_index"], arg["src_rows"] = g.row_index.ptr, g.src_rows
             args.append(arg)
         return args
     m = np.asarray(g.m_splits, dtype=np.int64)
-    out_row = _offsets(data_ptr, m * g.k, 1, g.ptrs)
-    out_col = _offsets(data_t_ptr, padded_array(m, align) * g.k, 1, g.ptrs)
+    out_row = _launch.pointer_offsets(row_ptr, m * g.k, 1, g.ptrs)
+    out_col = _launch.pointer_offsets(col_ptr, padded_array(m, align) * g.k, 1, g.ptrs)
     fields = {"in": g.ptrs, "ld": g.lds, "m": m, "out_row": out_row, "out_col": out_col}
     if g.row_index is None:
         return _launch.pack_chunks(dt, plans, fields)
@@ -719,7 +452,7 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
         count = partial = None
     pointers = tuple(ptrs) + (ws, colsum, partial, count)
     return (arg,) + _scalars(k, align, rule) + tuple(
-        np.uint64(_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
+        np.uint64(data_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
 
 
 def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,

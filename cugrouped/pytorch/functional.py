@@ -15,6 +15,7 @@ import torch
 
 from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8, result_type, scale_dtype
 from ..grouped_fp8 import GroupedFP8
+from ..ops import _cast_inputs
 from ..ops import block_cast_transpose as _bct
 from ..ops import pad_cast_transpose as _pct
 from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
@@ -44,12 +45,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
-    _pct.check_scale_options(amax_epsilon, power_2_scale, scale)
+    _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
     # Checks and sizes first: bad input raises before anything is allocated or launched.
-    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
+    g = _cast_inputs.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
     rows, col_bytes = _pct.output_sizes(g, align)
     E, k = g.num_experts, g.k
     if out is None:
@@ -139,11 +140,11 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
                 splits_on_device=None, backend=None, row_index=None, column_sums=False):
     """Both block-scaled casts on torch tensors (``block_scaling_dim`` 1, 2 or ``MX_DIMS``)."""
     _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
-    _pct.check_scale_options(amax_epsilon, power_2_scale, None)
+    _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
-    g = _pct.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
+    g = _cast_inputs.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
     if out is None:
         sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
                                      g.total_rows)

@@ -149,7 +149,7 @@ class QParams:
     _derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
-        from ..ops.pad_cast_transpose import check_scale_options
+        from ..ops._cast_inputs import check_scale_options
 
         check_scale_options(self.amax_epsilon, self.power_2_scale, None)
         for name in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"):

@@ -136,7 +136,8 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     (``block_scaling_dim=MX_DIMS``: :func:`multi_mxfp8_cast_transpose`'s MXFP8, which has no
     ``amax_epsilon`` or ``power_2_scale``)."""
     from ..ops.block_cast_transpose import check_block_options
-    from ..ops.pad_cast_transpose import check_scale_options, normalize_inputs, padded_splits
+    from ..ops._cast_inputs import check_scale_options, normalize_inputs
+    from ..ops.pad_cast_transpose import padded_splits
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")

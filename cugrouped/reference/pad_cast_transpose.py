@@ -85,8 +85,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
                              dtype=None, backend=None, amax_accumulate=False, amax_epsilon=0.0,
                              power_2_scale=False, row_index=None) -> GroupedFP8:
     """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
-    from ..ops.pad_cast_transpose import (check_amax_accumulate, check_scale_options,  # checks
-                                          normalize_inputs, padded_splits)
+    from ..ops._cast_inputs import check_scale_options, normalize_inputs  # the op's checks
+    from ..ops.pad_cast_transpose import check_amax_accumulate, padded_splits
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
