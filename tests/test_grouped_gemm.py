@@ -1461,6 +1461,47 @@ def test_loop_joins_the_side_streams_even_when_an_expert_fails():
     gg.clear_memo()
 
 
+@pytest.mark.parametrize("live", [2, 3, 4, 6])
+def test_loop_forks_exactly_the_side_streams_it_joins(live):
+    """With fewer experts than side streams, only the streams that run an expert are forked from
+    the caller's stream, and each of them is joined back: a stream forked and never joined
+    makes a CUDA graph capture fail at its end (cudaErrorStreamCaptureUnjoined)."""
+    from cugrouped.bench.gemm import host_loop_state
+
+    log = []
+
+    class Ev:
+        def record(self, stream=None):
+            log.append(("record", stream.ptr))
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def wait_event(self, ev):
+            log.append(("wait", self.ptr))
+
+    st = host_loop_state()
+    st.streams = [Stream(0x1000 + i) for i in range(gg.NUM_STREAMS)]
+    st.stream_ptrs = [s.ptr for s in st.streams]
+    st.fork_event, st.done_events = Ev(), [Ev() for _ in st.streams]
+    caller = Stream(0x42)
+    st.current_stream = lambda: caller
+    used_streams = []
+    st.matmul = lambda *a: used_streams.append(a[-1]) or 0
+    X, W, _ = make_fp8([16] * live + [0], 32, 16, seed=2)   # an empty expert runs no call
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+    n = min(live, gg.NUM_STREAMS)
+    assert len(used_streams) == live and set(used_streams) == {0x1000 + i for i in range(n)}
+    forked = [ptr for what, ptr in log if what == "wait" and ptr != 0x42]
+    joined = [ptr for what, ptr in log if what == "record" and ptr != 0x42]
+    assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
+    assert log[0] == ("record", 0x42) and log.count(("wait", 0x42)) == n
+    gg.clear_memo()
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA torch tensors, on the CPU. The ops read torch tensors through their pointers, shapes,
 # strides and dtypes (as_view), so torch CPU tensors over host memory, made to report device 0,

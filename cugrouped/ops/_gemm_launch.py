@@ -192,9 +192,13 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     caller = st.current_stream()
     config = vp.config
     if ncalls > 1:
-        streams, ws = st.stream_ptrs, st.ws_ptrs
+        # Fork exactly the side streams the loop uses, as the join below joins exactly those: a
+        # side stream forked but never joined fails a CUDA graph capture
+        # (cudaErrorStreamCaptureUnjoined at its end).
+        used = min(len(st.streams), ncalls)
+        streams, ws = st.stream_ptrs[:used], st.ws_ptrs[:used]
         st.fork_event.record(caller)
-        for s in st.streams:
+        for s in st.streams[:used]:
             s.wait_event(st.fork_event)
     else:
         streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
@@ -231,7 +235,7 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
         # launched on the side streams must be ordered before the caller's next work, or the
         # buffers they read and write could be freed and reused under them.
         if ncalls > 1:
-            for idx in range(min(nstreams, ncalls)):
+            for idx in range(nstreams):
                 ev = st.done_events[idx]
                 ev.record(st.streams[idx])
                 caller.wait_event(ev)
