@@ -151,6 +151,8 @@ def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayVie
                         f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
     np_dtype = np.dtype(cai["typestr"])
     name = _retag(np_dtype.name, dtype, arg)
+    if name not in DTYPE_ITEMSIZE:
+        raise TypeError(f"{arg}: unsupported dtype {np_dtype}")
     shape = tuple(cai["shape"])
     if cai.get("strides") is None:
         strides, acc = [], 1
@@ -162,10 +164,12 @@ def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayVie
         strides = tuple(s // np_dtype.itemsize for s in cai["strides"])
     if kind == "cupy":
         device = x.device.id
-    else:
+    else:   # another framework's array: its pointer says where it lives (an empty one has none)
         import cupy
 
-        device = cupy.cuda.runtime.pointerGetAttributes(cai["data"][0]).device
+        ptr = cai["data"][0]
+        device = (cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr
+                  else cupy.cuda.runtime.getDevice())
     return ArrayView(int(cai["data"][0]), shape, strides, name, device, kind, x)
 
 

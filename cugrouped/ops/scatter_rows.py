@@ -91,9 +91,10 @@ def scatter_rows(rows, order, seg, num_tokens: int, out, *, dtype: str | None = 
     ld = rv.strides[0] if rv.shape[0] > 1 else h
     scalars = (np.int64(num_tokens), np.int64(h), np.int64(chunks))
     if backend == "cuda":
-        kern = _jit.get_function(KERNEL_SPEC, name)
-        kern((grid,), (THREADS,), (np.uint64(rv.ptr), np.int64(ld), np.uint64(order_v.ptr),
-                                   np.uint64(seg_v.ptr)) + scalars + (np.uint64(out_v.ptr),))
+        with _launch.device_scope(backend, rv.device):   # the arrays' device, not the current one
+            kern = _jit.get_function(KERNEL_SPEC, name)
+            kern((grid,), (THREADS,), (np.uint64(rv.ptr), np.int64(ld), np.uint64(order_v.ptr),
+                                       np.uint64(seg_v.ptr)) + scalars + (np.uint64(out_v.ptr),))
     else:
         _jit.get_emulated_function(KERNEL_SPEC, name)(
             (grid,), (THREADS,), (rows, np.int64(ld), order, seg) + scalars + (out,),
