@@ -24,9 +24,14 @@
 // (scripts/gpu_check.sh) so a hardware deviation would show up there.
 //
 // FTZ: CuPy's RawModule always compiles with -ftz=true, so on the GPU float32 denormal inputs
-// and results of float arithmetic are flushed to (sign-preserving) zero. `ftz()` below is the
-// identity on the device (the hardware does it) and an explicit flush elsewhere, so code that
-// applies it at the same places computes the same bits on the GPU, in the emulator and in NumPy.
+// and results of float arithmetic are flushed to (sign-preserving) zero. NaN: a float32 NaN that
+// arithmetic produces on an NVIDIA GPU is always the one canonical NaN 0x7FFFFFFF (no sign, no
+// payload), where x86 keeps an operand's payload (and makes inf - inf 0xFFC00000). `ftz()` below
+// is the identity on the device (the hardware does both) and an explicit flush and NaN
+// canonicalisation elsewhere, so code that applies it at the same places computes the same bits
+// on the GPU, in the emulator and in NumPy. Applied to an operand it changes nothing the GPU
+// would compute from it: a flushed denormal is what the GPU's arithmetic reads, and any NaN
+// operand gives the canonical NaN (FP8 conversion gives byte 0x7F for every NaN).
 #pragma once
 
 #include "common.cuh"
@@ -61,14 +66,17 @@ static constexpr u8 kFp8NaN = 0x7F;
 static constexpr u32 kFltMaxBits = 0x7F7FFFFFu;
 
 // ---------------------------------------------------------------------------------------------
-// Flush-to-zero, matching -ftz=true on the GPU.
+// A float32 as the GPU's arithmetic leaves it: denormals flushed (-ftz=true), NaN canonical.
 // ---------------------------------------------------------------------------------------------
+static constexpr u32 kCanonicalNaNBits = 0x7FFFFFFFu;
+
 CG_HOST_DEVICE float ftz(float x) {
 #if defined(__CUDA_ARCH__)
-    return x;  // the hardware flushes denormal operands and results itself
+    return x;  // the hardware flushes denormal operands and results and makes NaN canonical
 #else
     const u32 u = f32_bits(x);
-    return (u & 0x7F800000u) == 0u ? bits_f32(u & 0x80000000u) : x;
+    if ((u & 0x7F800000u) == 0u) return bits_f32(u & 0x80000000u);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(kCanonicalNaNBits) : x;
 #endif
 }
 

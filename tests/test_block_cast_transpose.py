@@ -14,7 +14,8 @@ import pytest
 import cugrouped
 from cugrouped import reference
 from cugrouped.ops import block_cast_transpose as bct
-from test_pad_cast_transpose import DTYPES, ORDERS, make_inputs
+from test_pad_cast_transpose import (DTYPES, ORDERS, assert_gpu_nan_column_sums, make_inputs,
+                                     nan_case)
 
 pytest.register_assert_rewrite("_block_common")
 from _block_common import (BLOCK_CAST, BLOCK_SPLITS, FP8, assert_same_bits,  # noqa: E402
@@ -518,3 +519,34 @@ def test_cuda_large_case_over_2_31_elements(dims):
     finally:
         x = got = None
         pool.free_all_blocks()
+
+
+_NAN_CASTS = {"1x128": lambda xs, **kw: cugrouped.multi_block_cast_transpose(xs, **kw),
+              "128x128": lambda xs, **kw: cugrouped.multi_block_cast_transpose(
+                  xs, block_scaling_dim=2, **kw),
+              "mxfp8": lambda xs, **kw: cugrouped.multi_mxfp8_cast_transpose(xs, **kw)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+@pytest.mark.parametrize("kind", list(_NAN_CASTS))
+def test_nan_column_sums_have_the_gpus_bits(kind, backend, dtype):
+    """The block and MXFP8 casts' column sums that are NaN carry the GPU's 0x7FFFFFFF on every
+    backend (the reference's and the emulated kernel's ftz() canonicalise NaN, as the GPU's
+    float32 arithmetic does)."""
+    xs = nan_case(dtype)
+    got = _NAN_CASTS[kind](xs, column_sums=True, backend=backend)
+    assert_gpu_nan_column_sums(got.column_sums, xs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(_NAN_CASTS))
+def test_cuda_nan_column_sums_have_the_references_bits(kind):
+    import cupy
+
+    xs = nan_case("float32")
+    got = _NAN_CASTS[kind]([cupy.asarray(x) for x in xs], column_sums=True)
+    sums = cupy.asnumpy(got.column_sums)
+    assert_gpu_nan_column_sums(sums, xs)
+    want = _NAN_CASTS[kind](xs, column_sums=True, backend="reference").column_sums
+    np.testing.assert_array_equal(sums.view(np.uint32), want.view(np.uint32))

@@ -833,6 +833,71 @@ def test_cuda_flushes_float32_denormals_like_the_reference(dtype, given):
         assert want.amax[0] == 0 and (given or want.scale[0] == 1)
 
 
+def nan_case(dtype):
+    """Column sums that are NaN, as the GPU writes them (0x7FFFFFFF, whatever the operands): in
+    every expert column 0 holds a -NaN with a payload, column 1 +inf and -inf, column 2 +inf
+    only, column 3 a +NaN in the last row, column 131 (the second column tile of the block
+    casts) -inf and +inf; expert 1 has a single row (its sums take no addition between rows)
+    and expert 2 none."""
+    k = 160
+    rng = np.random.default_rng(9)
+    xs = []
+    for m in (70, 1, 0, 33):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        if m:
+            x[m // 2, 0] = np.array([0xFFC00001], np.uint32).view(np.float32)[0]
+            x[0, 1], x[-1, 1] = np.inf, -np.inf
+            x[m // 3, 2] = np.inf
+            x[-1, 3] = np.nan
+            x[0, 131], x[-1, 131] = -np.inf, np.inf
+        xs.append(x.astype(DTYPES[dtype]))
+    return xs
+
+
+def assert_gpu_nan_column_sums(sums, xs):
+    """Every column sum that is NaN has the GPU's bits 0x7FFFFFFF (there are some in every
+    non-empty expert); infinite and finite ones are as the float64 sums say."""
+    for e, x in enumerate(xs):
+        got = np.asarray(sums[e], np.float32)
+        with np.errstate(invalid="ignore"):
+            exact = np.asarray(x, np.float64).sum(axis=0)
+        nan = np.isnan(exact)
+        assert nan.any() == (x.shape[0] > 0), e
+        assert (got[nan].view(np.uint32) == 0x7FFFFFFF).all(), (e, got[nan].view(np.uint32))
+        assert np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)].astype(np.float32)), e
+        assert np.isfinite(got[np.isfinite(exact)]).all(), e
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_nan_column_sums_have_the_gpus_bits(dtype, backend):
+    """An NVIDIA GPU's float32 NaN results are all 0x7FFFFFFF, where x86 keeps an operand's sign
+    and payload and makes inf - inf 0xFFC00000: the reference and the emulator give the GPU's
+    bits (their ftz() canonicalises NaN), so all three agree bit for bit."""
+    xs = nan_case(dtype)
+    for scale in (None, np.ones(len(xs), np.float32)):
+        got = cugrouped.multi_pad_cast_transpose(xs, scale=scale, column_sums=True,
+                                                 backend=backend)
+        assert_gpu_nan_column_sums(got.column_sums, xs)
+        assert not np.isnan(got.amax).any()           # NaN never reaches the amax (inf does)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_nan_column_sums_have_the_references_bits(dtype):
+    import cupy
+
+    xs = nan_case(dtype)
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    got = cugrouped.multi_pad_cast_transpose(dxs, dtype=dtype if carrier else None,
+                                             column_sums=True)
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_gpu_nan_column_sums(host.column_sums, xs)
+    assert_same_bits(host, reference.multi_pad_cast_transpose(xs, column_sums=True), "NaN sums")
+
+
 def test_all_experts_empty_with_out_buffers():
     """Zero rows in total (an expert-parallel rank that receives no token): empty buffers are fine."""
     xs = [np.zeros((0, 32), np.float32), np.zeros((0, 32), np.float32)]

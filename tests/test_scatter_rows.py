@@ -72,6 +72,33 @@ def test_bad_input():
         sr.scatter_rows(x, order, seg, 2, np.zeros((2, 8), np.float64))
 
 
+def _nan_case():
+    """Token 0 sums a -NaN with a payload, token 1 +inf and -inf, token 2 a lone +NaN row, token 3
+    +inf alone: sums that are NaN must carry the GPU's one NaN, 0x7FFFFFFF."""
+    x = np.ones((6, 4), np.float32)
+    x[0, 0] = np.array([0xFFC00001], np.uint32).view(np.float32)[0]
+    x[2, 1], x[3, 1] = np.inf, -np.inf
+    x[4, 2] = np.nan
+    x[5, 3] = np.inf
+    idx = np.array([0, 0, 1, 1, 2, 3], np.int64)
+    want = np.ones((4, 4), np.float32) * np.array([[2], [2], [1], [1]], np.float32)
+    want[0, 0] = want[1, 1] = want[2, 2] = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
+    want[3, 3] = np.inf
+    return x, idx, want
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_nan_sums_have_the_gpus_bits(backend):
+    x, idx, want = _nan_case()
+    order, seg = reference.scatter_plan(idx, 4)
+    out = np.zeros((4, 4), np.float32)
+    if backend == "reference":
+        out = reference.scatter_rows(x, order, seg, 4)
+    else:
+        sr.scatter_rows(x, order, seg, 4, out, backend="emulate")
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_matches_reference(dtype):
@@ -123,3 +150,14 @@ def test_layer_cuda_path_logic_on_cpu_tensors():
     xt = torch.from_numpy(x)
     via_op = cops.eager.scatter_rows_sum(xt, order, seg, 13)
     assert torch.equal(via_op, _gather.scatter_rows(xt, torch.from_numpy(idx), 13))
+
+
+@pytest.mark.gpu
+def test_cuda_nan_sums_have_the_references_bits():
+    import cupy
+
+    x, idx, want = _nan_case()
+    order, seg = reference.scatter_plan(idx, 4)
+    out = cupy.full((4, 4), 7.0, cupy.float32)
+    sr.scatter_rows(cupy.asarray(x), cupy.asarray(order), cupy.asarray(seg), 4, out)
+    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint32), want.view(np.uint32))

@@ -23,6 +23,8 @@ Rules
 * ``amax_usable(amax)``: positive, normal and finite (what ``compute_scale`` derives a scale from;
   delayed scaling keeps the previous scale for any other amax).
 * ``scale_inverse(s)`` = ``ftz(1 / ftz(s))``.
+* ``ftz`` also makes every NaN the GPU's canonical ``0x7FFFFFFF``, so float32 results that are NaN
+  (column sums over a NaN or over +inf and -inf, a NaN scale's inverse) have the GPU's bits.
 """
 
 from __future__ import annotations
@@ -90,11 +92,15 @@ def _f32(x) -> np.ndarray:
 
 
 def ftz(x) -> np.ndarray:
-    """Flush float32 denormals to a zero of the same sign (the GPU's ``-ftz=true``)."""
+    """A float32 as the GPU's arithmetic leaves it: denormals flushed to a zero of the same sign
+    (``-ftz=true``) and every NaN the canonical ``0x7FFFFFFF`` (an NVIDIA GPU's float32 NaN
+    results carry no sign or payload; NumPy's keep an operand's, and its ``inf - inf`` is
+    ``0xFFC00000``)."""
     a = _f32(x)
     u = a.view(np.uint32)
-    out = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), u).astype(np.uint32)
-    return out.view(np.float32)
+    out = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), u)
+    out = np.where((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), _CANONICAL_NAN_BITS, out)
+    return out.astype(np.uint32).view(np.float32)
 
 
 def to_float32(x, dtype=None) -> np.ndarray:

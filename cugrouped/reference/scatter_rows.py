@@ -25,9 +25,10 @@ def scatter_rows(rows, order, seg, num_tokens: int, out=None, *, dtype=None) -> 
     order, seg = np.asarray(order, np.int64), np.asarray(seg, np.int64)
     counts = seg[1:] - seg[:-1]
     acc = np.zeros((num_tokens, x.shape[1]), np.float32)
-    for r in range(int(counts.max()) if num_tokens else 0):   # the r-th row of every token
-        tok = np.nonzero(counts > r)[0]
-        acc[tok] = rfp8.ftz(acc[tok] + x[order[seg[tok] + r]])
+    with np.errstate(invalid="ignore", over="ignore"):   # inf - inf is NaN here as on the GPU
+        for r in range(int(counts.max()) if num_tokens else 0):   # the r-th row of every token
+            tok = np.nonzero(counts > r)[0]
+            acc[tok] = rfp8.ftz(acc[tok] + x[order[seg[tok] + r]])
     if out is None:
         return acc
     np.copyto(np.asarray(out), acc)
