@@ -31,3 +31,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_cast_cpu_layers_with_the_reference(request):
+    """A GPU test that compares with a CPU GroupedLinear runs that layer's casts on the NumPy
+    reference (the emulator's bits, which the CPU tests check): the emulator would first build
+    every kernel with g++, costing the GPU check tens of seconds per worker and needing a host
+    compiler on the GPU machine. A test that wants the emulator sets it inside."""
+    if "gpu" not in request.keywords:
+        yield
+        return
+    try:
+        from cugrouped.pytorch import cpu_cast_backend
+    except ImportError:             # no torch: no layer to configure
+        yield
+        return
+    with cpu_cast_backend("reference"):
+        yield

@@ -69,13 +69,14 @@ def test_permute_benchmark_compares_like_with_like():
 @pytest.mark.gpu
 def test_median_ms_measures_device_time_not_host_time():
     """A call that spends 5 ms on the host before launching 0.2 ms of GPU work measures ~0.2 ms
-    of device time and ~5 ms of host time. The upper bound is half the host time (what must be
-    left out), not ~0.2 ms: gpu_check runs the tests in 8 processes sharing the GPU, and another
-    process's time slice between the events adds to the elapsed time."""
+    of device time and ~5 ms of host time. The upper bound is 4 ms, below the host time (what
+    must be left out), not ~0.2 ms: gpu_check runs the tests in 8 processes sharing the GPU, and
+    another process's time slices between the events add to the elapsed time (the median of 9
+    runs needs that in 5 of them to fail)."""
     def fn(i):
         time.sleep(0.005)
         common.spin(200_000)
 
-    ms = common.median_ms(fn, 5)
-    assert 0.15 < ms < 2.5, ms
+    ms = common.median_ms(fn, 9)
+    assert 0.15 < ms < 4.0, ms
     assert common.host_us(fn, 3) > 4000

@@ -353,5 +353,14 @@ def test_gpu_block_scaling_fused_permute_with_pad_rows_matches_cpu():
         out[name] = (y.detach().float().cpu(), t.grad.float().cpu(),
                      [w.grad.float().cpu() for w in layer.weights()])
     (y0, g0, w0), (y1, g1, w1) = out["cpu"], out["gpu"]
-    for a, b in ((y1, y0), (g1, g0), *zip(w1, w0)):
+    for a, b in ((y1, y0), *zip(w1, w0)):
         assert torch.allclose(a, b, rtol=2**-7, atol=2**-11 * max(b.abs().max().item(), 1e-30))
+    # A token's gradient sums up to 8 rows of dx, each a bf16 GEMM output that may differ by an
+    # ulp between cuBLAS and the CPU; the sum can cancel to near zero, so its bound scales with
+    # the sum of the rows' magnitudes (the rows' gradients from the explicit permute on the CPU).
+    valid = idx >= 0
+    xp = torch.where(valid[:, None], tokens[idx.clamp(min=0)], 0).requires_grad_()
+    with fp8_autocast(fp8_recipe=RECIPE):
+        copy.deepcopy(cpu)(xp, [16, 32]).backward(dy)
+    mag = torch.zeros(40, K).index_add_(0, idx[valid], xp.grad.float().abs()[valid])
+    assert ((g1 - g0).abs() <= 2**-7 * mag + 2**-11 * g0.abs().max()).all()
