@@ -6,6 +6,9 @@
 # pytest-timeout and pytest-xdist when present): no network, no install; the checkout is put on
 # PYTHONPATH. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
 # cannot eat the machine's lease: a stage stopped at its limit is reported and the next one runs.
+# The whole script ends by CUGROUPED_GPU_CHECK_DEADLINE_S (default 540 s, under the device tool's
+# 600 s per command): each stage's limit is cut to the time left, and a stage with under 20 s
+# left is skipped, so the log, the XMLs, the CSV and the plots always come back.
 # OUT_DIR receives at most 8 files: gpu_check.log, gpu_tests.xml, gpu_tests_block.xml, bench.csv
 # and up to four PNGs (bench-cast.png, bench-gemm.png, bench-layer.png, bench-host.png).
 set -uo pipefail
@@ -14,7 +17,11 @@ OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# one CuPy kernel cache for the warm-up, the test workers, the bench and the notebooks, in a
+# place that is writable whatever HOME is
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/cugrouped-cupy-cache}"
 PY="${PYTHON:-python3}"
+DEADLINE="${CUGROUPED_GPU_CHECK_DEADLINE_S:-540}"
 # stage limits in seconds (override for a slower machine)
 TESTS_S="${CUGROUPED_GPU_TESTS_S:-210}" BENCH_S="${CUGROUPED_GPU_BENCH_S:-170}"
 BLOCK_S="${CUGROUPED_GPU_BLOCK_TESTS_S:-60}"
@@ -27,6 +34,25 @@ BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
              tests/test_grouped_gemm_block_model.py)
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
+# what this image has (a missing package is named here, not mistaken for a missing GPU)
+"$PY" - <<'PYEOF'
+import importlib, shutil, sys
+have = []
+for name in ("numpy", "ml_dtypes", "cupy", "torch", "matplotlib", "pytest", "xdist",
+             "pytest_timeout", "nbclient", "ipykernel"):
+    try:
+        mod = importlib.import_module(name)
+        have.append(f"{name} {getattr(mod, '__version__', '')}".strip())
+    except Exception as exc:
+        have.append(f"{name} MISSING ({type(exc).__name__}: {exc})")
+print(f"gpu_check: python {sys.version.split()[0]}; " + "; ".join(have))
+print("gpu_check: host compilers: " + (", ".join(c for c in ("gcc", "g++", "cc", "nvcc")
+                                                   if shutil.which(c)) or "none"))
+PYEOF
+if ! "$PY" -c "import cugrouped"; then
+    echo "gpu_check: cugrouped does not import (above); nothing can be checked"
+    exit 3
+fi
 if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
     echo "gpu_check: no GPU visible to CuPy; nothing to check here (set CUGROUPED_GPU_CHECK_DRY=1 to run it anyway)"
     [ "${CUGROUPED_GPU_CHECK_DRY:-0}" = 1 ] || exit 2
@@ -35,10 +61,16 @@ fi
 # stage NAME LIMIT CMD...: run CMD under a time limit (SIGINT first, so pytest still writes its
 # report and the bench keeps its CSV), say how it ended and how long it took.
 stage() {
-    local name="$1" limit="$2" t0=$SECONDS rc
+    local name="$1" limit="$2" t0=$SECONDS rc left
     shift 2
+    left=$((DEADLINE - SECONDS - 15))           # 10 s for a stopped stage to die, 5 to spare
+    if (( left < 20 )); then
+        echo "== $name: SKIPPED, ${SECONDS} s spent of the ${DEADLINE} s deadline"
+        return 124
+    fi
+    (( limit > left )) && limit=$left
     echo "== $name (limit ${limit} s)"
-    timeout --signal=INT --kill-after=20 "$limit" "$@"
+    timeout --signal=INT --kill-after=10 "$limit" "$@"
     rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         echo "== $name: STOPPED at its ${limit} s limit"
@@ -48,7 +80,8 @@ stage() {
 }
 
 {
-    echo "== gpu_check $(date -u +%FT%TZ) at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    # the device machine gets the work tree without .git: pass CUGROUPED_COMMIT there
+    echo "== gpu_check $(date -u +%FT%TZ) at ${CUGROUPED_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')}"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
     "$PY" -m cugrouped info
     # compile every kernel once (NVRTC -> CuPy's disk cache), so that the test workers load them
@@ -59,7 +92,12 @@ print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=90); fi
     # references run on the CPU: 8 workers of 2 BLAS threads each on a 16-core host (for this
     # stage only: the benchmarks and notebooks keep the host's threads)
-    if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 8); tests_env=(env OMP_NUM_THREADS=2); fi
+    # (and one Inductor compile thread each: test_gpu_torch_compile_and_training_step's worker
+    # must not start a 16-process compile pool beside 7 busy workers)
+    if "$PY" -c "import xdist" 2>/dev/null; then
+        extra+=(-n 8)
+        tests_env=(env OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1)
+    fi
     ignore=()
     for f in "${BLOCK_TESTS[@]}"; do ignore+=(--ignore="$f"); done
     stage "GPU tests" "$TESTS_S" "${tests_env[@]}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
@@ -75,7 +113,7 @@ print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1
     if (( SECONDS > ${CUGROUPED_GPU_NOTEBOOKS_AFTER_S:-400} )); then
         echo "== notebooks skipped: ${SECONDS} s spent already (CI runs them on the CPU)"
     elif "$PY" -c "import nbclient, nbformat, ipykernel" 2>/dev/null; then
-        # figures to a scratch folder: OUT_DIR keeps to its 7 files
+        # figures to a scratch folder: OUT_DIR keeps to its 8 files
         CUGROUPED_BENCH_CSV="$OUT/bench.csv" CUGROUPED_FIGURES_DIR="$(mktemp -d)" \
             stage "notebooks (GPU cells run here)" "$NOTEBOOKS_S" \
             "$PY" -m pytest -q -p no:cacheprovider tests/test_notebooks.py

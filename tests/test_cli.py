@@ -52,6 +52,31 @@ def test_bench_layer_without_gpu_writes_nothing_and_says_so(tmp_path, capsys):
     assert not list((tmp_path / "b").iterdir())
 
 
+def test_bench_stopped_by_a_time_limit_keeps_what_it_measured(tmp_path, capsys, monkeypatch):
+    """The GPU check stops a stage at its limit with SIGINT: the bench then writes the CSV (and
+    plots) of the sections it finished, runs no further section and returns 130."""
+    from cugrouped.bench import block
+
+    ran = []
+
+    def interrupted(rows):
+        ran.append("block")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(block, "bench_block_planning", interrupted)
+    assert main(["bench", "all", "--out", str(tmp_path)]) == 130
+    out = capsys.readouterr().out
+    assert "bench block-cast-host: interrupted" in out and "bench cast-host:" in out
+    assert "gemm-host" not in out and ran == ["block"]
+    assert "these sections failed: block-cast-host (interrupted)" in out
+    import csv
+
+    with open(tmp_path / "bench.csv") as f:
+        ops = [r["op"] for r in csv.DictReader(f)]
+    assert ops and set(ops) == {"cast-host"}          # the finished section's rows, all of them
+    assert len(ops) == out.count("cast op host path")
+
+
 def test_compile_check_one_kernel_one_arch(capsys):
     assert main(["compile-check", "--kernel", "pad_cast_transpose", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out
