@@ -1426,11 +1426,14 @@ def test_grouped_call_computed_by_a_cublaslt_model_equals_the_reference(split, p
     gg.clear_memo()
 
 
-def test_loop_joins_the_side_streams_even_when_an_expert_fails():
-    """A failing expert (here: no algorithm for its shape) raises, but the experts already
-    launched on the side streams are still joined back into the caller's stream."""
+CALLER = 0x42                     # the caller's stream; side streams are 0x1000 + i
+
+
+def _streams_logged():
+    """The loop's host state with side streams and events that log what they are asked:
+    ``("record", stream)`` for an event recorded on a stream, ``("wait", stream)`` for a stream
+    made to wait on an event."""
     from cugrouped.bench.gemm import host_loop_state
-    from cugrouped.cublaslt import CublasLtError, HeuristicResult
 
     log = []
 
@@ -1449,8 +1452,17 @@ def test_loop_joins_the_side_streams_even_when_an_expert_fails():
     st.streams = [Stream(0x1000 + i) for i in range(gg.NUM_STREAMS)]
     st.stream_ptrs = [s.ptr for s in st.streams]
     st.fork_event, st.done_events = Ev(), [Ev() for _ in st.streams]
-    caller = Stream(0x42)
+    caller = Stream(CALLER)
     st.current_stream = lambda: caller
+    return st, log
+
+
+def test_loop_joins_the_side_streams_even_when_an_expert_fails():
+    """A failing expert (here: no algorithm for its shape) raises, but the experts already
+    launched on the side streams are still joined back into the caller's stream."""
+    from cugrouped.cublaslt import CublasLtError, HeuristicResult
+
+    st, log = _streams_logged()
     seen = []
 
     def heuristic(desc, la, lb, ld, pref, what):
@@ -1466,8 +1478,8 @@ def test_loop_joins_the_side_streams_even_when_an_expert_fails():
     with pytest.raises(CublasLtError):
         gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
     assert len(seen) == 2
-    assert log[0] == ("record", 0x42)                           # fork on the caller
-    waits = [i for i, e in enumerate(log) if e == ("wait", 0x42)]
+    assert log[0] == ("record", CALLER)                        # fork on the caller
+    waits = [i for i, e in enumerate(log) if e == ("wait", CALLER)]
     assert len(waits) == gg.NUM_STREAMS                        # joined back, every side stream
     gg.clear_memo()
 
@@ -1477,27 +1489,7 @@ def test_loop_forks_exactly_the_side_streams_it_joins(live):
     """With fewer experts than side streams, only the streams that run an expert are forked from
     the caller's stream, and each of them is joined back: a stream forked and never joined
     makes a CUDA graph capture fail at its end (cudaErrorStreamCaptureUnjoined)."""
-    from cugrouped.bench.gemm import host_loop_state
-
-    log = []
-
-    class Ev:
-        def record(self, stream=None):
-            log.append(("record", stream.ptr))
-
-    class Stream:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-        def wait_event(self, ev):
-            log.append(("wait", self.ptr))
-
-    st = host_loop_state()
-    st.streams = [Stream(0x1000 + i) for i in range(gg.NUM_STREAMS)]
-    st.stream_ptrs = [s.ptr for s in st.streams]
-    st.fork_event, st.done_events = Ev(), [Ev() for _ in st.streams]
-    caller = Stream(0x42)
-    st.current_stream = lambda: caller
+    st, log = _streams_logged()
     used_streams = []
     st.matmul = lambda *a: used_streams.append(a[-1]) or 0
     X, W, _ = make_fp8([16] * live + [0], 32, 16, seed=2)   # an empty expert runs no call
@@ -1506,10 +1498,10 @@ def test_loop_forks_exactly_the_side_streams_it_joins(live):
     gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
     n = min(live, gg.NUM_STREAMS)
     assert len(used_streams) == live and set(used_streams) == {0x1000 + i for i in range(n)}
-    forked = [ptr for what, ptr in log if what == "wait" and ptr != 0x42]
-    joined = [ptr for what, ptr in log if what == "record" and ptr != 0x42]
+    forked = [ptr for what, ptr in log if what == "wait" and ptr != CALLER]
+    joined = [ptr for what, ptr in log if what == "record" and ptr != CALLER]
     assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
-    assert log[0] == ("record", 0x42) and log.count(("wait", 0x42)) == n
+    assert log[0] == ("record", CALLER) and log.count(("wait", CALLER)) == n
     gg.clear_memo()
 
 
