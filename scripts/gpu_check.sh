@@ -34,8 +34,10 @@ BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
              tests/test_grouped_gemm_block_model.py)
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
-# what this image has (a missing package is named here, not mistaken for a missing GPU)
-"$PY" - <<'PYEOF'
+LOG="$OUT/gpu_check.log"
+# what this image has (a missing package is named here, not mistaken for a missing GPU); the
+# probes are time-limited too (a hung driver must not eat the lease) and start the log
+timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG"
 import importlib, shutil, sys
 have = []
 for name in ("numpy", "ml_dtypes", "cupy", "torch", "matplotlib", "pytest", "xdist",
@@ -49,12 +51,13 @@ print(f"gpu_check: python {sys.version.split()[0]}; " + "; ".join(have))
 print("gpu_check: host compilers: " + (", ".join(c for c in ("gcc", "g++", "cc", "nvcc")
                                                    if shutil.which(c)) or "none"))
 PYEOF
-if ! "$PY" -c "import cugrouped"; then
-    echo "gpu_check: cugrouped does not import (above); nothing can be checked"
+if ! timeout 60 "$PY" -c "import cugrouped" >> "$LOG" 2>&1; then
+    tail -n 20 "$LOG"
+    echo "gpu_check: cugrouped does not import (above); nothing can be checked" | tee -a "$LOG"
     exit 3
 fi
-if ! "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
-    echo "gpu_check: no GPU visible to CuPy; nothing to check here (set CUGROUPED_GPU_CHECK_DRY=1 to run it anyway)"
+if ! timeout 60 "$PY" -c "import cugrouped, sys; sys.exit(0 if cugrouped.gpu_available() else 1)"; then
+    echo "gpu_check: no GPU visible to CuPy; nothing to check here (set CUGROUPED_GPU_CHECK_DRY=1 to run it anyway)" | tee -a "$LOG"
     [ "${CUGROUPED_GPU_CHECK_DRY:-0}" = 1 ] || exit 2
 fi
 
@@ -63,14 +66,15 @@ fi
 stage() {
     local name="$1" limit="$2" t0=$SECONDS rc left
     shift 2
-    left=$((DEADLINE - SECONDS - 15))           # 10 s for a stopped stage to die, 5 to spare
+    left=$((DEADLINE - SECONDS - 25))     # 20 s for a stopped stage to finish up, 5 to spare
     if (( left < 20 )); then
         echo "== $name: SKIPPED, ${SECONDS} s spent of the ${DEADLINE} s deadline"
         return 124
     fi
     (( limit > left )) && limit=$left
     echo "== $name (limit ${limit} s)"
-    timeout --signal=INT --kill-after=10 "$limit" "$@"
+    # SIGINT first: pytest writes its report, the bench its CSV, plots and targets (20 s)
+    timeout --signal=INT --kill-after=20 "$limit" "$@"
     rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         echo "== $name: STOPPED at its ${limit} s limit"
@@ -82,8 +86,9 @@ stage() {
 {
     # the device machine gets the work tree without .git: pass CUGROUPED_COMMIT there
     echo "== gpu_check $(date -u +%FT%TZ) at ${CUGROUPED_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')}"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
-    "$PY" -m cugrouped info
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+        --format=csv,noheader || true
+    timeout 60 "$PY" -m cugrouped info
     # compile every kernel once (NVRTC -> CuPy's disk cache), so that the test workers load them
     # instead of each compiling them inside a test's time limit
     stage "kernel warm-up" 120 "$PY" -c "import cugrouped, time; t = time.time(); \
@@ -124,5 +129,5 @@ print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1
     echo "== done in $SECONDS s: tests rc=$tests_rc block tests rc=$block_rc bench rc=$bench_rc" \
         "notebooks rc=$nb_rc"
     exit $(( tests_rc || block_rc || bench_rc || nb_rc ))
-} 2>&1 | tee "$OUT/gpu_check.log"
+} 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

@@ -37,6 +37,24 @@ def test_device_array_of_an_unsupported_dtype_is_refused_by_name(typestr):
         as_view(_device_array(typestr, (4,)), arg="out.amax")
 
 
+def test_foreign_device_arrays_are_placed_by_their_pointer(monkeypatch):
+    """An array from another framework (not CuPy) lives where the driver says its pointer is; an
+    empty one has no pointer and is taken to be on the current device."""
+    cupy = pytest.importorskip("cupy")
+    asked = []
+
+    class Attrs:
+        device = 5
+
+    monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes",
+                        lambda ptr: asked.append(ptr) or Attrs())
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 2)
+    v = as_view(_device_array("<f4", (3, 4), ptr=0x5000, module="somelib"))
+    assert (v.device, v.kind, asked) == (5, "other", [0x5000])
+    empty = as_view(_device_array("<f4", (0, 4), ptr=0, module="somelib"))
+    assert (empty.device, empty.ptr, asked) == (2, 0, [0x5000])
+
+
 def test_array_is_device():
     assert array_is_device(_device_array("<f4", (2, 2)))
     assert not array_is_device(np.zeros(3))

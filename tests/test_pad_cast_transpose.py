@@ -882,6 +882,20 @@ def test_nan_column_sums_have_the_gpus_bits(dtype, backend):
         assert not np.isnan(got.amax).any()           # NaN never reaches the amax (inf does)
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_a_nan_scale_gives_the_gpus_nan_bits(backend):
+    """A given scale that is NaN: its scale_inv is the GPU's canonical NaN (1 / NaN is
+    arithmetic) and every element casts to byte 0x7F; the amax is the data's."""
+    xs = make_inputs([20, 0, 9], 32, "float32", 4)
+    scale = np.array([np.array([0xFFC00001], np.uint32).view(np.float32)[0], 2.0, np.nan],
+                     np.float32)
+    got = cugrouped.multi_pad_cast_transpose(xs, scale=scale, backend=backend)
+    assert got.scale_inv.view(np.uint32)[[0, 2]].tolist() == [0x7FFFFFFF] * 2
+    assert got.scale_inv[1] == 0.5
+    assert (got.data.view(np.uint8) == 0x7F).all()          # experts 0 and 2: every byte NaN
+    assert got.amax[0] == np.abs(xs[0]).max() and np.isfinite(got.amax).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_nan_column_sums_have_the_references_bits(dtype):
@@ -896,6 +910,14 @@ def test_cuda_nan_column_sums_have_the_references_bits(dtype):
                                    for f, v in vars(got).items()})
     assert_gpu_nan_column_sums(host.column_sums, xs)
     assert_same_bits(host, reference.multi_pad_cast_transpose(xs, column_sums=True), "NaN sums")
+    # a NaN given scale: its inverse comes from the GPU's division (rcp's slow path)
+    scale = np.array([np.nan, 1.0, 2.0, np.array([0xFFC00001], np.uint32).view(np.float32)[0]],
+                     np.float32)
+    got = cugrouped.multi_pad_cast_transpose(dxs, dtype=dtype if carrier else None,
+                                             scale=cupy.asarray(scale))
+    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
+                                   for f, v in vars(got).items()})
+    assert_same_bits(host, reference.multi_pad_cast_transpose(xs, scale=scale), "NaN scale")
 
 
 def test_all_experts_empty_with_out_buffers():

@@ -66,14 +66,21 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
     import cupy
 
     configs = QUICK_CAST if quick else CAST_CONFIGS
-    bw = copy_bandwidth_gbs()
-    print(f"device-to-device copy bandwidth: {bw:.0f} GB/s")
     try:
         import torch
     except ImportError:
         torch = None
         print("torch not installed: peers skipped")
+    if "cugrouped" in impls:
+        bw = copy_bandwidth_gbs()
+        print(f"device-to-device copy bandwidth: {bw:.0f} GB/s")
+    compile_only = "cugrouped" not in impls and "torch-eager" not in impls
     for cfg in configs:
+        if compile_only and (torch is None or (quick and cfg.experts > 16)):
+            if torch is not None:    # no data made for a peer that does not run
+                print(f"{cfg.name:<22} current  torch-compile  skipped in --quick (compile time "
+                      f"at E={cfg.experts}); run without --quick for it")
+            continue
         m_splits = cfg.m_splits()
         copies = max(2, int(np.ceil(256e6 / (cfg.tokens * cfg.k * 2))))   # > L2 in rotation
         if torch is not None:   # bfloat16, as MoE activations are; the same tensors for the peers

@@ -191,18 +191,6 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
             raise RuntimeError(f"device {st.device}: {reason}")
     caller = st.current_stream()
     config = vp.config
-    if ncalls > 1:
-        # Fork exactly the side streams the loop uses, as the join below joins exactly those: a
-        # side stream forked but never joined fails a CUDA graph capture
-        # (cudaErrorStreamCaptureUnjoined at its end).
-        used = min(len(st.streams), ncalls)
-        streams, ws = st.stream_ptrs[:used], st.ws_ptrs[:used]
-        st.fork_event.record(caller)
-        for s in st.streams[:used]:
-            s.wait_event(st.fork_event)
-    else:
-        streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
-    nstreams = len(streams)
     templates = st.templates.get(config)
     if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
         templates = st.templates[config] = {}
@@ -212,6 +200,18 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
     beta = ctypes.byref(st.betas[vp.beta])
     wsb = st.workspace_bytes
+    if ncalls > 1:
+        # Fork exactly the side streams the loop uses, as the join below joins exactly those,
+        # and nothing that can raise between the fork and the try: a side stream forked but
+        # never joined fails a CUDA graph capture (cudaErrorStreamCaptureUnjoined at its end).
+        used = min(len(st.streams), ncalls)
+        streams, ws = st.stream_ptrs[:used], st.ws_ptrs[:used]
+        st.fork_event.record(caller)
+        for s in st.streams[:used]:
+            s.wait_event(st.fork_event)
+    else:
+        streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
+    nstreams = len(streams)
     try:
         for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
             desc = descs[e]

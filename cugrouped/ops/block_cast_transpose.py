@@ -4,7 +4,8 @@ Host side of ``kernels_cu/block_cast_transpose.cu`` (TransformerEngine's ``Float
 argument checks, launch planning (pure functions, tested on the CPU), output allocation and the
 launch on the CUDA device, on the CPU emulator, or the NumPy reference
 (:func:`cugrouped.reference.multi_block_cast_transpose`). The input side (lists, one array plus
-host or device counts, array kinds, dtypes) is :func:`normalize_inputs` of the per-tensor op.
+host or device counts, array kinds, dtypes) is :func:`._cast_inputs.normalize_inputs`, which all
+the casts share.
 """
 
 from __future__ import annotations
