@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import block_cast_transpose as bct
 from ..ops import _cast_inputs
+from ..ops import block_cast_transpose as bct
 from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
 from .common import copy_bandwidth_gbs, cpu_loop_us, host_us, median_ms

@@ -76,11 +76,15 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
         print(f"device-to-device copy bandwidth: {bw:.0f} GB/s")
     compile_only = "cugrouped" not in impls and "torch-eager" not in impls
     for cfg in configs:
-        if compile_only and (torch is None or (quick and cfg.experts > 16)):
-            if torch is not None:    # no data made for a peer that does not run
-                print(f"{cfg.name:<22} current  torch-compile  skipped in --quick (compile time "
-                      f"at E={cfg.experts}); run without --quick for it")
-            continue
+        # torch.compile of the per-expert loop takes ~1 min to compile at E=64: --quick (the GPU
+        # check, under a time limit) compiles it for the small-E configs only
+        compile_peer = "torch-compile" in impls and torch is not None and (
+            not quick or cfg.experts <= 16)
+        if "torch-compile" in impls and torch is not None and not compile_peer:
+            print(f"{cfg.name:<22} current  torch-compile  skipped in --quick (compile time at "
+                  f"E={cfg.experts}); run without --quick for it")
+        if compile_only and not compile_peer:
+            continue                 # no data made for a peer that does not run
         m_splits = cfg.m_splits()
         copies = max(2, int(np.ceil(256e6 / (cfg.tokens * cfg.k * 2))))   # > L2 in rotation
         if torch is not None:   # bfloat16, as MoE activations are; the same tensors for the peers
@@ -111,12 +115,6 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
                   f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
         if torch is None:
             continue
-        # torch.compile of the per-expert loop takes ~1 min to compile at E=64: --quick (the GPU
-        # check, under a time limit) compiles it for the small-E configs only
-        compile_peer = "torch-compile" in impls and (not quick or cfg.experts <= 16)
-        if "torch-compile" in impls and not compile_peer:
-            print(f"{cfg.name:<22} current  torch-compile  skipped in --quick (compile time at "
-                  f"E={cfg.experts}); run without --quick for it")
         for impl, fn in zip(("torch-eager", "torch-compile"),
                             _torch_peers(cfg, xt[0], m_splits, compile_peer)):
             if fn is None or impl not in impls:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._array import data_ptr
 from ..cublaslt import _enums as E
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
@@ -332,7 +333,7 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
     g = st.grouped
     caller = st.current_stream()
     ws = g.workspace(caller.ptr)
-    base = _setup._ptr(ws)
+    base = data_ptr(ws)
     groups = spec.groups
     _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]],
                               m_host=grouped_tokens(problem).tolist(),

@@ -17,6 +17,7 @@ import functools
 import numpy as np
 
 from .. import _jit
+from .._array import data_ptr
 from . import _launch
 
 __all__ = ["KERNEL_SPEC", "KERNEL_NAME", "MAX_GROUPS", "THREADS", "ARRAY_NAMES", "MatrixSpec",
@@ -181,7 +182,7 @@ def grouped_gemm_setup(spec: SetupSpec, workspace, *, m_host=None, m_dev=None, t
     if workspace.dtype != np.uint8 or workspace.ndim != 1 or workspace.size < nbytes:
         raise ValueError(f"workspace: expected a 1-D uint8 array of at least {nbytes} bytes, got "
                          f"{workspace.dtype} {workspace.shape}")
-    ws_ptr = _ptr(workspace)
+    ws_ptr = data_ptr(workspace)
     if ws_ptr % 16:
         raise ValueError(f"workspace: address {ws_ptr:#x} is not 16-byte aligned")
     m_dev_ptr = 0
@@ -189,7 +190,7 @@ def grouped_gemm_setup(spec: SetupSpec, workspace, *, m_host=None, m_dev=None, t
         if m_dev.dtype != np.int64 or m_dev.shape != (spec.num_experts,):
             raise ValueError(f"m_dev: expected a contiguous int64 array of shape "
                              f"({spec.num_experts},), got {m_dev.dtype} {m_dev.shape}")
-        m_dev_ptr = _ptr(m_dev)
+        m_dev_ptr = data_ptr(m_dev)
     if backend == "reference":
         from ..reference.grouped_gemm_setup import grouped_gemm_setup as ref
 
@@ -204,9 +205,3 @@ def grouped_gemm_setup(spec: SetupSpec, workspace, *, m_host=None, m_dev=None, t
     else:
         raise ValueError(f"backend: got {backend!r}, expected 'cuda', 'emulate' or 'reference'")
     return None
-
-
-def _ptr(a) -> int:
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
-    return a.data.ptr
