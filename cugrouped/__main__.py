@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
 def _cmd_compile_check(args) -> int:
     from ._compile_check import ARCHS, compile_check
 
-    archs = tuple(a.strip().removeprefix("sm_") for a in args.arch.split(",")) if args.arch else ARCHS
+    archs = args.arch or ARCHS
     return compile_check(archs, names=tuple(args.kernel) or None, sass=args.sass)
 
 
@@ -37,10 +38,28 @@ def _cmd_info(args) -> int:
     print(f"kernel sources: {kernels_dir()}")
     try:
         import cupy
+        from cupy.cuda import nvrtc
 
-        print(f"cupy {cupy.__version__}; GPU available: {gpu_available()}")
+        print(f"cupy {cupy.__version__}; NVRTC {'.'.join(map(str, nvrtc.getVersion()))}; "
+              f"GPU available: {gpu_available()}")
     except ImportError:
         print("cupy: not installed (CPU backends only)")
+    except Exception as exc:                      # CuPy without a loadable NVRTC
+        print(f"cupy {cupy.__version__}; NVRTC: not loadable ({type(exc).__name__}: {exc})")
+    try:
+        from .cublaslt import _lib
+
+        v = _lib.version()
+        print(f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} ({_lib.library_path()})")
+    except Exception as exc:                      # no cuBLAS wheel or toolkit
+        print(f"cuBLASLt: not loadable ({type(exc).__name__}: {exc}); the GEMMs run on the "
+              f"NumPy reference only")
+    try:
+        import torch
+
+        print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    except ImportError:
+        print("torch: not installed (cugrouped.pytorch needs it)")
     from . import ops  # noqa: F401
 
     for name, spec in registered().items():
@@ -49,10 +68,29 @@ def _cmd_info(args) -> int:
 
 
 def _positive_int(text: str) -> int:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
+
+
+MIN_ARCH = 80      # the casts' software FP8 path starts at sm_80 (README, "What runs where")
+
+
+def _arch_list(text: str) -> tuple[str, ...]:
+    """``--arch``: "90,100" or "sm_90,sm_100a" -> ("90", "100a"); sm_80 and newer."""
+    archs = tuple(a.strip().removeprefix("sm_") for a in text.split(",") if a.strip())
+    for a in archs:
+        if not re.fullmatch(r"\d+[af]?", a) or int(a.rstrip("af")) < MIN_ARCH:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated architectures sm_{MIN_ARCH} or newer (e.g. 90,100), "
+                f"got {a!r}")
+    if not archs:
+        raise argparse.ArgumentTypeError("expected at least one architecture, e.g. 90,100")
+    return archs
 
 
 def _multiple_of_16(text: str) -> int:
@@ -80,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("compile-check", help="NVRTC-compile every kernel for sm_80/89/90/100 (no GPU needed)")
-    c.add_argument("--arch", default="", help="comma-separated list, e.g. 90,100 (default: 80,89,90,100)")
+    c.add_argument("--arch", type=_arch_list, default=None,
+                   help="comma-separated list, e.g. 90,100 (default: 80,89,90,100)")
     c.add_argument("--kernel", action="append", default=[], help="only this registered kernel (repeatable)")
     c.add_argument("--sass", action="store_true",
                    help="also disassemble (nvdisasm): 16-byte loads/stores, FP8 conversions, local memory")
@@ -88,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks against the peers (GPU); host planning cost (CPU)")
     b.add_argument("what", nargs="?", default="all", choices=("cast", "gemm", "layer", "all"))
-    b.add_argument("--out", default=None, help="folder for the CSV")
+    b.add_argument("--out", default=None,
+                   help="folder for the CSV, plots and targets table (without it nothing is written)")
     b.add_argument("--quick", action="store_true", help="short configs (the GPU check uses this)")
     b.set_defaults(func=_cmd_bench)
 

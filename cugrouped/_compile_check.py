@@ -159,6 +159,12 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
     kernel spills. ``sass``: also disassemble each cubin (``nvdisasm``) and print, per kernel,
     its 16-byte global loads/stores, FP8 conversion instructions and local-memory accesses.
     """
+    try:
+        import cupy  # noqa: F401  (NVRTC is reached through CuPy)
+    except ImportError:
+        echo("compile-check: needs CuPy and NVRTC: pip install 'cugrouped[cuda13]' (or [cuda12]); "
+             "no GPU or CUDA toolkit is needed")
+        return 2
     from . import ops  # noqa: F401  (importing the ops registers their kernel specs)
 
     specs = _jit.registered()

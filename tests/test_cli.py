@@ -28,6 +28,23 @@ def test_info_lists_kernels(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "kernel pad_cast_transpose: pad_cast_transpose.cu, 30 instantiations" in out
+    from cugrouped.cublaslt import _lib
+    v = _lib.version()
+    assert f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} (" in out
+    import torch
+    from cupy.cuda import nvrtc
+    assert f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))};" in out
+    assert f"torch {torch.__version__} (CUDA {torch.version.cuda})" in out
+
+
+def test_compile_check_arch_list_and_without_cupy(capsys, monkeypatch):
+    from cugrouped.__main__ import _arch_list
+    assert _arch_list("sm_90, 100a,89") == ("90", "100a", "89")
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", None)           # import cupy -> ImportError
+    assert main(["compile-check", "--arch", "90"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("needs CuPy and NVRTC") == 1 and "cugrouped[cuda13]" in out
 
 
 def test_bench_without_gpu_says_what_it_skipped(tmp_path, capsys):
@@ -99,7 +116,11 @@ def test_compile_check_sass_summary(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--experts", "0"], "--experts: expected a positive integer, got 0"),
+    (["demo", "--experts", "0"], "--experts: expected a positive integer, got '0'"),
+    (["demo", "--experts", "abc"], "--experts: expected a positive integer, got 'abc'"),
+    (["compile-check", "--arch", "abc"], "--arch: expected comma-separated architectures sm_80"),
+    (["compile-check", "--arch", "90,75"], "sm_80 or newer (e.g. 90,100), got '75'"),
+    (["compile-check", "--arch", ","], "--arch: expected at least one architecture"),
     (["demo", "--k", "100"], "--k: FP8 GEMMs need a multiple of 16, got 100"),
     (["compile-check", "--kernel", "nosuch"], "--kernel: unknown ['nosuch']; registered kernels:"),
 ])

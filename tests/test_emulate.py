@@ -453,3 +453,14 @@ def test_printf_and_exports(transpose_mod, capfd):
     exported = {line.split()[-1] for line in syms.splitlines()
                 if re.search(r"\bGLOBAL\s+DEFAULT\s+\d+\b", line)}
     assert exported and all(name.startswith("cg_emu_") for name in exported), exported
+
+
+def test_missing_compiler_says_what_to_do_instead():
+    """Without g++ the error names the compiler, its environment variable and the NumPy route."""
+    code = ("import importlib\n_build = importlib.import_module('cugrouped.emulate._build')\n"
+            "try:\n    _build.compiler_version()\nexcept _build.EmulationError as e:\n    print(e)\n")
+    env = dict(os.environ, CUGROUPED_EMULATE_CXX="/nonexistent/g++")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert "'/nonexistent/g++'" in out and "CUGROUPED_EMULATE_CXX" in out
+    assert "backend='reference'" in out and "set_cpu_cast_backend('reference')" in out

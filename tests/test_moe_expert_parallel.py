@@ -694,6 +694,16 @@ def test_errors_name_the_argument():
     block = MoEFeedForward(16, 32, 4, device="cpu")
     with pytest.raises(ValueError, match="hidden_size=16"):
         block(torch.randn(3, 8))
+    with pytest.raises(TypeError, match=r"x: dtype torch.bfloat16 differs from the parameters' "
+                                        r"torch.float32 \(params_dtype"):
+        block(torch.randn(3, 16, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):           # autocast casts instead
+        assert block(torch.randn(3, 16, dtype=torch.bfloat16)).shape == (3, 16)
+    with pytest.raises(TypeError, match="params_dtype: expected a torch.dtype"):
+        MoEFeedForward(16, 32, 4, device="cpu", params_dtype="float32")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cpu'"):
+            MoEFeedForward(16, 32, 4)
     assert (block.ep_rank, block.ep_size, list(block.local_expert_ids)) == (0, 1, [0, 1, 2, 3])
 
 

@@ -158,3 +158,14 @@ def test_eager_calls_skip_the_dispatcher_only_outside_tracing():
                                      "fp8_dgrad", "fp8_wgrad",
                                      "fp8_wgrad_main_grad", "wgrad_main_grad", "scale_update",
                                      "scatter_rows_sum"}
+
+
+def test_import_without_torch_says_how_to_get_it():
+    import subprocess
+    import sys
+    code = ("import sys\nsys.modules['torch'] = None\ntry:\n    import cugrouped.pytorch\n"
+            "except ImportError as e:\n    print(e)\nimport cugrouped\nprint(cugrouped.__version__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "cugrouped.pytorch needs PyTorch: pip install torch" in out
+    assert out.strip().endswith(__import__("cugrouped").__version__)   # the ops import without it

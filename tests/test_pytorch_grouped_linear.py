@@ -767,6 +767,14 @@ def test_constructor_and_recipe_errors():
         Float8CurrentScaling(fp8_quant_bwd_grad={"power_2_scale": True})
     with pytest.raises(TypeError, match="use_power_2_scales"):
         Float8CurrentScaling(use_power_2_scales=1)
+    # TransformerEngine's positional order (sequence_parallel fourth) must not silently mean bias
+    with pytest.raises(TypeError, match="positional"):
+        GroupedLinear(2, 16, 16, False, device="cpu")
+    with pytest.raises(TypeError, match=r"params_dtype: expected a torch.dtype .*'bfloat16'"):
+        GroupedLinear(2, 16, 16, params_dtype="bfloat16", device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: 'cuda' .*device='cpu'"):
+            GroupedLinear(2, 16, 16)
 
 
 def test_autocast_is_fp8_autocast_under_te_names():
@@ -1150,6 +1158,32 @@ def test_more_than_2_dims_non_contiguous_and_bad_shapes():
         layer(torch.randn(32), [1, 0, 0])
     with pytest.raises(ValueError, match=r"inp\[0\]: expected shape"):   # lists stay 2-D
         layer([torch.randn(1, 2, 32), torch.randn(0, 32), torch.randn(0, 32)])
+
+
+@pytest.mark.parametrize("list_mode", [False, True])
+@pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
+def test_transposed_inputs_give_the_contiguous_results(recipe, list_mode):
+    """A view with a non-unit column stride (``x.t()``) reaches the FP8 cast as a copy: the same
+    bits and gradients as the contiguous input. Without FP8 torch's matmul takes the view as it
+    is (its BLAS may sum in another order): equal within float32 rounding."""
+    sp = [7, 0, 13]
+    want = run(make_layer(3), torch.randn(20, 32, generator=torch.Generator().manual_seed(1)),
+               sp, RECIPES[recipe], list_mode)
+    layer = make_layer(3)
+    xt = torch.randn(20, 32, generator=torch.Generator().manual_seed(1)).t().contiguous()
+    xt.requires_grad_()
+    x = xt.t()                                             # (20, 32), strides (1, 20)
+    inp = list(x.split(sp)) if list_mode else x
+    with _autocast(RECIPES[recipe]):
+        y = layer(inp, None if list_mode else sp)
+    yc = torch.cat(y) if list_mode else y
+    yc.backward(torch.ones_like(yc))
+    got = (yc.detach(), xt.grad.t(), [w.grad for w in layer.weights()],
+           [b.grad for b in layer.biases()])
+    if recipe == "none":
+        torch.testing.assert_close(got, want)
+    else:
+        assert_bits_equal(got, want, recipe)
 
 
 @pytest.mark.parametrize("splits", [

@@ -62,7 +62,11 @@ def compiler_version() -> str:
     try:
         out = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True, env=_clean_env())
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise EmulationError(f"cugrouped.emulate needs a C++ compiler ({CXX!r}): {exc}") from None
+        raise EmulationError(
+            f"cugrouped.emulate needs a C++ compiler ({CXX!r}; set CUGROUPED_EMULATE_CXX to use "
+            f"another): {exc}. Without one, pass backend='reference' to the ops (the NumPy twin, "
+            f"the same bits), or call cugrouped.pytorch.set_cpu_cast_backend('reference') for "
+            f"the PyTorch layers") from None
     return out.stdout
 
 

@@ -16,6 +16,13 @@ CUDA tensors run the NVRTC kernels and cuBLASLt on ``torch.cuda.current_stream()
 run the same kernels on the CPU emulator and the GEMMs' NumPy reference (for debugging and tests).
 """
 
+try:
+    import torch  # noqa: F401
+except ImportError as exc:
+    raise ImportError("cugrouped.pytorch needs PyTorch: pip install torch (or the torch extra, "
+                      "'cugrouped[cuda13,torch]'); the ops in cugrouped itself run without it") \
+        from exc
+
 from . import _custom_ops  # noqa: F401  (registers the torch.library ops)
 from .checkpoint import checkpoint
 from .fp8_state import DelayedScalingState

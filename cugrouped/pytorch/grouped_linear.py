@@ -90,6 +90,10 @@ class GroupedLinear(torch.nn.Module):
 
     Parameters
     ----------
+    Every argument after ``out_features`` is keyword-only: TransformerEngine takes them by the
+    same names but in another positional order (``sequence_parallel`` fourth), so a positional
+    call ported from it fails here instead of meaning something else.
+
     num_gemms : int  number of experts E.
     in_features, out_features : int  k and n (multiples of 16 for FP8).
     bias : bool  per-expert biases ``bias{i}`` (or one ``bias``: ``single_grouped_bias``).
@@ -149,11 +153,11 @@ class GroupedLinear(torch.nn.Module):
         without FP8.
     """
 
-    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device="cuda",
                  fuse_wgrad_accumulation: bool = False, init_method=None,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
-                 parallel_mode: str | None = None, *, return_bias: bool = False,
+                 parallel_mode: str | None = None, return_bias: bool = False,
                  get_rng_state_tracker=None, rng_tracker_name: str | None = None,
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
                  ub_name: str | None = None, delay_wgrad_compute: bool = False,
@@ -192,6 +196,7 @@ class GroupedLinear(torch.nn.Module):
         self.save_original_input = bool(save_original_input)
         self.wgrad_store = _WgradStore() if self.delay_wgrad_compute else None
         self.wgrad_accumulation_and_reduce_hooks = []
+        device = check_params_args(params_dtype, device)
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.init_method = init_method
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
@@ -615,6 +620,9 @@ class GroupedLinear(torch.nn.Module):
                           stacked=self._stacked())
             y = _GroupedLinearFn.apply(cfg, splits, *xs, *w_in, *b_in, *main_grads)
         else:
+            # the cast kernel reads rows with a unit column stride: other layouts (a transposed
+            # view) are copied once, as torch's own matmuls do without FP8
+            xs = tuple(_row_major(x) for x in xs)
             y = self._forward_fp8(recipe, splits, xs, ws, bs, (w_in, b_in),
                                   (fuse, lazy, main_grads),
                                   list_mode, is_first_microbatch, first, accumulate,
@@ -863,6 +871,28 @@ class GroupedLinear(torch.nn.Module):
         w_in, b_in = inputs
         return _GroupedLinearFn.apply(cfg, splits, *xs, *w_in, *b_in, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))
+
+
+def check_params_args(params_dtype, device) -> torch.device:
+    """``device`` as a ``torch.device``, after checking the two constructor arguments every
+    layer here shares."""
+    if params_dtype is not None and not isinstance(params_dtype, torch.dtype):
+        raise TypeError(f"params_dtype: expected a torch.dtype (e.g. torch.bfloat16) or None, "
+                        f"got {params_dtype!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' (the default, as in TransformerEngine) but torch sees no "
+                         "CUDA device; pass device='cpu' to run the layer on the CPU")
+    return device
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) itself when the cast kernel can read it (unit column stride, rows at least a
+    row apart), else a contiguous copy (a differentiable one)."""
+    m, k = x.shape
+    if m == 0 or ((k <= 1 or x.stride(1) == 1) and (m <= 1 or x.stride(0) >= k)):
+        return x
+    return x.contiguous()
 
 
 def _load_either_layout(module: "GroupedLinear", state_dict, prefix, *args) -> None:

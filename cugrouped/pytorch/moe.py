@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .grouped_linear import GroupedLinear
+from .grouped_linear import GroupedLinear, check_params_args
 from .recipe import BLOCK_RECIPES, Float8BlockScaling, get_fp8_recipe
 
 # Float8BlockScaling's padding of each expert's rows (kept for importers; each block recipe
@@ -386,6 +386,7 @@ class MoEFeedForward(torch.nn.Module):
                  device="cuda", delay_wgrad_compute: bool = False,
                  all_to_all: str = "per_expert", fuse_permute: bool = False):
         super().__init__()
+        device = check_params_args(params_dtype, device)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         if all_to_all not in ("per_expert", "single"):
@@ -447,6 +448,10 @@ class MoEFeedForward(torch.nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected shape (..., hidden_size={self.hidden_size}), got "
                              f"{tuple(x.shape)}")
+        dtype = self.router.weight.dtype
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x: dtype {x.dtype} differs from the parameters' {dtype} "
+                            f"(params_dtype; under torch.autocast the input is cast instead)")
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         probs, expert_ids = self.router(x)

@@ -85,6 +85,13 @@ class DelayedScaling:
     0 (an expert that saw no tokens in the window), inf or NaN keeps the previous scale, as in
     TransformerEngine; a fresh state starts from scale 1.
 
+    When the scales move: a layer's backward updates all three tensors' scales, for all experts,
+    in one launch; a forward only records its amaxes (max-merged until that backward). This
+    differs from TransformerEngine, which also updates the forward tensors' scales when the
+    outermost ``fp8_autocast`` exits: here forwards with no backward (an evaluation loop, a
+    warm-up) keep the scales they found. To set the forward scales without training, run the
+    forwards under ``fp8_autocast(enabled=False, fp8_recipe=recipe, calibrating=True)``.
+
     ``reduce_amax``: all-reduce (max) each step's amaxes over ``fp8_autocast``'s ``fp8_group``
     when one is given (False: never). ``override_linear_precision=(False, False, True)``: the
     wgrad GEMM in the activation dtype, from the saved input (not its FP8 copy) and the
