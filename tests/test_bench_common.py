@@ -80,3 +80,111 @@ def test_median_ms_measures_device_time_not_host_time():
     ms = common.median_ms(fn, 9)
     assert 0.15 < ms < 4.0, ms
     assert common.host_us(fn, 3) > 4000
+
+
+def test_roofline_pct_takes_the_binding_limit():
+    # 1 TFLOP at 1000 TFLOP/s: 1 ms; 1 GB at 2000 GB/s: 0.5 ms -> compute binds: roof 1 ms
+    assert common.roofline_pct(2.0, 1e12, 1e9, 1000.0, 2000.0) == pytest.approx(50.0)
+    # 4 GB at 2000 GB/s: 2 ms -> memory binds
+    assert common.roofline_pct(4.0, 1e12, 4e9, 1000.0, 2000.0) == pytest.approx(50.0)
+    assert common.roofline_pct(2.0, 1e12, 4e9, 1000.0, 2000.0) == pytest.approx(100.0)
+
+
+def test_timing_columns_flag_launch_bound_rows(monkeypatch):
+    assert common.timing_columns(1500.0, lead_ms=2.0) == {"lead_ms": 2.0, "launch_bound": False}
+    assert common.timing_columns(1600.0, lead_ms=2.0)["launch_bound"] is True    # 0.8 x 2 ms
+    assert common.timing_columns(None, lead_ms=2.0)["launch_bound"] is False
+    monkeypatch.setattr(common, "last_lead_ms", None)
+    assert common.timing_columns(100.0) == {}                     # no median_ms call yet
+    # by default: the latest median_ms call's lead and the host time it was sized from
+    monkeypatch.setattr(common, "last_lead_ms", common.LEAD_CAP_MS)
+    monkeypatch.setattr(common, "last_host_us", 45e3)              # 45 ms: the lead was capped
+    assert common.timing_columns() == {"lead_ms": common.LEAD_CAP_MS, "launch_bound": True}
+    assert common.timing_columns(1e3)["launch_bound"] is False     # the row's own host time
+
+
+@pytest.mark.parametrize("msg, sticky", [
+    ("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...", True),
+    ("cudaErrorIllegalAddress: an illegal memory access was encountered", True),
+    ("CUDA error: unspecified launch failure", True),
+    ("cudaErrorLaunchFailure: unspecified launch failure", True),
+    ("CUDA error: out of memory", False),
+    ("Expected mat_b tensor to be column major in the last two dimensions", False),
+])
+def test_sticky_cuda_errors_are_recognised(msg, sticky):
+    assert common.is_sticky_cuda_error(RuntimeError(msg)) is sticky
+    try:                                    # also when wrapped by another exception
+        try:
+            raise RuntimeError(msg)
+        except RuntimeError as inner:
+            raise ValueError("peer failed") from inner
+    except ValueError as outer:
+        assert common.is_sticky_cuda_error(outer) is sticky
+
+
+def test_sections_stop_after_a_sticky_cuda_error(capsys):
+    from cugrouped.bench import Sections
+
+    ran, saved, failed = [], [], []
+    section = Sections(failed, lambda: saved.append(len(ran)))
+
+    def boom(msg):
+        ran.append(msg)
+        raise RuntimeError(msg)
+
+    section("a", boom, "CUDA error: out of memory")           # not sticky: the next one runs
+    section("b", ran.append, "b")
+    section("c", boom, "CUDA error: device-side assert triggered")
+    section("d", ran.append, "d")                             # skipped, says why
+    out = capsys.readouterr().out
+    assert ran == ["CUDA error: out of memory", "b", "CUDA error: device-side assert triggered"]
+    assert failed == ["a", "c", "d (skipped)"] and saved == [1, 2, 3]
+    assert "bench d: skipped: an earlier section hit a sticky CUDA error (c: RuntimeError: CUDA " \
+        "error: device-side assert triggered)" in out
+
+
+def test_a_sticky_error_still_writes_what_was_measured(tmp_path, monkeypatch, capsys):
+    """The bench after a device assert: the later sections skipped, the CSV, plots and targets
+    table of the rows measured before it written, return code 1."""
+    import csv
+
+    import cugrouped
+    from cugrouped import bench
+
+    def sections(what, quick, rows, section, on_gpu):
+        section("cast", lambda: rows.append(dict(op="cast", config="E8", scaling="current",
+                                                 impl="cugrouped", ms=0.2, pct_copy_bw=91.0)))
+        section("gemm", lambda: (_ for _ in ()).throw(
+            RuntimeError("CUDA error: device-side assert triggered")))
+        section("layer", lambda: rows.append(dict(op="layer", config="E8", impl="x", ms=1.0)))
+
+    monkeypatch.setattr(bench, "_run_sections", sections)
+    monkeypatch.setattr(cugrouped, "gpu_available", lambda: True)
+    assert bench.run_bench("all", str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    with open(tmp_path / "bench.csv") as f:
+        assert [r["op"] for r in csv.DictReader(f)] == ["cast"]
+    assert "bench layer: skipped: an earlier section hit a sticky CUDA error" in out
+    assert "cast: % of copy bandwidth" in out and "these sections failed: gemm, layer (skipped)" in out
+
+
+def test_cast_bytes_count_the_amax_re_read_only_past_l2():
+    from cugrouped.bench.cast import cast_bytes
+
+    T, k, Tp = 1000, 64, 1024                       # input 128 000 bytes
+    writes = T * k + Tp * k
+    assert cast_bytes(T, k, Tp, current=False, l2_bytes=0) == 2 * T * k + writes
+    assert cast_bytes(T, k, Tp, current=True, l2_bytes=0) == 4 * T * k + writes
+    assert cast_bytes(T, k, Tp, current=True, l2_bytes=128_000) == 2 * T * k + writes  # fits
+    assert cast_bytes(T, k, Tp, current=True, l2_bytes=127_999) == 4 * T * k + writes
+
+
+def test_permute_cast_bytes_read_the_tokens_once_when_they_fit_in_l2():
+    from cugrouped.bench.cast import permute_cast_bytes
+
+    tokens, routed, k, padded = 500, 1000, 64, 1024     # top-2: 1000 routed rows; 64 000 bytes
+    writes = routed * k + padded * k
+    assert permute_cast_bytes(tokens, routed, k, padded, l2_bytes=64_000) == 2 * tokens * k + writes
+    # larger than L2: every routed row read by the amax pass and again by the cast pass
+    assert permute_cast_bytes(tokens, routed, k, padded, l2_bytes=63_999) == \
+        2 * 2 * routed * k + writes

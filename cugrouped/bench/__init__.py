@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..ops import _cast_inputs
 from ..ops import pad_cast_transpose as pct
-from .common import cpu_loop_us, environment
+from .common import cpu_loop_us, environment, is_sticky_cuda_error
 
 __all__ = ["run_bench"]
 
@@ -69,9 +69,11 @@ def _write_csv(rows: list[dict], env: dict, out: Path) -> None:
 def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False) -> int:
     """Run the benchmarks; with ``out_dir`` the CSV is rewritten after every section, so a run
     killed part-way keeps what it measured. A section that raises is reported and the others
-    still run; the return code is then 1. Interrupted (SIGINT: the GPU check's time limit), the
-    bench runs no further section, writes the CSV, plots and targets of what it measured and
-    returns 130."""
+    still run; the return code is then 1. After a sticky CUDA error (a device-side assert, an
+    illegal address: the context is unusable for the rest of the process) the remaining sections
+    are skipped with the reason printed. Interrupted (SIGINT: the GPU check's time limit), the
+    bench runs no further section. Whatever happened, the CSV, plots and targets of what was
+    measured are written; the return code is then 130 (interrupted) or 1."""
     from .. import gpu_available
 
     rows: list[dict] = []
@@ -80,45 +82,75 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
     if out:
         out.mkdir(parents=True, exist_ok=True)
     failed: list[str] = []
+    section = Sections(failed, lambda: _write_csv(rows, env, out) if out else None)
 
-    def section(name, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            fn(*args)
-        except Exception:                           # report, keep the other sections' numbers
-            traceback.print_exc()
-            failed.append(name)
-        except KeyboardInterrupt:   # a time limit (the GPU check's SIGINT): keep what was measured
-            print(f"bench {name}: interrupted after {time.perf_counter() - t0:.1f} s; the "
-                  f"sections after it are not run")
-            failed.append(f"{name} (interrupted)")
-            raise
-        print(f"bench {name}: {time.perf_counter() - t0:.1f} s")
-        if out:
-            _write_csv(rows, env, out)
-
-    interrupted = False
+    interrupted, on_gpu = False, gpu_available()
     try:
-        _run_sections(what, quick, rows, section, gpu_available())
+        _run_sections(what, quick, rows, section, on_gpu)
     except KeyboardInterrupt:
         interrupted = True
-
-    if out and not rows:
-        print(f"bench {what}: nothing measured, so no CSV or plot written to {out}")
-    elif out:
-        _write_csv(rows, env, out)
-        print(f"wrote {out / 'bench.csv'}")
-        from .plot import write_png
-
-        for png in write_png([{**env, **r} for r in rows], out / "bench.png"):
-            print(f"wrote {png}")
-    if gpu_available():
-        from .targets import check_targets, format_targets
-
-        print(format_targets(check_targets(rows)))
+    finally:
+        _write_results(what, rows, env, out, targets=on_gpu)
     if failed:
         print(f"bench: these sections failed: {', '.join(failed)}")
     return 130 if interrupted else 1 if failed else 0
+
+
+class Sections:
+    """Runs one section at a time (``section(name, fn, *args)``): reports an exception and goes
+    on; after a sticky CUDA error (:func:`~.common.is_sticky_cuda_error`) skips every later
+    section with the reason; re-raises KeyboardInterrupt (the GPU check's time limit). ``save``
+    runs after each section that ran (the CSV rewritten)."""
+
+    def __init__(self, failed: list[str], save=lambda: None):
+        self.failed, self.save = failed, save
+        self.sticky: str | None = None
+
+    def __call__(self, name, fn, *args):
+        if self.sticky:
+            print(f"bench {name}: skipped: an earlier section hit a sticky CUDA error ({self.sticky}); "
+                  f"the CUDA context is unusable for the rest of this process")
+            self.failed.append(f"{name} (skipped)")
+            return
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:                    # report, keep the other sections' numbers
+            traceback.print_exc()
+            self.failed.append(name)
+            if is_sticky_cuda_error(exc):
+                self.sticky = f"{name}: {type(exc).__name__}: {str(exc).strip()[:160]}"
+        except KeyboardInterrupt:   # a time limit (the GPU check's SIGINT): keep what was measured
+            print(f"bench {name}: interrupted after {time.perf_counter() - t0:.1f} s; the "
+                  f"sections after it are not run")
+            self.failed.append(f"{name} (interrupted)")
+            raise
+        print(f"bench {name}: {time.perf_counter() - t0:.1f} s")
+        self.save()
+
+
+def _write_results(what: str, rows: list[dict], env: dict, out: Path | None, targets: bool) -> None:
+    """The CSV, plots and (``targets``) the targets table of ``rows``; a step that fails is
+    reported and costs none of the others (host-side work: no CUDA call)."""
+    if out and not rows:
+        print(f"bench {what}: nothing measured, so no CSV or plot written to {out}")
+    elif out:
+        try:
+            _write_csv(rows, env, out)
+            print(f"wrote {out / 'bench.csv'}")
+        except Exception:
+            traceback.print_exc()
+        try:
+            from .plot import write_png
+
+            for png in write_png([{**env, **r} for r in rows], out / "bench.png"):
+                print(f"wrote {png}")
+        except Exception:
+            traceback.print_exc()
+    if targets:
+        from .targets import check_targets, format_targets
+
+        print(format_targets(check_targets(rows)))
 
 
 def _run_sections(what: str, quick: bool, rows: list[dict], section, on_gpu: bool) -> None:

@@ -8,7 +8,13 @@ import time
 
 import numpy as np
 
-__all__ = ["median_ms", "host_us", "spin", "copy_bandwidth_gbs", "environment", "moe_splits"]
+__all__ = ["median_ms", "host_us", "spin", "copy_bandwidth_gbs", "l2_cache_bytes", "environment",
+           "moe_splits", "roofline_pct", "timing_columns", "is_sticky_cuda_error"]
+
+LEAD_CAP_MS = 50.0     # the longest spin lead (costs up to runs x 50 ms, only for calls > 17 ms)
+LAUNCH_BOUND = 0.8     # a row is flagged launch-bound when its host time reaches this x the lead
+last_lead_ms: float | None = None   # the spin lead of the latest median_ms call, and the host
+last_host_us: float | None = None   # time (us) it was sized from
 
 
 # A one-thread kernel that holds the stream for a given number of nanoseconds (%globaltimer),
@@ -64,12 +70,17 @@ def median_ms(fn, runs: int, warmup: int = 3) -> float:
     stream, after ``warmup`` calls. Before each timed call a spin kernel holds the stream for
     longer than the call takes to enqueue, so the events measure the GPU work alone, not the
     host's launch overhead (reported apart by :func:`host_us`). ``fn`` must run on the current
-    stream (CuPy's, which is torch's default stream too), or on streams joined back to it."""
+    stream (CuPy's, which is torch's default stream too), or on streams joined back to it. The
+    lead (3x the host time, 0.2 ms to :data:`LEAD_CAP_MS`) is kept in ``last_lead_ms`` for the
+    row's :func:`timing_columns`."""
+    global last_lead_ms, last_host_us
     import cupy
 
     for _ in range(warmup):
         fn(0)
-    lead_ns = int(min(20e6, max(200e3, 3e3 * host_us(fn, 5))))   # 3x the host time, 0.2-20 ms
+    last_host_us = host_us(fn, 5)
+    lead_ns = int(min(LEAD_CAP_MS * 1e6, max(200e3, 3e3 * last_host_us)))  # 3x host, 0.2-50 ms
+    last_lead_ms = lead_ns / 1e6
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for i in range(runs):
@@ -80,6 +91,52 @@ def median_ms(fn, runs: int, warmup: int = 3) -> float:
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
     return float(np.median(times))
+
+
+def timing_columns(host: float | None = None, lead_ms: float | None = None) -> dict:
+    """The columns every timed row carries: ``lead_ms``, the spin lead its :func:`median_ms` ran
+    with (the latest call's when not given), and ``launch_bound``, True when the row's host time
+    ``host`` (us; by default the one the lead was sized from) reached :data:`LAUNCH_BOUND` of the
+    lead: the host may then still have been enqueueing when the GPU reached the start event, so
+    ``ms`` may include launch overhead (a lead at its cap, or a host time that varies)."""
+    if lead_ms is None:
+        lead_ms, host = last_lead_ms, last_host_us if host is None else host
+    if lead_ms is None:
+        return {}
+    return {"lead_ms": lead_ms,
+            "launch_bound": bool(host is not None and host >= LAUNCH_BOUND * lead_ms * 1e3)}
+
+
+def roofline_pct(ms: float, flops: float, nbytes: float, peak_tflops: float, bw_gbs: float) -> float:
+    """Percent of the roofline: ``100 * roof_ms / ms`` with ``roof_ms = max(flops / peak,
+    bytes / copy bandwidth)``, the least time the FLOPs or the HBM traffic allow, whichever binds."""
+    roof_ms = max(flops / peak_tflops / 1e9, nbytes / bw_gbs / 1e6)
+    return 100 * roof_ms / ms
+
+
+_STICKY = ("device-side assert", "cudaErrorAssert", "illegal memory access", "IllegalAddress",
+           "ILLEGAL_ADDRESS", "unspecified launch failure", "cudaErrorLaunchFailure",
+           "LAUNCH_FAILED", "illegal instruction", "misaligned address", "cudaErrorMisalignedAddress")
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    """True for the CUDA errors that poison the context for the rest of the process (a device
+    assert, an illegal address, a launch failure: every later CUDA call fails too), judged from
+    the message of ``exc`` or of the exceptions it was raised from (torch's and CuPy's texts)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(s in str(exc) for s in _STICKY):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def l2_cache_bytes() -> int:
+    """The current device's L2 cache size in bytes (50 MB on an H200)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
