@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .common import copy_bandwidth_gbs, host_us, median_ms, moe_splits
+from .common import (copy_bandwidth_gbs, host_us, is_sticky_cuda_error, l2_cache_bytes, median_ms,
+                     moe_splits, timing_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,27 @@ def _torch_peers(cfg: CastConfig, x_torch, m_splits, compile_peer: bool = True):
 CAST_IMPLS = ("cugrouped", "torch-eager", "torch-compile")
 
 
+def cast_bytes(tokens: int, k: int, padded_rows: int, current: bool, l2_bytes: int) -> int:
+    """HBM bytes of one cast of a ``(tokens, k)`` 16-bit input: the input read, the FP8 rows
+    (``tokens * k``) and the padded transposed copy (``padded_rows * k``) written. Current
+    scaling reads the input twice (the amax pass, then the cast); the second read is counted only
+    when the input is larger than the L2 cache (``l2_bytes``): an input that fits is read from
+    L2 the second time, and counting it would overstate GB/s (past the copy bandwidth)."""
+    x = tokens * k * 2
+    return x * (2 if current and x > l2_bytes else 1) + tokens * k + padded_rows * k
+
+
+def permute_cast_bytes(tokens: int, routed_rows: int, k: int, padded_rows: int,
+                       l2_bytes: int) -> int:
+    """HBM bytes of the fused permute + current-scaling cast: a ``(tokens, k)`` 16-bit token
+    matrix gathered into ``routed_rows`` rows (top-k routing: each token in k experts), FP8 rows
+    and the padded transposed copy written. Read model: a token matrix that fits in L2 is read
+    from HBM once (a token's other routed rows and the cast pass's re-read hit L2); a larger
+    one is read once per routed row by each of the two passes (amax, cast), no reuse assumed."""
+    reads = tokens * k * 2 if tokens * k * 2 <= l2_bytes else 2 * routed_rows * k * 2
+    return reads + routed_rows * k + padded_rows * k
+
+
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
     """``impls``: which of :data:`CAST_IMPLS` to time. The GPU check times cugrouped and torch
     eager first and the ``torch.compile`` peer in a later section (its compile takes longest and
@@ -72,8 +94,9 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
         torch = None
         print("torch not installed: peers skipped")
     if "cugrouped" in impls:
-        bw = copy_bandwidth_gbs()
-        print(f"device-to-device copy bandwidth: {bw:.0f} GB/s")
+        bw, l2 = copy_bandwidth_gbs(), l2_cache_bytes()
+        print(f"device-to-device copy bandwidth: {bw:.0f} GB/s; L2 {l2 / 1e6:.0f} MB (current "
+              f"scaling's second read of the input counted only for inputs larger than L2)")
     compile_only = "cugrouped" not in impls and "torch-eager" not in impls
     for cfg in configs:
         # torch.compile of the per-expert loop takes ~1 min to compile at E=64: --quick (the GPU
@@ -105,11 +128,12 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
 
             ms = median_ms(ours, 30)
             hus = host_us(ours)
-            reads = (2 if scaling == "current" else 1) * cfg.tokens * cfg.k * 2
-            writes = cfg.tokens * cfg.k + sum(pct.padded_splits(m_splits, 16)) * cfg.k
-            gbs = (reads + writes) / ms / 1e6
+            nbytes = cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)),
+                                scaling == "current", l2)
+            gbs = nbytes / ms / 1e6
             row = dict(op="cast", config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms, gbs=gbs,
-                       pct_copy_bw=100 * gbs / bw, host_us=hus, host_us_per_expert=hus / cfg.experts)
+                       pct_copy_bw=100 * gbs / bw, host_us=hus, host_us_per_expert=hus / cfg.experts,
+                       l2_bytes=l2, **timing_columns(hus))
             rows.append(row)
             print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
                   f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
@@ -123,13 +147,15 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
                 ms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
                 hus = host_us(lambda i, fn=fn: fn(xt[i % copies]))
             except Exception as exc:   # reported, not fatal: the other peers still run
+                if is_sticky_cuda_error(exc):
+                    raise              # the context is gone: the section stops here
                 print(f"{cfg.name:<22} current  {impl:<14} skipped: {type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
                 continue
             ours = next((r["ms"] for r in rows if r.get("op") == "cast" and r["config"] == cfg.name
                          and r["scaling"] == "current" and r["impl"] == "cugrouped"), None)
             row = dict(op="cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus)
+                       host_us=hus, **timing_columns(hus))
             if ours is not None:
                 row["speedup_of_cugrouped"] = ms / ours
             rows.append(row)
@@ -161,7 +187,7 @@ def bench_permute_cast(quick: bool, rows: list[dict]) -> None:
         print("torch not installed: the permute benchmark is skipped")
         return
     configs = QUICK_CAST if quick else CAST_CONFIGS
-    bw = copy_bandwidth_gbs()
+    bw, l2 = copy_bandwidth_gbs(), l2_cache_bytes()
     for cfg in configs:
         top_k = 2 if cfg.experts <= 16 else 6
         T = max(1, cfg.tokens // top_k)
@@ -177,18 +203,15 @@ def bench_permute_cast(quick: bool, rows: list[dict]) -> None:
             "index_select+torch-eager": lambda i: eager(xt[i % copies].index_select(0, idx)),
         }
         fused_ms = None
-        rows_read = sum(m_splits) * cfg.k * 2
-        writes = sum(m_splits) * cfg.k + sum(pct.padded_splits(m_splits, 16)) * cfg.k
+        nbytes = permute_cast_bytes(T, sum(m_splits), cfg.k, sum(pct.padded_splits(m_splits, 16)), l2)
         for impl, fn in impls.items():
             ms = median_ms(fn, 30)
             hus = host_us(fn)
             row = dict(op="permute-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus, top_k=top_k)
+                       host_us=hus, top_k=top_k, **timing_columns(hus))
             if fused_ms is None:
                 fused_ms = ms
-                # modelled traffic: the amax and cast passes each read every routed row (a token
-                # routed to several experts may come from cache the second time)
-                gbs = (2 * rows_read + writes) / ms / 1e6
+                gbs = nbytes / ms / 1e6        # the read model of permute_cast_bytes
                 row.update(gbs=gbs, pct_copy_bw=100 * gbs / bw)
                 note = f"{gbs:7.0f} GB/s {row['pct_copy_bw']:5.1f}% of copy"
             else:
