@@ -12,7 +12,9 @@ and wgrad both run, nothing accumulates into ``.grad``):
 * ``torch-pad-linear-loop-bf16``: what users do today (TransformerEngine's ``Fp8Padding`` +
   per-expert linear + ``Fp8Unpadding``, minus the FP8): split, pad every expert to 16 rows with
   ``zeros`` + ``cat``, per-expert ``F.linear``, unpad with ``cat``; see :func:`torch_baseline`;
-* ``torch-linear-loop-bf16``: the same without the padding (split, ``F.linear``, ``cat``).
+* ``torch-linear-loop-bf16``: the same without the padding (split, ``F.linear``, ``cat``);
+* ``torch-grouped_mm-bf16``: ``torch._grouped_mm`` forward and its autograd backward, on one
+  ``(E, n, k)`` bf16 weight stacked at setup and device int32 row offsets built at setup.
 
 ``tensor`` is one ``(sum m_i, k)`` input with ``m_splits`` (a host list); ``list`` is E per-expert
 tensors in, E views of one buffer out. Two more rows time the MoE permute in front of the layer
@@ -22,8 +24,9 @@ gathers; the tokens' gradient is summed back in backward), ``index_select+cugrou
 permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal.
 Rows report ms (CUDA events, median after warm-up), TFLOP/s, % of the measured dense peak (FP8
 peak for FP8 rows, bf16 for the rest), % of the
-roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`,
-host us per call and per expert (one call on an idle GPU, so launches never block), the speed-up
+roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`
+(the L2 size read from the device), host us per call and per expert (one call on an idle GPU, so
+launches never block), the spin lead and a ``launch_bound`` flag (:func:`.common.timing_columns`), the speed-up
 of ``cugrouped-fp8-delayed-tensor`` over the row, and for FP8 rows the relative error of the
 output against the bf16 layer's. Importing this module needs neither torch nor a GPU; only
 :func:`bench_layer` needs both. The configs are the GEMM benchmark's shapes (compare the layer
@@ -36,7 +39,7 @@ import contextlib
 
 import numpy as np
 
-from .common import host_us, median_ms
+from .common import host_us, is_sticky_cuda_error, median_ms, roofline_pct, timing_columns
 from .gemm import GEMM_CONFIGS, QUICK_GEMM, GemmBench
 
 __all__ = ["LAYER_CONFIGS", "QUICK_LAYER", "PRECISIONS", "layer_flops", "layer_bytes",
@@ -59,7 +62,7 @@ def layer_flops(cfg: GemmBench) -> int:
     return 3 * 2 * sum(cfg.m_splits()) * cfg.k * cfg.n
 
 
-def layer_bytes(cfg: GemmBench, precision: str) -> int:
+def layer_bytes(cfg: GemmBench, precision: str, l2_bytes: int = 0) -> int:
     """Bytes one training step must move through HBM at least, per path (T = sum m_i, T' = sum of
     the 16-padded m_i, W = E*n*k weight elements; 16-bit = 2 bytes, FP8 = 1 byte):
 
@@ -68,8 +71,9 @@ def layer_bytes(cfg: GemmBench, precision: str) -> int:
     * ``fp8-delayed``: the casts read x, dy, W in 16 bits once and write their FP8 row-wise copies
       (T k, T n, W) and transposed padded copies (T' k, T' n, W); fprop reads x8, W8, writes y;
       dgrad reads dy8, W8ᵀ, writes dx; wgrad reads x8ᵀ, dy8ᵀ, writes dW (16-bit).
-    * ``fp8-current``: as delayed, plus one more 16-bit read of x, dy and W (the amax pass runs
-      before the cast).
+    * ``fp8-current``: as delayed, plus one more 16-bit read of each of x, dy and W (the amax
+      pass runs before the cast) that is larger than the L2 cache (``l2_bytes``; 0: count them
+      all): a tensor that fits is read from L2 the second time.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: got {precision!r}, expected one of {PRECISIONS}")
@@ -80,7 +84,7 @@ def layer_bytes(cfg: GemmBench, precision: str) -> int:
             + (2 * T * k + 2 * T * n + 2 * W)
     casts = (2 * T * k + T * k + Tp * k) + (2 * T * n + T * n + Tp * n) + (2 * W + 2 * W)
     if precision == "fp8-current":
-        casts += 2 * T * k + 2 * T * n + 2 * W
+        casts += sum(b for b in (2 * T * k, 2 * T * n, 2 * W) if b > l2_bytes)
     gemms = (T * k + W + 2 * T * n) + (T * n + W + 2 * T * k) + (Tp * k + Tp * n + 2 * W)
     return casts + gemms
 
@@ -164,6 +168,19 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
             return y, torch.autograd.grad(y, [s["x"], *params], s["dy"], allow_unused=True)
         return step
 
+    def grouped_mm_step():
+        # torch's grouped GEMM as a layer: one (E, n, k) weight, stacked here once (a model would
+        # hold it so), and the int32 end offsets of the experts' rows on the device (no padding,
+        # empty experts allowed); autograd's GroupedMmBackward0 gives dx and dW
+        w = torch.stack([p.detach() for p in params]).requires_grad_()
+        offs = torch.tensor(np.cumsum(m_splits), dtype=torch.int32, device=device)
+
+        def step(i):
+            s = sets[i % copies]
+            y = torch._grouped_mm(s["x"], w.transpose(-2, -1), offs=offs)
+            return y, torch.autograd.grad(y, [s["x"], w], s["dy"])
+        return step
+
     # the permute: every token routed to two experts (rows of the same token in two experts)
     n_tok = max(1, T // 2)
     row_index = torch.randint(0, n_tok, (T,), generator=gen, device=device)
@@ -190,6 +207,8 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
                           cugrouped_step(recipes[precision], form)))
     impls.append(("torch-pad-linear-loop-bf16", "bf16", "tensor", baseline_step(ALIGN)))
     impls.append(("torch-linear-loop-bf16", "bf16", "tensor", baseline_step(1)))
+    if hasattr(torch, "_grouped_mm"):
+        impls.append(("torch-grouped_mm-bf16", "bf16", "tensor", grouped_mm_step()))
     impls.append(("cugrouped-fp8-delayed-permute", "fp8-delayed", "permute", permute_step(True)))
     impls.append(("index_select+cugrouped-fp8-delayed", "fp8-delayed", "permute",
                   permute_step(False)))
@@ -214,15 +233,16 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
     if not torch.cuda.is_available():
         print("bench layer: torch sees no GPU; skipped")
         return
-    from .common import copy_bandwidth_gbs
+    from .common import copy_bandwidth_gbs, l2_cache_bytes
     from .gemm import dense_peaks_tflops
 
     configs = QUICK_LAYER if quick else LAYER_CONFIGS
     runs, host_reps = (10, 5) if quick else (30, 20)
     peaks = dense_peaks_tflops()
     bw = copy_bandwidth_gbs()
+    l2 = l2_cache_bytes()
     print(f"layer roofline: bf16 {peaks['bf16']:.0f} TFLOP/s, fp8 {peaks['fp8']:.0f} TFLOP/s, "
-          f"copy {bw:.0f} GB/s ({torch.cuda.get_device_name()})")
+          f"copy {bw:.0f} GB/s, L2 {l2 / 1e6:.0f} MB ({torch.cuda.get_device_name()})")
     for cfg in configs:
         T = sum(cfg.m_splits())
         per_set = 2 * T * (cfg.k + cfg.n)            # x and dy in bf16
@@ -237,6 +257,8 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                 step(0)
                 outputs[impl] = step(0)[0]
             except Exception as exc:   # reported, not fatal: the other impls still run
+                if is_sticky_cuda_error(exc):
+                    raise              # the context is gone: the section stops here
                 outputs[impl] = exc
         ref_y = outputs.get("cugrouped-bf16-tensor")
         ours = fused_ms = None
@@ -249,12 +271,12 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
             host = host_us(step, host_reps)
             tflops = flops / ms / 1e9
             peak = peaks["fp8" if precision.startswith("fp8") else "bf16"]
-            roof_ms = max(flops / peak / 1e9, layer_bytes(cfg, precision) / bw / 1e6)
+            pct_roof = roofline_pct(ms, flops, layer_bytes(cfg, precision, l2), peak, bw)
             row = dict(op="layer", config=cfg.name, impl=impl, precision=precision, input=form,
                        ms=ms, tflops=tflops, pct_peak=100 * tflops / peak,
-                       pct_roofline=100 * roof_ms / ms, host_us=host,
+                       pct_roofline=pct_roof, host_us=host,
                        host_us_per_expert=host / cfg.experts, experts=cfg.experts, tokens=T,
-                       k=cfg.k, n=cfg.n)
+                       k=cfg.k, n=cfg.n, **timing_columns(host))
             same_input = form != "permute"          # the permute rows read other tensors
             if precision.startswith("fp8") and same_input and isinstance(ref_y, torch.Tensor):
                 row["rel_err_vs_bf16"] = _rel_err(outputs[impl], ref_y)
