@@ -69,3 +69,97 @@ def test_host_loop_bench_without_torch():
             "g.bench_host_loop(rows, experts=(4,), reps=2); print([r['op'] for r in rows])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip().endswith("['gemm-host']"), res.stderr
+
+
+def test_gemm_bytes_by_hand():
+    class Cfg(bg.GemmBench):                        # m = [33, 0, 67]: T = 100, T' = 48 + 80
+        def m_splits(self):
+            return [33, 0, 67]
+
+    cfg = Cfg("t", 3, 32, 48, 100, False)
+    T, Tp, k, n, W = 100, 128, 32, 48, 3 * 48 * 32
+    assert bg.gemm_bytes(cfg, "fprop", fp8=True) == T * k + W + 2 * T * n
+    assert bg.gemm_bytes(cfg, "dgrad", fp8=False) == 2 * T * n + 2 * W + 2 * T * k
+    assert bg.gemm_bytes(cfg, "wgrad", fp8=True, out_bytes=4) == Tp * k + Tp * n + 4 * W
+    assert bg.gemm_bytes(cfg, "wgrad", fp8=False) == 2 * T * k + 2 * T * n + 2 * W
+    with pytest.raises(ValueError, match="pass_name: got 'bwd'"):
+        bg.gemm_bytes(cfg, "bwd", fp8=True)
+
+
+def test_2d2d_wgrad_groups_drop_empty_experts_and_pad():
+    live, ends = bg.wgrad_2d2d_groups([33, 0, 67, 16, 0])
+    assert live == [0, 2, 3] and ends == [48, 128, 144]
+    assert bg.check_2d2d_offs(ends, 144) is None
+    assert bg.wgrad_2d2d_groups([0, 0]) == ([], [])
+
+
+def test_2d2d_wgrad_scales_are_group_major():
+    """torch's 2-D x 2-D kernel reads group g's scales at ``scale_a + g * n`` and ``scale_b + g *
+    k``: each non-empty expert's per-tensor scale, repeated over dy's n rows and x's k columns."""
+    torch = pytest.importorskip("torch")
+    sdy, sx = torch.tensor([1., 2., 3., 4.]), torch.tensor([10., 20., 30., 40.])
+    sa, sb = bg.wgrad_2d2d_scales(sdy, sx, torch.tensor([0, 2, 3]), n=3, k=2)
+    assert sa.tolist() == [1.] * 3 + [3.] * 3 + [4.] * 3 and sa.is_contiguous()
+    assert sb.tolist() == [10.] * 2 + [30.] * 2 + [40.] * 2 and sb.is_contiguous()
+
+
+@pytest.mark.parametrize("offs, rows, why", [
+    ([16, 16, 48], 48, "group 1 has 0 rows (must be > 0)"),        # an empty expert kept
+    ([16, 40, 64], 64, "group 1 has 24 rows, not a multiple of 16"),
+    ([16, 8], 8, "group 1 has -8 rows"),
+    ([33], 33, "group 0 has 33 rows, not a multiple of 16"),     # unpadded counts
+    ([16, 32], 48, "the offsets end at 32, the operands have 48 rows"),
+    ([], 0, "no non-empty group"),
+])
+def test_2d2d_offsets_that_would_device_assert_are_refused(offs, rows, why):
+    assert why in bg.check_2d2d_offs(offs, rows)
+
+
+def _meta_sets(cfg, m):
+    """Meta-tensor stand-ins for ``_cugrouped_calls``' CuPy operands (same shapes and layouts)."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    mp = [-(-v // 16) * 16 for v in m]
+    T, E, k, n = sum(m), cfg.experts, cfg.k, cfg.n
+    u8 = dict(dtype=torch.uint8, device="meta")
+    grouped = lambda rows, cols, pad: types.SimpleNamespace(  # noqa: E731
+        data=torch.empty((rows, cols), **u8), data_t=torch.empty((cols * sum(pad),), **u8),
+        scale_inv=torch.empty((E,), dtype=torch.float32, device="meta"))
+    f16 = lambda *shape: torch.empty(shape, dtype=torch.float16, device="meta")  # noqa: E731
+    return [dict(X=grouped(T, k, mp), DY=grouped(T, n, mp), W=grouped(E * n, k, [n] * E),
+                 x=f16(T, k), dy=f16(T, n), w=f16(E, n, k))]
+
+
+@pytest.mark.parametrize("cfg", bg.QUICK_GEMM + (bg.GemmBench("tiny", 6, 64, 32, 300, True),),
+                         ids=lambda c: c.name)
+def test_every_torch_peer_passes_torchs_checks_on_meta_tensors(cfg, monkeypatch, capsys):
+    """The peers' calls on meta tensors: torch's shape, dtype, layout and scale-shape checks (its
+    meta registrations) run as on the GPU, for every pass; the 2-D x 2-D ``_scaled_grouped_mm``
+    wgrad gives the non-empty experts' dW in bfloat16."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "from_dlpack", lambda a: a)      # meta tensors stand in for CuPy's
+    m = cfg.m_splits()
+    assert 0 in m                                               # the jagged set: an empty expert
+    peers = bg._torch_peers(cfg, m, _meta_sets(cfg, m), device="meta")
+    assert "wgrad not run" not in capsys.readouterr().out
+    live = [e for e in range(cfg.experts) if m[e]]
+    T, Tp = sum(m), sum(-(-v // 16) * 16 for v in m)
+    want = {"fprop": (T, cfg.n), "dgrad": (T, cfg.k)}
+    assert set(peers) == {"torch-scaled_mm-loop", "torch-scaled_grouped_mm",
+                          "torch-grouped_mm-bf16", "torch-linear-loop-bf16"}
+    for name, fns in peers.items():
+        assert set(fns) == set(bg.PASSES), name
+        for p, fn in fns.items():
+            out = fn(0)
+            if isinstance(out, list):                            # per-expert loops
+                assert len(out) == len(live), (name, p)
+                out = torch.cat(out) if p != "wgrad" else torch.stack(out)
+            rows = Tp if name.startswith("torch-scaled") and p != "wgrad" else T
+            if p == "wgrad":
+                n_out = len(live) if "scaled" in name or "loop" in name else cfg.experts
+                assert tuple(out.shape) == (n_out, cfg.n, cfg.k), (name, p)
+            else:
+                assert tuple(out.shape) == (rows, want[p][1]), (name, p)
+            assert out.dtype == (torch.float32 if name == "torch-scaled_mm-loop" and p == "wgrad"
+                                 else torch.bfloat16), (name, p)

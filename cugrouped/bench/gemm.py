@@ -1,14 +1,19 @@
 """Benchmark of the grouped GEMMs (fprop, dgrad, wgrad) against the peers a user would pick instead.
 
 Per config and pass, in one process on the same data: cugrouped FP8 (``GroupedFP8`` operands from
-``multi_pad_cast_transpose``) and 16-bit (float16 lists: CuPy has no bfloat16 arrays), a
+``multi_pad_cast_transpose``; wgrad with a float32 dW and, ``cugrouped-fp8-bf16dW``, a bfloat16
+one) and 16-bit (float16 lists: CuPy has no bfloat16 arrays; float16 outputs, dW included), a
 per-expert ``torch._scaled_mm`` loop, ``torch._scaled_grouped_mm`` (row-wise scales filled from
-our per-tensor scales; for dgrad an E4M3 copy of dy, as its Hopper kernel takes no E5M2), bf16
-``torch._grouped_mm`` and a bf16 per-expert ``F.linear`` loop. Each
-row reports ms, TFLOP/s, % of the dense peak measured in the same run (FP8 peak for FP8 rows, bf16
-peak for 16-bit rows), cugrouped's host us per expert (the Python call, no sync), and the speed-up
-of cugrouped FP8 over the peer. Without torch only cugrouped runs. Importing this module needs
-neither torch nor a GPU; :func:`bench_host_loop` runs on the CPU.
+our per-tensor scales; for dgrad and wgrad an E4M3 copy of dy, as its Hopper kernel takes no
+E5M2; wgrad as its 2-D x 2-D form over the non-empty experts), bf16 ``torch._grouped_mm`` and a
+bf16 per-expert ``F.linear`` loop. Each row reports ms, TFLOP/s, % of the roofline
+``max(flops / peak, bytes / copy bandwidth)`` (the dense peak measured in the same run for the
+operand type, FP8 or bf16; the bytes of :func:`gemm_bytes`; the measured copy bandwidth), % of
+that dense peak, the output dtype, cugrouped's host us per expert (the Python call, no sync), the
+spin lead and a launch-bound flag, and the speed-up of cugrouped FP8 over the peer, against our
+row with the same output width; over a 16-bit row that is the GEMMs alone, our cast excluded
+(``speedup_note``). Without torch only cugrouped runs. Importing this module needs neither torch
+nor a GPU; :func:`bench_host_loop` runs on the CPU.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import dataclasses
 
 import numpy as np
 
-from .common import host_us, median_ms, moe_splits
+from .common import (LAUNCH_BOUND, host_us, is_sticky_cuda_error, median_ms, moe_splits, roofline_pct,
+                     timing_columns)
 
-__all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "bench_gemm",
-           "bench_host_loop", "host_loop_state"]
+__all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "gemm_bytes",
+           "wgrad_2d2d_groups", "wgrad_2d2d_scales", "check_2d2d_offs", "bench_gemm", "bench_host_loop",
+           "host_loop_state"]
 
 PASSES = ("fprop", "dgrad", "wgrad")
 
@@ -47,6 +54,61 @@ def gemm_flops(cfg: GemmBench, pass_name: str) -> int:
     if pass_name not in PASSES:
         raise ValueError(f"pass_name: got {pass_name!r}, expected one of {PASSES}")
     return 2 * sum(cfg.m_splits()) * cfg.k * cfg.n
+
+
+def gemm_bytes(cfg: GemmBench, pass_name: str, fp8: bool, out_bytes: int = 2) -> int:
+    """Bytes one pass must move through HBM at least (T = sum m_i, T' = sum of the 16-padded m_i,
+    W = E*n*k; operands 1 byte each in FP8, 2 in 16 bits; ``out_bytes`` per output element):
+    fprop reads x, W, writes y (T n); dgrad reads dy, W, writes dx (T k); wgrad reads x and dy
+    (FP8: their padded transposed copies, T' rows) and writes dW (W)."""
+    if pass_name not in PASSES:
+        raise ValueError(f"pass_name: got {pass_name!r}, expected one of {PASSES}")
+    m = cfg.m_splits()
+    T, k, n, W = sum(m), cfg.k, cfg.n, cfg.experts * cfg.n * cfg.k
+    a = 1 if fp8 else 2
+    if pass_name == "fprop":
+        return a * (T * k + W) + out_bytes * T * n
+    if pass_name == "dgrad":
+        return a * (T * n + W) + out_bytes * T * k
+    rows = sum(-(-v // 16) * 16 for v in m) if fp8 else T
+    return a * rows * (k + n) + out_bytes * W
+
+
+def wgrad_2d2d_groups(m_splits, align: int = 16) -> tuple[list[int], list[int]]:
+    """The groups of ``torch._scaled_grouped_mm``'s wgrad (2-D x 2-D, the groups along the
+    reduction): the experts it runs (the non-empty ones: its FP8 kernel asserts every group's
+    size > 0 on the device) and the end offsets of their rows padded to ``align``."""
+    live = [e for e, m in enumerate(m_splits) if m]
+    return live, [int(v) for v in np.cumsum([-(-m_splits[e] // align) * align for e in live])]
+
+
+def wgrad_2d2d_scales(scale_dy, scale_x, live, n: int, k: int):
+    """The float32 scales of that wgrad from per-expert scales (torch tensors): ``scale_a``
+    ``(E' n,)`` and ``scale_b`` ``(E' k,)``, group-major (the kernel reads group g's at
+    ``scale_a + g * n`` and ``scale_b + g * k``), for the experts ``live`` (an index tensor)."""
+    return (scale_dy[live].repeat_interleave(n).contiguous(),
+            scale_x[live].repeat_interleave(k).contiguous())
+
+
+def check_2d2d_offs(offs, rows: int, align: int = 16) -> str | None:
+    """Why ``offs`` must not go to ``torch._scaled_grouped_mm``'s FP8 2-D x 2-D kernel, or None
+    when it may: that kernel device-asserts every group's size (``offs[g] - offs[g-1]``) > 0 and
+    a multiple of 16 and the last offset within the ``rows`` of the operands, and a device assert
+    poisons the CUDA context for the rest of the run, so these are checked on the host first."""
+    if not len(offs):
+        return "no non-empty group"
+    prev = 0
+    for g, end in enumerate(offs):
+        if end - prev <= 0:
+            return f"group {g} has {end - prev} rows (must be > 0)"
+        if (end - prev) % align:
+            return f"group {g} has {end - prev} rows, not a multiple of {align}"
+        prev = end
+    if prev != rows:
+        return f"the offsets end at {prev}, the operands have {rows} rows"
+    if rows >= 2 ** 31:
+        return f"{rows} rows overflow the int32 offsets"
+    return None
 
 
 GEMM_CONFIGS = (
@@ -84,7 +146,9 @@ def dense_peaks_tflops(size: int = 8192) -> dict[str, float]:
 
 
 def _cugrouped_calls(cfg: GemmBench, m_splits, copies: int):
-    """cugrouped's FP8 and float16 calls per pass, over ``copies`` rotated operand sets."""
+    """cugrouped's FP8 and float16 calls per pass, over ``copies`` rotated operand sets. FP8
+    wgrad twice: ``wgrad`` writes a float32 dW (its default), ``wgrad-bf16`` a bfloat16 one (as
+    the bf16-output peers do); float16 wgrad writes a float16 dW (as the 16-bit peers do)."""
     import cupy
 
     from .. import grouped_dgrad, grouped_fprop, grouped_wgrad, multi_pad_cast_transpose
@@ -107,21 +171,26 @@ def _cugrouped_calls(cfg: GemmBench, m_splits, copies: int):
     dw = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.float32)
     y16 = cupy.empty((sum(m_splits), cfg.n), cupy.float16)
     dx16 = cupy.empty((sum(m_splits), cfg.k), cupy.float16)
-    dw16 = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.float32)
+    dw_bf = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.uint16)        # bfloat16 bits
+    dw16 = cupy.empty((cfg.experts, cfg.n, cfg.k), cupy.float16)
     c = lambda i: sets[i % copies]  # noqa: E731
     fp8 = {"fprop": lambda i: grouped_fprop(c(i)["X"], c(i)["W"], out=y),
            "dgrad": lambda i: grouped_dgrad(c(i)["DY"], c(i)["W"], out=dx),
-           "wgrad": lambda i: grouped_wgrad(c(i)["X"], c(i)["DY"], out=dw)}
+           "wgrad": lambda i: grouped_wgrad(c(i)["X"], c(i)["DY"], out=dw),
+           "wgrad-bf16": lambda i: grouped_wgrad(c(i)["X"], c(i)["DY"], out=dw_bf,
+                                                 out_dtype="bfloat16")}
     f16 = {"fprop": lambda i: grouped_fprop(c(i)["xs"], c(i)["w"], out=y16, out_dtype="float16"),
            "dgrad": lambda i: grouped_dgrad(c(i)["dys"], c(i)["w"], out=dx16, out_dtype="float16"),
-           "wgrad": lambda i: grouped_wgrad(c(i)["xs"], c(i)["dys"], out=dw16, out_dtype="float32")}
+           "wgrad": lambda i: grouped_wgrad(c(i)["xs"], c(i)["dys"], out=dw16, out_dtype="float16")}
     return sets, fp8, f16
 
 
-def _torch_peers(cfg: GemmBench, m_splits, sets):
+def _torch_peers(cfg: GemmBench, m_splits, sets, device: str = "cuda"):
     """Peer calls per pass: name -> {pass: fn(i)}; a peer that cannot run a pass is left out and
     its reason printed. FP8 peers use our FP8 bytes and scales; their token blocks are padded to
-    16 (torch's FP8 GEMMs need it), bf16 peers use unpadded bf16 copies."""
+    16 (torch's FP8 GEMMs need it), bf16 peers use unpadded bf16 copies. Every operand, copy and
+    scale vector is made here, before the timing. ``device="meta"`` (with meta tensors in
+    ``sets``) runs the shape and layout checks alone: the CPU tests do."""
     import torch
     import torch.nn.functional as F
 
@@ -135,8 +204,8 @@ def _torch_peers(cfg: GemmBench, m_splits, sets):
         e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
         X, DY, W = s["X"], s["DY"], s["W"]
         # row-wise FP8 with each expert padded to 16 rows (zero rows), transposed copies as cast
-        xr = torch.zeros((sum(m_pad), k), dtype=torch.uint8, device="cuda")
-        dyr = torch.zeros((sum(m_pad), n), dtype=torch.uint8, device="cuda")
+        xr = torch.zeros((sum(m_pad), k), dtype=torch.uint8, device=device)
+        dyr = torch.zeros((sum(m_pad), n), dtype=torch.uint8, device=device)
         xsrc, dysrc = torch.from_dlpack(X.data), torch.from_dlpack(DY.data)
         o, op = 0, 0
         for m, mp in zip(m_splits, m_pad):
@@ -182,16 +251,23 @@ def _torch_peers(cfg: GemmBench, m_splits, sets):
         return out
 
     peers["torch-scaled_mm-loop"] = {"fprop": sm_fprop, "dgrad": sm_dgrad, "wgrad": sm_wgrad}
-    offs_pad = torch.tensor(np.cumsum(m_pad), dtype=torch.int32, device="cuda")
-    offs = torch.tensor(np.cumsum(m_splits), dtype=torch.int32, device="cuda")
+    offs_pad = torch.tensor(np.cumsum(m_pad), dtype=torch.int32, device=device)
+    offs = torch.tensor(np.cumsum(m_splits), dtype=torch.int32, device=device)
     if hasattr(torch, "_scaled_grouped_mm"):
         # Its Hopper kernel takes E4M3 operands only, with a float32 scale per row of A and per
         # column of B: dy gets an E4M3 copy of its own here (scaled per expert from its amax),
         # and every scale vector is built before the timing, so only the GEMM is timed.
-        rows = torch.tensor(np.repeat(np.arange(E_), m_pad), device="cuda")
+        rows = torch.tensor(np.repeat(np.arange(E_), m_pad), device=device)
+        # wgrad, 2-D x 2-D: dyᵀ (n, Σm') row-major times x (Σm', k) column-major, one group per
+        # non-empty expert (offsets at the 16-padded row ends; the padding rows are zeros), a
+        # float32 scale per (group, row of dyᵀ) and per (group, column of x): (E' n,), (E' k,)
+        live_w, ends_w = wgrad_2d2d_groups(m_splits)
+        why_not = check_2d2d_offs(ends_w, sum(m_pad))
+        offs_w = torch.tensor(ends_w, dtype=torch.int32, device=device)
+        live_t = torch.tensor(live_w, dtype=torch.int64, device=device)
         for t in T:
-            dy_e4 = torch.zeros((sum(m_pad), n), dtype=torch.float32, device="cuda")
-            sdy_e4 = torch.ones(E_, dtype=torch.float32, device="cuda")
+            dy_e4 = torch.zeros((sum(m_pad), n), dtype=torch.float32, device=device)
+            sdy_e4 = torch.ones(E_, dtype=torch.float32, device=device)
             for e in live:
                 part = t["dy16"][uo[e]:uo[e + 1]].float()
                 amax = part.abs().max()
@@ -202,6 +278,10 @@ def _torch_peers(cfg: GemmBench, m_splits, sets):
             t["sg_fprop"] = (t["sx"][rows].contiguous(),
                              t["sw"][:, None].expand(E_, n).contiguous())
             t["sg_dgrad"] = (sdy_e4[rows].contiguous(), t["sw"][:, None].expand(E_, k).contiguous())
+            if why_not is None:
+                t["dyT8_e4"] = t["dy8_e4"].t().contiguous()             # (n, Σm') row-major
+                t["x8_cm"] = t["x8"].t().contiguous().t()               # (Σm', k) column-major
+                t["sg_wgrad"] = wgrad_2d2d_scales(sdy_e4, t["sx"], live_t, n, k)
 
         def sg_fprop(i):
             t = t_(i)
@@ -215,8 +295,17 @@ def _torch_peers(cfg: GemmBench, m_splits, sets):
             return torch._scaled_grouped_mm(t["dy8_e4"], t["wT8"].transpose(-2, -1), sa, sb,
                                             offs=offs_pad, out_dtype=bf)
 
+        def sg_wgrad(i):             # (E', n, k) bfloat16: the non-empty experts' dW
+            t = t_(i)
+            sa, sb = t["sg_wgrad"]
+            return torch._scaled_grouped_mm(t["dyT8_e4"], t["x8_cm"], sa, sb, offs=offs_w,
+                                            out_dtype=bf)
+
         peers["torch-scaled_grouped_mm"] = {"fprop": sg_fprop, "dgrad": sg_dgrad}
-        print("torch._scaled_grouped_mm: wgrad (2-D x 2-D with offsets along the reduction) not run")
+        if why_not is None:
+            peers["torch-scaled_grouped_mm"]["wgrad"] = sg_wgrad
+        else:
+            print(f"{cfg.name}: torch._scaled_grouped_mm wgrad not run: {why_not}")
     else:
         print("torch._scaled_grouped_mm not in this torch: skipped")
     if hasattr(torch, "_grouped_mm"):
@@ -242,14 +331,40 @@ def _torch_peers(cfg: GemmBench, m_splits, sets):
     return peers
 
 
+CAST_EXCLUDED = "GEMM only, cast excluded"   # FP8 GEMM vs a 16-bit one: our cast not timed
+_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
+    """``(impl, fn, is_fp8, is_ours, out_dtype)`` per row of one pass, cugrouped's first. wgrad's
+    output dtypes differ: cugrouped FP8 writes float32 (``cugrouped-fp8``) and bfloat16
+    (``cugrouped-fp8-bf16dW``), the per-expert ``_scaled_mm`` loop float32, the rest 16 bits."""
+    wg = pass_name == "wgrad"
+    impls = [("cugrouped-fp8", fp8[pass_name], True, True, "float32" if wg else "bfloat16")]
+    if wg:
+        impls.append(("cugrouped-fp8-bf16dW", fp8["wgrad-bf16"], True, True, "bfloat16"))
+    impls.append(("cugrouped-fp16", f16[pass_name], False, True, "float16"))
+    impls += [(name, fns[pass_name], "scaled" in name, False,
+               "float32" if wg and name == "torch-scaled_mm-loop" else "bfloat16")
+              for name, fns in peers.items() if pass_name in fns]
+    return impls
+
+
 def bench_gemm(quick: bool, rows: list[dict]) -> None:
-    """Time every config and pass; append one dict per (config, pass, impl) to ``rows``."""
+    """Time every config and pass; append one dict per (config, pass, impl) to ``rows``. The
+    speed-up of cugrouped FP8 over a row is over the cugrouped FP8 row with the same output width
+    (``speedup_reference``: for wgrad, float32 or bfloat16 dW); over a 16-bit row it compares the
+    GEMMs alone, our cast excluded (``speedup_note``)."""
+    from .common import copy_bandwidth_gbs
+
     configs = QUICK_GEMM if quick else GEMM_CONFIGS
     runs = 10 if quick else 30
     try:
         import torch  # noqa: F401
         peaks = dense_peaks_tflops()
-        print(f"dense peaks: bf16 {peaks['bf16']:.0f} TFLOP/s, fp8 {peaks['fp8']:.0f} TFLOP/s")
+        bw = copy_bandwidth_gbs()
+        print(f"dense peaks: bf16 {peaks['bf16']:.0f} TFLOP/s, fp8 {peaks['fp8']:.0f} TFLOP/s; "
+              f"copy {bw:.0f} GB/s")
     except ImportError:
         torch = None
         peaks = None
@@ -262,36 +377,45 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
         peers = _torch_peers(cfg, m_splits, sets) if torch is not None else {}
         for pass_name in PASSES:
             flops = gemm_flops(cfg, pass_name)
-            ours = None
-            impls = [("cugrouped-fp8", fp8[pass_name], "fp8", True),
-                     ("cugrouped-fp16", f16[pass_name], "bf16", True)]
-            impls += [(name, fns[pass_name], "fp8" if "scaled" in name else "bf16", False)
-                      for name, fns in peers.items() if pass_name in fns]
-            for impl, fn, peak_kind, is_ours in impls:
+            refs: dict[int, tuple[str, float]] = {}     # output width -> cugrouped FP8 row
+            for impl, fn, is_fp8, is_ours, out_dtype in _impls(pass_name, fp8, f16, peers):
                 try:
                     ms = median_ms(fn, runs)
                 except Exception as exc:  # a peer that refuses these shapes is reported, not fatal
+                    if is_sticky_cuda_error(exc):
+                        raise             # the context is gone: the section stops here
                     print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} skipped: {type(exc).__name__}: "
                           f"{str(exc)[:120]}")
                     continue
                 tflops = flops / ms / 1e9
                 row = dict(op="gemm", config=cfg.name, pass_name=pass_name, impl=impl, ms=ms,
-                           tflops=tflops, experts=cfg.experts, tokens=sum(m_splits))
+                           tflops=tflops, experts=cfg.experts, tokens=sum(m_splits),
+                           out_dtype=out_dtype, **timing_columns())
                 if peaks:
-                    row["pct_peak"] = 100 * tflops / peaks[peak_kind]
+                    peak = peaks["fp8" if is_fp8 else "bf16"]
+                    row["pct_peak"] = 100 * tflops / peak
+                    row["pct_roofline"] = roofline_pct(
+                        ms, flops, gemm_bytes(cfg, pass_name, is_fp8, _WIDTH[out_dtype]), peak, bw)
                 if is_ours:
-                    row["host_us_per_expert"] = host_us(fn) / cfg.experts
-                if impl == "cugrouped-fp8":
-                    ours = ms
-                elif ours is not None:
-                    row["speedup_of_cugrouped_fp8"] = ms / ours
+                    hus = host_us(fn)
+                    row.update(host_us_per_expert=hus / cfg.experts, **timing_columns(hus))
+                if impl.startswith("cugrouped-fp8"):
+                    refs.setdefault(_WIDTH[out_dtype], (impl, ms))
+                elif _WIDTH[out_dtype] in refs:
+                    ref, ref_ms = refs[_WIDTH[out_dtype]]
+                    row.update(speedup_of_cugrouped_fp8=ms / ref_ms, speedup_reference=ref)
+                    if not is_fp8:
+                        row["speedup_note"] = CAST_EXCLUDED
                 rows.append(row)
-                extra = (f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else
-                         f" cugrouped-fp8 {row['speedup_of_cugrouped_fp8']:5.2f}x faster"
-                         if "speedup_of_cugrouped_fp8" in row else "")
-                pct = f"{row['pct_peak']:5.1f}% of {peak_kind} peak" if "pct_peak" in row else ""
+                extra = f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else ""
+                if "speedup_of_cugrouped_fp8" in row:
+                    extra += (f" {row['speedup_reference']} {row['speedup_of_cugrouped_fp8']:5.2f}x "
+                              f"faster" + (f" ({CAST_EXCLUDED})" if "speedup_note" in row else ""))
+                if row.get("launch_bound"):
+                    extra += f" [launch-bound? host time >= {LAUNCH_BOUND:g} x lead {row['lead_ms']:.1f} ms]"
+                pct = f"{row['pct_roofline']:5.1f}% of roofline" if "pct_roofline" in row else ""
                 print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
-                      f"{pct}{extra}")
+                      f"{pct} out {out_dtype:<8}{extra}")
 
 
 # ---------------------------------------------------------------------------------------------
