@@ -44,3 +44,27 @@ def test_no_rows_of_a_kind_no_png(tmp_path):
     assert plot.write_png([dict(op="cast-host", config="E8-tensor", host_us_per_expert=2.0)],
                           tmp_path / "b.png") == [tmp_path / "b-host.png"]
     assert plot.plot_host([dict(op="cast", config="E8")]) is None
+
+
+def test_legend_columns_fit_the_longest_name():
+    names = ["index_select+cugrouped-fp8-delayed"] * 11            # 34 characters at 8 pt
+    assert plot.legend_columns(names, 7.2) == 2                    # ~2.9 in each: 2 fit in 7.2
+    assert plot.legend_columns(names, 17.6) == 6
+    assert plot.legend_columns(["a", "b"], 7.2) == 2 and plot.legend_columns(names[:1], 1.0) == 1
+
+
+def test_gemm_plot_reads_pct_roofline_and_labels_cast_excluded_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [dict(op="gemm", config="E8", pass_name="wgrad", impl="cugrouped-fp8", ms=1.0,
+                 pct_roofline=60.0, pct_peak=30.0),
+            dict(op="gemm", config="E8", pass_name="wgrad", impl="torch-grouped_mm-bf16", ms=2.0,
+                 pct_roofline=40.0, speedup_of_cugrouped_fp8=2.0,
+                 speedup_note="GEMM only, cast excluded")]
+    fig = plot.plot_op(rows, "gemm", "test")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["torch-grouped_mm-bf16 (GEMM only, cast excluded)", "cugrouped-fp8"]
+    bottom = fig.axes[5]                                           # wgrad, roofline fractions
+    assert bottom.get_xlabel().startswith("% of roofline (measured peak for the operand type")
+    assert sorted(p.get_width() for p in bottom.patches) == [40.0, 60.0]

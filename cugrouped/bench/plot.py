@@ -40,12 +40,17 @@ def _ticks():
 
 
 ROOF = {"cast": ("pct_copy_bw", "% of copy bandwidth"),
-        "gemm": ("pct_peak", "% of dense peak"),
-        "layer": ("pct_roofline", "% of roofline")}
+        "gemm": ("pct_roofline", "% of roofline (measured peak for the operand type,\n"
+                                 "measured copy bandwidth)"),
+        "layer": ("pct_roofline", "% of roofline (measured peak for the operand type,\n"
+                                  "measured copy bandwidth)")}
+OLD_GEMM_ROOF = ("pct_peak", "% of dense peak")     # CSVs written before pct_roofline
+CAST_EXCLUDED = "GEMM only, cast excluded"
 
 SPEEDUP = ("speedup_of_cugrouped", "speedup_of_cugrouped_fp8")
 
-REFERENCE = {"cast": "cugrouped (current)", "gemm": "cugrouped-fp8", "layer": "cugrouped-fp8-delayed-tensor"}
+REFERENCE = {"cast": "cugrouped (current)", "gemm": "cugrouped-fp8 (same output dtype)",
+             "layer": "cugrouped-fp8-delayed-tensor"}
 
 
 def impl_of(row):
@@ -84,20 +89,33 @@ def speedup_key(rows):
     return next((k for k in SPEEDUP if any(k in r for r in rows)), SPEEDUP[0])
 
 
+def legend_columns(labels, width_in: float) -> int:
+    """Legend columns for ``labels`` at 8 pt across ``width_in`` inches, none clipped."""
+    longest = max((len(s) for s in labels), default=1)
+    return max(1, min(len(labels), int(width_in / (0.07 * longest + 0.5))))
+
+
 def plot_op(rows, op, note):
     """Speed-ups (top row, log scale) and roofline fractions (bottom row) of one op's rows; GEMM
     passes side by side. Returns the figure."""
     import matplotlib.pyplot as plt
 
     op_rows = [r for r in rows if r["op"] == op]
+    # an FP8 GEMM's speed-up over a 16-bit one leaves our cast out: its impls say so
+    noted = {r["impl"] for r in op_rows if r.get("speedup_note") == CAST_EXCLUDED}
+    op_rows = [{**r, "impl": f"{r['impl']} ({CAST_EXCLUDED})"} if r.get("impl") in noted else r
+               for r in op_rows]
     roof_key, roof_label = ROOF[op]
+    if op == "gemm" and not any(roof_key in r for r in op_rows):
+        roof_key, roof_label = OLD_GEMM_ROOF
     parts = ([(p, [r for r in op_rows if r.get("pass_name") == p]) for p in ("fprop", "dgrad", "wgrad")]
              if op == "gemm" else [(None, op_rows)])
     n_cfg = len({r["config"] for r in op_rows})
     impls = list(dict.fromkeys(impl_of(r) for r in op_rows))
     n_impl = len(impls)
     colors = dict(zip(impls, plt.cm.tab10(np.arange(n_impl) % 10)))
-    fig, axes = plt.subplots(2, len(parts), figsize=(5.2 * len(parts) + 2, 2 * (1.2 + 0.22 * n_cfg * n_impl ** 0.5)),
+    width = 5.2 * len(parts) + 2
+    fig, axes = plt.subplots(2, len(parts), figsize=(width, 2 * (1.2 + 0.22 * n_cfg * n_impl ** 0.5)),
                              squeeze=False)
     for col, (pass_name, part) in enumerate(parts):
         sk = speedup_key(part)
@@ -110,10 +128,14 @@ def plot_op(rows, op, note):
     for ax in axes.flat:
         for hnd, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, hnd)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)),
+    # as many legend columns as the longest name lets fit across the figure (8 pt: ~0.07 in a
+    # character, plus the colour patch)
+    ncol = legend_columns(list(handles), width)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol,
                frameon=False, fontsize=8, bbox_to_anchor=(0.5, 0))
     fig.suptitle(f"{op}: speed-ups (top) and roofline fractions (bottom) — {note}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(handles) + 3) // 4), 1, 0.97))
+    legend_in = 0.2 * -(-len(handles) // ncol) + 0.1
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 0.97))
     return fig
 
 
