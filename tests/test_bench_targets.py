@@ -33,3 +33,19 @@ def test_table_names_every_target():
     text = format_targets(check_targets(ROWS))
     assert text.count("\n") == len(TARGETS)
     assert "MISSED" in text and "not measured" in text and "met" in text
+
+
+def test_quick_tables_say_what_the_compile_target_rests_on():
+    quick = format_targets(check_targets(ROWS), quick=True)
+    assert quick.splitlines()[-1] == ("note: under --quick the torch.compile cast target rests on "
+                                      "the configs with E <= 16 only, compiled with static shapes "
+                                      "(its best case)")
+    assert "--quick" not in format_targets(check_targets(ROWS))
+
+
+def test_the_gemm_target_reads_wgrad_rows_too():
+    rows = ROWS + [dict(op="gemm", config="E64", pass_name="wgrad", impl="torch-scaled_grouped_mm",
+                        speedup_of_cugrouped_fp8=1.05, speedup_reference="cugrouped-fp8-bf16dW")]
+    res = {r.target.name: r for r in check_targets(rows)}
+    gemm = res["gemm fp8: speed-up over torch._scaled_grouped_mm"]
+    assert (gemm.worst, gemm.where, gemm.met) == (1.05, "E64 wgrad", False)

@@ -90,7 +90,7 @@ def run_bench(what: str = "all", out_dir: str | None = None, quick: bool = False
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        _write_results(what, rows, env, out, targets=on_gpu)
+        _write_results(what, rows, env, out, targets=on_gpu, quick=quick)
     if failed:
         print(f"bench: these sections failed: {', '.join(failed)}")
     return 130 if interrupted else 1 if failed else 0
@@ -129,7 +129,8 @@ class Sections:
         self.save()
 
 
-def _write_results(what: str, rows: list[dict], env: dict, out: Path | None, targets: bool) -> None:
+def _write_results(what: str, rows: list[dict], env: dict, out: Path | None, targets: bool,
+                   quick: bool = False) -> None:
     """The CSV, plots and (``targets``) the targets table of ``rows``; a step that fails is
     reported and costs none of the others (host-side work: no CUDA call)."""
     if out and not rows:
@@ -150,7 +151,7 @@ def _write_results(what: str, rows: list[dict], env: dict, out: Path | None, tar
     if targets:
         from .targets import check_targets, format_targets
 
-        print(format_targets(check_targets(rows)))
+        print(format_targets(check_targets(rows), quick))
 
 
 def _run_sections(what: str, quick: bool, rows: list[dict], section, on_gpu: bool) -> None:
