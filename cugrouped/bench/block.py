@@ -23,7 +23,8 @@ from ..ops import _cast_inputs
 from ..ops import block_cast_transpose as bct
 from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
-from .common import copy_bandwidth_gbs, cpu_loop_us, host_us, median_ms
+from .common import (copy_bandwidth_gbs, cpu_loop_us, host_us, is_sticky_cuda_error, median_ms,
+                     timing_columns)
 
 __all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_cast_vs_torch",
            "bench_block_gemm", "bench_scaled_gemm", "bench_block_planning", "bench_block_layer"]
@@ -107,7 +108,7 @@ def bench_cast_vs_torch(quick: bool, rows: list[dict], *, op: str, scaling: str,
         gbs = traffic / ms / 1e6
         row = dict(op=op, config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms,
                    gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
-                   host_us_per_expert=hus / cfg.experts)
+                   host_us_per_expert=hus / cfg.experts, **timing_columns(hus))
         rows.append(row)
         print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
               f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
@@ -121,7 +122,7 @@ def bench_cast_vs_torch(quick: bool, rows: list[dict], *, op: str, scaling: str,
         for impl, fn in peers.items():
             pms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
             rows.append(dict(op=op, config=cfg.name, scaling=scaling, impl=impl,
-                             ms=pms, speedup_of_cugrouped=pms / ms))
+                             ms=pms, speedup_of_cugrouped=pms / ms, **timing_columns()))
             print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {pms:8.3f} ms   cugrouped is "
                   f"{pms / ms:5.2f}x faster")
 
@@ -175,6 +176,8 @@ def bench_scaled_gemm(quick: bool, rows: list[dict], *, op: str, impl: str, mult
                 try:
                     ms = median_ms(fn, runs)
                 except Exception as exc:     # e.g. a cuBLAS or GPU without these scale modes
+                    if is_sticky_cuda_error(exc):
+                        raise                # the context is gone: the section stops here
                     print(f"{cfg.name:<24} {pass_name:<5} {name:<20} skipped: "
                           f"{type(exc).__name__}: {str(exc)[:120]}")
                     continue
@@ -182,7 +185,7 @@ def bench_scaled_gemm(quick: bool, rows: list[dict], *, op: str, impl: str, mult
                 hus = host_us(fn)
                 row = dict(op=op, config=cfg.name, pass_name=pass_name, impl=name,
                            ms=ms, tflops=flops / ms / 1e9, host_us=hus,
-                           host_us_per_expert=hus / E_)
+                           host_us_per_expert=hus / E_, **timing_columns(hus))
                 if name == "cugrouped-fp8" and impl in times:
                     row["scaled_over_tensor_time"] = times[impl] / ms
                 rows.append(row)
@@ -246,12 +249,14 @@ def bench_block_layer(quick: bool, rows: list[dict]) -> None:
             try:
                 ms = median_ms(step, runs)
             except Exception as exc:     # e.g. a cuBLAS without block scale modes
+                if is_sticky_cuda_error(exc):
+                    raise                    # the context is gone: the section stops here
                 print(f"{cfg.name:<24} layer {impl:<22} skipped: {type(exc).__name__}: "
                       f"{str(exc)[:120]}")
                 continue
             times[impl] = ms
             row = dict(op="block-layer", config=cfg.name, impl=impl, ms=ms,
-                       tflops=3 * 2 * T * cfg.k * cfg.n / ms / 1e9)
+                       tflops=3 * 2 * T * cfg.k * cfg.n / ms / 1e9, **timing_columns())
             if impl == "cugrouped-fp8-current" and "cugrouped-fp8-block" in times:
                 row["block_over_current_time"] = times["cugrouped-fp8-block"] / ms
             rows.append(row)
