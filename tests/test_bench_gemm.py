@@ -163,3 +163,56 @@ def test_every_torch_peer_passes_torchs_checks_on_meta_tensors(cfg, monkeypatch,
                 assert tuple(out.shape) == (rows, want[p][1]), (name, p)
             assert out.dtype == (torch.float32 if name == "torch-scaled_mm-loop" and p == "wgrad"
                                  else torch.bfloat16), (name, p)
+
+
+def test_wgrad_speedups_compare_like_output_dtypes():
+    """wgrad: the float32-dW peer (_scaled_mm loop) against our float32-dW row, the bfloat16
+    peers and our float16 row against our bfloat16-dW row; 16-bit rows say cast excluded."""
+    name = lambda p: {"wgrad": p, "fprop": p, "dgrad": p}  # noqa: E731
+    peers = {"torch-scaled_mm-loop": name("sm"), "torch-scaled_grouped_mm": name("sg"),
+             "torch-grouped_mm-bf16": name("gm")}
+    fp8 = {"fprop": "f8", "dgrad": "d8", "wgrad": "w8", "wgrad-bf16": "w8bf"}
+    impls = bg._impls("wgrad", fp8, {p: "f16" for p in bg.PASSES}, peers)
+    assert [(i[0], i[1], i[2], i[4]) for i in impls] == [
+        ("cugrouped-fp8", "w8", True, "float32"), ("cugrouped-fp8-bf16dW", "w8bf", True, "bfloat16"),
+        ("cugrouped-fp16", "f16", False, "float16"), ("torch-scaled_mm-loop", "sm", True, "float32"),
+        ("torch-scaled_grouped_mm", "sg", True, "bfloat16"),
+        ("torch-grouped_mm-bf16", "gm", False, "bfloat16")]
+    refs, ms = {}, {"cugrouped-fp8": 2.0, "cugrouped-fp8-bf16dW": 1.0}
+    cols = {impl: bg.speedup_columns(impl, f8, dt, ms.get(impl, 3.0), refs)
+            for impl, _, f8, _, dt in impls}
+    assert cols["cugrouped-fp8"] == cols["cugrouped-fp8-bf16dW"] == {}
+    assert cols["torch-scaled_mm-loop"] == dict(speedup_of_cugrouped_fp8=1.5,
+                                                speedup_reference="cugrouped-fp8")
+    assert cols["torch-scaled_grouped_mm"] == dict(speedup_of_cugrouped_fp8=3.0,
+                                                   speedup_reference="cugrouped-fp8-bf16dW")
+    for impl in ("cugrouped-fp16", "torch-grouped_mm-bf16"):
+        assert cols[impl] == dict(speedup_of_cugrouped_fp8=3.0, speedup_reference="cugrouped-fp8-bf16dW",
+                                  speedup_note="GEMM only, cast excluded"), impl
+    # fprop: one reference, bf16 output everywhere
+    fprop = bg._impls("fprop", fp8, {p: "f16" for p in bg.PASSES}, peers)
+    assert [i[0] for i in fprop][:2] == ["cugrouped-fp8", "cugrouped-fp16"]
+    assert {i[4] for i in fprop} == {"bfloat16", "float16"}
+
+
+def test_our_16_bit_wgrad_dw_dtypes_pass_the_ops_checks():
+    """The dW dtypes the bench asks of grouped_wgrad on the GPU (bfloat16 bits in uint16 from FP8
+    operands, float16 from float16 ones) pass its checks and plan, the device calls faked."""
+    import numpy as np
+
+    from cugrouped import multi_pad_cast_transpose
+    from cugrouped.ops import grouped_gemm as gg
+
+    m, k, n = [5, 0, 40], 32, 48
+    x = np.random.default_rng(0).standard_normal((45, k)).astype(np.float16)
+    dy = np.random.default_rng(1).standard_normal((45, n)).astype(np.float16)
+    X = multi_pad_cast_transpose(x, m, dtype="float16")
+    DY = multi_pad_cast_transpose(dy, m, dtype="float16", fp8_format="e5m2")
+    kw = lambda dt: dict(out_dtype=dt, fast_accum=False, accumulate=False)  # noqa: E731
+    st = bg.host_loop_state()
+    gg.launch_checked(gg.checked("wgrad", (X, DY), kw("bfloat16")), np.empty((3, n, k), np.uint16),
+                      np, st)
+    xs, dys = [x[:5], x[5:5], x[5:]], [dy[:5], dy[5:5], dy[5:]]
+    gg.launch_checked(gg.checked("wgrad", (xs, dys), kw("float16")), np.empty((3, n, k), np.float16),
+                      np, st)
+    gg.clear_memo()

@@ -350,6 +350,23 @@ def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
     return impls
 
 
+def speedup_columns(impl: str, is_fp8: bool, out_dtype: str, ms: float, refs: dict) -> dict:
+    """The speed-up columns of one row of a pass, its rows taken in :func:`_impls` order:
+    a cugrouped FP8 row becomes the reference for its output width in ``refs``; any other row
+    gets the speed-up of that reference over it (``speedup_reference`` names it) and, for a
+    16-bit row, ``speedup_note`` (the FP8 side's cast is not in the GEMM time)."""
+    if impl.startswith("cugrouped-fp8"):
+        refs.setdefault(_WIDTH[out_dtype], (impl, ms))
+        return {}
+    if _WIDTH[out_dtype] not in refs:
+        return {}
+    ref, ref_ms = refs[_WIDTH[out_dtype]]
+    cols = dict(speedup_of_cugrouped_fp8=ms / ref_ms, speedup_reference=ref)
+    if not is_fp8:
+        cols["speedup_note"] = CAST_EXCLUDED
+    return cols
+
+
 def bench_gemm(quick: bool, rows: list[dict]) -> None:
     """Time every config and pass; append one dict per (config, pass, impl) to ``rows``. The
     speed-up of cugrouped FP8 over a row is over the cugrouped FP8 row with the same output width
@@ -399,13 +416,7 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
                 if is_ours:
                     hus = host_us(fn)
                     row.update(host_us_per_expert=hus / cfg.experts, **timing_columns(hus))
-                if impl.startswith("cugrouped-fp8"):
-                    refs.setdefault(_WIDTH[out_dtype], (impl, ms))
-                elif _WIDTH[out_dtype] in refs:
-                    ref, ref_ms = refs[_WIDTH[out_dtype]]
-                    row.update(speedup_of_cugrouped_fp8=ms / ref_ms, speedup_reference=ref)
-                    if not is_fp8:
-                        row["speedup_note"] = CAST_EXCLUDED
+                row.update(speedup_columns(impl, is_fp8, out_dtype, ms, refs))
                 rows.append(row)
                 extra = f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else ""
                 if "speedup_of_cugrouped_fp8" in row:
