@@ -4,6 +4,7 @@ with the reference's bits (CPU here; CUDA in the GPU check)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -133,6 +134,29 @@ def test_bad_torch_input_is_rejected_before_anything_runs():
         cugrouped.multi_pad_cast_transpose(x.double(), SPLITS)
     with pytest.raises(TypeError, match=r"inputs\[1\]"):
         cugrouped.multi_pad_cast_transpose([x, x.float()])
+
+
+@pytest.mark.parametrize("op", ["multi_pad_cast_transpose", "multi_block_cast_transpose"])
+@pytest.mark.parametrize("splits, got", [
+    (torch.tensor([7.9, 0.9, 33.0, 16.2]), "a torch.float32 tensor of shape (4,)"),   # not truncated
+    (torch.tensor([[7, 0, 33, 16]]), "a torch.int64 tensor of shape (1, 4)"),
+    (torch.tensor(sum(SPLITS)), "a torch.int64 tensor of shape ()"),
+    (torch.tensor(SPLITS) > 0, "a torch.bool tensor of shape (4,)"),
+])
+def test_host_count_tensor_must_be_1d_integers_as_in_the_numpy_path(op, splits, got):
+    """A CPU count tensor follows the NumPy path's rule and message (1-D, integer, not bool):
+    a float tensor used to be truncated to ints silently."""
+    x = _inputs()
+    with pytest.raises(TypeError, match=r"^m_splits: expected a 1-D sequence of non-negative "
+                       rf"ints, got {re.escape(got)}$"):
+        getattr(cugrouped, op)(x[:2] if splits.dtype == torch.bool else x, splits)
+    with pytest.raises(TypeError, match=r"m_splits: expected a 1-D sequence of non-negative ints"):
+        getattr(cugrouped, op)(_np(x[:2] if splits.dtype == torch.bool else x), splits.numpy())
+    for dt in (torch.int32, torch.int64, torch.uint8):            # integer tensors are counts
+        res = getattr(cugrouped, op)(x, torch.tensor(SPLITS, dtype=dt))
+        assert res.m_splits == tuple(SPLITS)
+    with pytest.raises(ValueError, match=r"m_splits: expected non-negative counts"):
+        getattr(cugrouped, op)(x, torch.tensor([14, -7, 33, 16]))
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ import numpy as np
 
 from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_is_device, as_view
 
-__all__ = ["GroupedInput", "normalize_inputs", "row_stride", "check_scale_options"]
+__all__ = ["GroupedInput", "normalize_inputs", "row_stride", "check_scale_options",
+           "check_count_array"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,13 @@ class GroupedInput:
     src_rows: int = 0                   # gather: rows of ``base``
 
 
+def check_count_array(ndim: int, integer: bool, got: str) -> None:
+    """The rule for an array of host counts, one for every array kind (the torch front checks
+    a count tensor with it): 1-D, of an integer dtype (bool is not a count)."""
+    if ndim != 1 or not integer:
+        raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {got}")
+
+
 def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
     if array_is_device(m_splits):
         raise TypeError("m_splits: a device array was given with splits_on_device=False; pass a host "
@@ -50,8 +58,7 @@ def _host_splits(m_splits: Any, rows: int) -> tuple[int, ...]:
         splits = tuple(m_splits)                      # the common case, without NumPy
     else:
         arr = np.asarray(m_splits)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {m_splits!r}")
+        check_count_array(arr.ndim, arr.dtype.kind in "iu", repr(m_splits))
         splits = tuple(int(v) for v in arr)
     if splits and min(splits) < 0:
         raise ValueError(f"m_splits: expected non-negative counts, got {splits}")

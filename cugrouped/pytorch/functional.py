@@ -103,8 +103,12 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type == "cuda" and splits_on_device is not False:
             splits = m_splits                               # read by the kernel: no host sync
-        else:
-            splits = [int(v) for v in m_splits.tolist()]   # a CPU tensor: no device sync
+        else:                                               # a CPU tensor: no device sync
+            dt = m_splits.dtype
+            _cast_inputs.check_count_array(
+                m_splits.dim(), not (dt.is_floating_point or dt.is_complex or dt == torch.bool),
+                f"a {dt} tensor of shape {tuple(m_splits.shape)}")
+            splits = [int(v) for v in m_splits.tolist()]
     return dev, xs, tag, conv, splits
 
 
