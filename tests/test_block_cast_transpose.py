@@ -5,9 +5,11 @@ planning, launch counts, the argument block's layout, bad input, and the GPU twi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -281,6 +283,28 @@ def test_out_buffers_are_written_in_place():
     for n, b in bufs.items():
         assert np.shares_memory(np.asarray(getattr(res, n)), b), n
     assert_same_bits(res, reference.multi_block_cast_transpose(xs, block_scaling_dim=2), "out=")
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_out_lends_buffers_and_the_result_describes_the_call(backend):
+    """As for multi_pad_cast_transpose: the result has the call's splits and FP8 dtype over
+    out's buffers (data typed as uint8 bytes here); out of another format is refused, unwritten."""
+    k = 64
+    first = cugrouped.multi_block_cast_transpose(make_inputs([16, 0, 32], k, "float32", 1),
+                                                 fp8_format="e5m2", backend=backend)
+    out = dataclasses.replace(first, data=first.data.view(np.uint8))
+    splits = [32, 16, 0]
+    xs = make_inputs(splits, k, "float32", 2)
+    res = cugrouped.multi_block_cast_transpose(xs, fp8_format="e5m2", out=out, backend=backend)
+    assert res.data.dtype == ml_dtypes.float8_e5m2 and res.fp8_format == "e5m2"
+    assert np.shares_memory(res.data, out.data) and res.m_splits == tuple(splits)
+    assert out.m_splits == (16, 0, 32)
+    assert_same_bits(res, reference.multi_block_cast_transpose(xs, fp8_format="e5m2"))
+    before = np.asarray(out.data).view(np.uint8).copy()
+    with pytest.raises(ValueError, match=r"^out: expected a result of this call's fp8_format "
+                       r"'e4m3' to reuse, got one of fp8_format 'e5m2'$"):
+        cugrouped.multi_block_cast_transpose([x * 2 for x in xs], out=out, backend=backend)
+    assert np.array_equal(np.asarray(out.data).view(np.uint8), before)
 
 
 def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():

@@ -5,6 +5,7 @@ launch counts, argument checks, and the GPU twin of the matrix (marked ``gpu``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 
@@ -254,6 +255,39 @@ def test_out_buffers_written_in_place():
     for n, ptr in before.items():
         assert np.asarray(getattr(again, n)).ctypes.data == ptr, n
     assert_same_bits(again, reference.multi_pad_cast_transpose(xs2))
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_out_lends_buffers_and_the_result_describes_the_call(backend):
+    """The returned object describes this call (splits, format, the FP8 dtype of its format) over
+    out's buffers, whatever out's own fields say or its data buffer is typed as (here uint8
+    bytes); out's own fields are left as they were."""
+    k = 32
+    first = cugrouped.multi_pad_cast_transpose(make_inputs([16, 0, 32], k, "float32", 1),
+                                               fp8_format="e5m2", backend=backend)
+    out = dataclasses.replace(first, data=first.data.view(np.uint8))    # bytes, as CuPy's
+    splits = [32, 16, 0]                                  # same buffer sizes, other experts
+    xs = make_inputs(splits, k, "float32", 2)
+    res = cugrouped.multi_pad_cast_transpose(xs, fp8_format="e5m2", out=out, backend=backend)
+    assert res.data.dtype == ml_dtypes.float8_e5m2 and res.fp8_format == "e5m2"
+    assert np.shares_memory(res.data, out.data) and np.shares_memory(res.data_t, out.data_t)
+    assert res.m_splits == tuple(splits) and out.m_splits == (16, 0, 32)
+    assert_same_bits(res, reference.multi_pad_cast_transpose(xs, fp8_format="e5m2"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_out_of_another_fp8_format_is_refused_before_anything_is_written(backend):
+    xs = make_inputs([16, 0, 32], 32, "float32", 3)
+    out = cugrouped.multi_pad_cast_transpose(xs, backend=backend)              # e4m3
+    before = {n: np.asarray(getattr(out, n)).view(np.uint8).copy() for n in ("data", "data_t")}
+    with pytest.raises(ValueError, match=r"^out: expected a result of this call's fp8_format "
+                       r"'e5m2' to reuse, got one of fp8_format 'e4m3'$"):
+        cugrouped.multi_pad_cast_transpose([x * 2 for x in xs], fp8_format="e5m2", out=out,
+                                           backend=backend)
+    for n, b in before.items():
+        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b), n
+    with pytest.raises(ValueError, match=r"^out: expected a result of this call's fp8_format"):
+        reference.multi_pad_cast_transpose(xs, fp8_format="e5m2", out=out)
 
 
 def test_weights_align_one_give_w_and_w_transposed():

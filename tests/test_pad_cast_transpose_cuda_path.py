@@ -69,13 +69,13 @@ def on_device(fn, *args, **kw):
         return fn(*args, **kw)
 
 
-def _out_buffers(m_splits, k, align, column_sums, scale, device_splits=False):
+def _out_buffers(m_splits, k, align, column_sums, scale, device_splits=False, fmt="e4m3"):
     E, rows = len(m_splits), sum(m_splits)
     col = k * (rows + E * (align - 1)) if device_splits else k * sum(pct.padded_splits(m_splits, align))
     return GroupedFP8(data=np.full((rows, k), 0xAB, np.uint8), data_t=np.full(col, 0xCD, np.uint8),
                       m_splits=(), m_pad_splits=(), amax=np.full(E, np.nan, np.float32),
                       scale=scale if scale is not None else np.full(E, np.nan, np.float32),
-                      scale_inv=np.full(E, np.nan, np.float32), fp8_format="e4m3", k=k,
+                      scale_inv=np.full(E, np.nan, np.float32), fp8_format=fmt, k=k,
                       align=align,
                       column_sums=np.full((E, k), np.nan, np.float32) if column_sums else None)
 
@@ -105,7 +105,7 @@ def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, f
     x = np.concatenate(xs)
     args = {"list": (xs, None), "tensor": (x, m_splits),
             "device": (x, np.array(m_splits, np.int64))}[form]
-    out = _out_buffers(m_splits, k, align, True, scale, device_splits=form == "device")
+    out = _out_buffers(m_splits, k, align, True, scale, device_splits=form == "device", fmt=fmt)
     got = on_device(pct.cast_arrays, *args, fp8_format=fmt, scale=scale, align=align,
                     column_sums=True, out=out, splits_on_device=form == "device" or None, **opts)
     want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, scale=scale, align=align,

@@ -101,6 +101,21 @@ def test_given_scale_and_out_buffers_are_torch_tensors_written_in_place():
 
 
 @pytest.mark.parametrize("backend", ["emulate", "reference"])
+@pytest.mark.parametrize("op", ["multi_pad_cast_transpose", "multi_block_cast_transpose"])
+def test_torch_out_of_another_fp8_format_is_refused_unwritten(backend, op):
+    x = _inputs(torch.float32)
+    out = getattr(cugrouped, op)(x, SPLITS, fp8_format="e5m2", backend=backend)
+    before = out.data.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=r"^out: expected a result of this call's fp8_format "
+                       r"'e4m3' to reuse, got one of fp8_format 'e5m2'$"):
+        getattr(cugrouped, op)(x * 2, SPLITS, out=out, backend=backend)
+    assert torch.equal(out.data.view(torch.uint8), before)
+    again = getattr(cugrouped, op)(x * 2, SPLITS, fp8_format="e5m2", out=out, backend=backend)
+    assert again.data.dtype == torch.float8_e5m2
+    assert again.data.data_ptr() == out.data.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["emulate", "reference"])
 def test_amax_accumulate_merges_into_the_torch_out_amax(backend):
     x = _inputs(torch.float32)
     scale = torch.tensor([1.0, 2.0, 0.5, 64.0])

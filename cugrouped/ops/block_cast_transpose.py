@@ -24,7 +24,7 @@ from ..grouped_fp8 import FP8_FORMATS
 from . import _cast_inputs, _launch
 from ._cast_inputs import GroupedInput, row_stride
 from ._launch import ChunkLaunch
-from .pad_cast_transpose import padded_splits
+from .pad_cast_transpose import check_out_format, padded_splits
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
            "GATHER_KERNEL_SPEC",
@@ -164,11 +164,14 @@ def check_public_dims(block_scaling_dim) -> None:
 
 
 def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise: bool, out,
-              column_sums: bool = False) -> None:
-    """``out`` buffers against the inputs, before anything is launched or written."""
+              column_sums: bool = False, fp8_format: str | None = None) -> None:
+    """``out`` buffers (of ``fp8_format`` when given) against the inputs, before anything is
+    launched or written."""
     if not isinstance(out, GroupedBlockFP8):
         raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
                         f"got {type(out).__name__}")
+    if fp8_format is not None:
+        check_out_format(out, fp8_format)
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)
     si = scale_dtype(dims).itemsize                   # E8M0 bytes or float32
     want = {"data": ((sz.rows, g.k), 1) if rowwise else None,
@@ -221,7 +224,9 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     divisor of 128 (16 for activations and gradients as in TransformerEngine, 1 for weights).
     ``amax_epsilon``, ``power_2_scale``: TransformerEngine's ``QParams``; the recipe's default
     is power-of-two scales (exact ``scale_inv``), so ``power_2_scale=True`` here.
-    ``out``: a :class:`GroupedBlockFP8` of preallocated buffers, written in place.
+    ``out``: a :class:`GroupedBlockFP8` of preallocated buffers (e.g. an earlier result of the
+    same ``fp8_format``), written in place; it only lends its buffers (its own fields are not
+    updated): the returned object describes this call, so read the result, not ``out``.
     ``row_index``: the fused MoE permute, as in :func:`cugrouped.multi_pad_cast_transpose`
     (expert ``i``'s rows are ``inputs[row_index[o_i : o_i + m_i]]``; a negative index is a zero
     row); the permuted copy is never written.
@@ -265,7 +270,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
     g = normalized
     eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     if out is not None:
-        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums)
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums, fp8_format)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
         from ..reference.block_cast_transpose import multi_block_cast_transpose as ref

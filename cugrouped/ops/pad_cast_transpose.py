@@ -25,7 +25,8 @@ __all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "tile_counts", "plan_launches", "ChunkLaunch", "MAX_EXPERTS_PER_LAUNCH", "TILE_M",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "GATHER_KERNEL_SPEC", "kernel_name",
            "GEMM_K_MULTIPLE",
-           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate"]
+           "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
+           "check_out_format"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -161,6 +162,14 @@ def check_amax_accumulate(amax_accumulate, scale, out) -> None:
                          f"{'no out' if out is None else 'out.amax=None'}")
 
 
+def check_out_format(out, fp8_format: str) -> None:
+    """``out`` lends its buffers to a call of its own FP8 format: one of the other format is a
+    mix-up (its data would be read as the wrong format), refused before anything is written."""
+    if getattr(out, "fp8_format", fp8_format) != fp8_format:
+        raise ValueError(f"out: expected a result of this call's fp8_format {fp8_format!r} to "
+                         f"reuse, got one of fp8_format {out.fp8_format!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The op.
 
@@ -211,7 +220,10 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
     column_sums : also return ``column_sums``, float32 ``(E, k)``: each expert's column sums of
         the unscaled input (dbias when the input is an output gradient), computed in the pass
         that reads the input for the amax (no extra pass).
-    out : GroupedFP8 of preallocated buffers (e.g. from a previous call) written in place.
+    out : GroupedFP8 of preallocated buffers (e.g. from a previous call of the same
+        ``fp8_format``) written in place. ``out`` only lends its buffers: its own fields
+        (``m_splits``, ``scale``, ...) are not updated; the returned object describes this call
+        (its arrays are ``out``'s buffers), so read the result, not ``out``.
     amax_accumulate : with a given ``scale`` and ``out``: max-merge each expert's amax into
         ``out.amax`` (``amax = ftz(old) > new ? old : new``, i.e. ``fmaxf(old, new)``: a NaN already
         in the buffer is replaced by the new amax, which is never NaN; a denormal or -0 old value
@@ -260,7 +272,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
                                                    row_index)
     g = normalized
     eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
-    check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate)
+    check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate,
+                        fp8_format)
     backend = _launch.resolve_backend(backend, g.on_device)
     if backend == "reference":
         from ..reference.pad_cast_transpose import multi_pad_cast_transpose as ref
@@ -314,8 +327,9 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
 
 
 def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out,
-                        amax_accumulate=False) -> None:
-    """Validate ``scale`` and ``out`` against the inputs before anything is launched or written."""
+                        amax_accumulate=False, fp8_format=None) -> None:
+    """Validate ``scale`` and ``out`` (of ``fp8_format`` when given) against the inputs before
+    anything is launched or written."""
     check_amax_accumulate(amax_accumulate, scale, out)
     E, k = g.num_experts, g.k
     rows, col_bytes = output_sizes(g, align)
@@ -331,6 +345,8 @@ def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums
     if not isinstance(out, GroupedFP8):
         raise TypeError(f"out: expected a GroupedFP8 (e.g. the result of an earlier call), got "
                         f"{type(out).__name__}")
+    if fp8_format is not None:
+        check_out_format(out, fp8_format)
     want = {"data": ((rows, k), 1) if rowwise else None,
             "data_t": ((col_bytes,), 1) if columnwise else None,
             "amax": ((E,), 4), "scale_inv": ((E,), 4),

@@ -170,7 +170,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     if out is not None:
         from ..ops.block_cast_transpose import check_out
 
-        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums)
+        check_out(g, align, block_scaling_dim, rowwise, columnwise, out, column_sums, fp8_format)
         copy_into(res, out, ("data", "data_t", "scale_inv", "scale_inv_t") +
                   (("column_sums",) if column_sums else ()))
     return res

@@ -86,11 +86,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
                              power_2_scale=False, row_index=None) -> GroupedFP8:
     """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
     from ..ops._cast_inputs import check_scale_options, normalize_inputs  # the op's checks
-    from ..ops.pad_cast_transpose import check_amax_accumulate, padded_splits
+    from ..ops.pad_cast_transpose import check_amax_accumulate, check_out_format, padded_splits
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_amax_accumulate(amax_accumulate, scale, out)
+    if out is not None:
+        check_out_format(out, fp8_format)
     eps = check_scale_options(amax_epsilon, power_2_scale, scale)
     g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
     if g.on_device:
@@ -137,11 +139,13 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
 
 def copy_into(res, out, names) -> None:
     """Write ``res``'s buffers ``names`` into ``out``'s (FP8 as bytes) and make ``res`` hold
-    ``out``'s: what ``out=`` means for the reference twins."""
+    ``out``'s, viewed with ``res``'s dtypes (the call's FP8 format, whatever ``out``'s buffer
+    was typed as): what ``out=`` means for the reference twins."""
     for name in names:
         src = getattr(res, name)
         if src is not None:
             dst = getattr(out, name)
-            np.copyto(dst.view(np.uint8) if src.dtype.itemsize == 1 else dst,
-                      src.view(np.uint8) if src.dtype.itemsize == 1 else src)
-            setattr(res, name, dst)
+            one_byte = src.dtype.itemsize == 1
+            np.copyto(dst.view(np.uint8) if one_byte else dst,
+                      src.view(np.uint8) if one_byte else src)
+            setattr(res, name, dst.view(src.dtype) if one_byte else dst)
