@@ -151,6 +151,17 @@ def test_bad_torch_input_is_rejected_before_anything_runs():
         cugrouped.multi_pad_cast_transpose([x, x.float()])
 
 
+@pytest.mark.parametrize("scale", [np.ones(4, np.float32), [1.0] * 4, 2.0])
+def test_a_scale_that_is_not_a_tensor_is_a_type_error_naming_scale(scale):
+    x = _inputs()
+    with pytest.raises(TypeError, match=r"^scale: expected a contiguous float32 torch tensor of "
+                       rf"shape \(4,\) on the inputs' device, got {type(scale).__name__}$"):
+        cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=scale)
+    with pytest.raises(ValueError, match=r"^scale: expected a contiguous float32 array of shape "
+                       r"\(4,\), got float64"):             # a tensor: the op's own checks
+        cugrouped.multi_pad_cast_transpose(x, SPLITS, scale=torch.ones(4, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("op", ["multi_pad_cast_transpose", "multi_block_cast_transpose"])
 @pytest.mark.parametrize("splits, got", [
     (torch.tensor([7.9, 0.9, 33.0, 16.2]), "a torch.float32 tensor of shape (4,)"),   # not truncated

@@ -53,6 +53,10 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     g = _cast_inputs.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
     rows, col_bytes = _pct.output_sizes(g, align)
     E, k = g.num_experts, g.k
+    # a given scale's kind is checked here; its dtype, shape and device by the op
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale: expected a contiguous float32 torch tensor of shape ({E},) on "
+                        f"the inputs' device, got {type(scale).__name__}")
     if out is None:
         f32 = dict(dtype=torch.float32, device=dev)
         out = GroupedFP8(
