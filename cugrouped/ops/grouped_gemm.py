@@ -19,8 +19,11 @@ same layer without FP8).
 Arrays may be NumPy (reference backend), CuPy or CUDA torch tensors (cuBLASLt): every operand,
 bias and output is read through its pointer, shape, strides and dtype (:func:`cugrouped._array.as_view`,
 which never imports torch), so the torch layer hands its tensors over as they are. One call's
-arrays must all be of one kind on one device. The ops allocate NumPy or CuPy outputs only: with
-torch operands ``out`` is required (the custom ops in :mod:`cugrouped.pytorch` always pass it).
+arrays must all be of one kind on one device. Without ``out`` the result is of the operands' kind:
+NumPy or CuPy outputs are allocated here; torch operands go through the torch front
+(:func:`cugrouped.pytorch.functional.grouped_gemm`), which allocates a torch tensor with torch's
+allocator (this module never imports torch; the custom ops in :mod:`cugrouped.pytorch` pass
+``out`` themselves).
 
 The implementation lives in package-private modules, one concern each, imported in one direction:
 :mod:`._gemm_plan` (blocks, problems and call plans: pure functions of numbers, tested on the CPU)
@@ -100,8 +103,9 @@ def grouped_fprop(x, w, bias=None, *, m_splits=None, out=None, out_dtype: str | 
         for a list or a GroupedFP8 (which carry their own).
     bias : None, ``(E, n)`` array or list of E ``(n,)`` vectors, contiguous, of the output dtype
         (bfloat16 for an FP8 GEMM with float32 output); added by cuBLASLt's ``BIAS`` epilogue.
-    out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate (not with torch
-        operands). CuPy bfloat16 is a ``uint16`` array tagged by ``out_dtype``.
+    out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate one of the operands'
+        kind (torch operands: a torch tensor from torch's allocator, on their device). CuPy
+        bfloat16 is a ``uint16`` array tagged by ``out_dtype``.
     out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``; None (default): bfloat16 for FP8
         operands, the operands' dtype for plain ones (float32 for :func:`grouped_wgrad`).
     fast_accum : FP8 fast accumulation (cuBLASLt ``FAST_ACCUM``); ignored without FP8.
