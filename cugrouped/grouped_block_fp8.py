@@ -124,7 +124,7 @@ def _scale_sizes(m_splits: tuple, m_pad_splits: tuple, k: int, dims: int):
     return row, col
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class GroupedBlockFP8(GroupedSplits):
     """Block-scaled FP8 copies of E experts' rows, with their per-block ``scale_inv``.
 
@@ -160,6 +160,9 @@ class GroupedBlockFP8(GroupedSplits):
     block_scaling_dim: int
     column_sums: Any = None
     total_rows: int | None = None
+
+    _BUFFERS = ("data", "data_t", "scale_inv", "scale_inv_t", "column_sums")
+    _HEADER = ("fp8_format", "k", "block_scaling_dim")
 
     def __post_init__(self):
         if self.block_scaling_dim == MX_DIMS and not isinstance(self, GroupedMXFP8):
@@ -246,7 +249,7 @@ class GroupedBlockFP8(GroupedSplits):
         return s[cc // BLOCK, rr] if self.block_scaling_dim == 1 else s[rr // BLOCK, cc // BLOCK]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class GroupedMXFP8(GroupedBlockFP8):
     """MXFP8 copies of E experts' rows (TransformerEngine's ``MXFP8BlockScaling``): every block of
     32 elements along a row of ``data`` or of ``data_t`` has an E8M0 scale byte ``e``, the value

@@ -16,7 +16,24 @@ _FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
 class GroupedSplits:
     """What both grouped results share: the experts' token counts (host tuples, or the device
-    array the op was given) and their host view."""
+    array the op was given) and their host view, and a short repr."""
+
+    _BUFFERS: tuple[str, ...] = ()        # the array fields, for the repr
+    _HEADER: tuple[str, ...] = ("fp8_format", "k")
+
+    def __repr__(self) -> str:
+        """Class, format, sizes, splits (the first 8 of many) and, per buffer, its kind, dtype,
+        shape and device; read from the arrays' metadata only (no copy, no sync)."""
+        head = [f"{f}={getattr(self, f)!r}" for f in self._HEADER]
+        m = self.m_splits
+        if isinstance(m, tuple):
+            splits = repr(m) if len(m) <= 8 else \
+                f"({', '.join(map(str, m[:8]))}, ...: {len(m)} experts)"
+        else:
+            splits = describe_array(m)
+        bufs = [f"{f}={describe_array(getattr(self, f))}" for f in self._BUFFERS]
+        return (f"{type(self).__name__}({', '.join(head)}, m_splits={splits}, "
+                f"align={self.align!r}, {', '.join(bufs)})")
 
     @property
     def num_experts(self) -> int:
@@ -34,7 +51,26 @@ class GroupedSplits:
         return host_counts(self.m_splits, self.data, self.align, self.total_rows)
 
 
-@dataclasses.dataclass
+def describe_array(a: Any) -> str:
+    """``"numpy float8_e4m3fn (48, 64)"``, ``"torch float32 (3,) cuda:0"``: an array's kind,
+    dtype, shape and device, from its metadata (the data is never read)."""
+    if a is None:
+        return "None"
+    mod = type(a).__module__.split(".")[0]
+    dtype = str(getattr(a, "dtype", "?")).removeprefix("torch.")
+    shape = tuple(getattr(a, "shape", ()))
+    if mod == "numpy":
+        where = ""
+    elif mod == "cupy":
+        where = f" cuda:{a.device.id}"
+    elif mod == "torch":
+        where = f" {a.device}"
+    else:
+        return type(a).__name__
+    return f"{mod} {dtype} {shape}{where}"
+
+
+@dataclasses.dataclass(repr=False)
 class GroupedFP8(GroupedSplits):
     """FP8 copies of E experts' activations (or weights, or gradients) and their scales.
 
@@ -73,6 +109,8 @@ class GroupedFP8(GroupedSplits):
     align: int
     column_sums: Any = None
     total_rows: int | None = None
+
+    _BUFFERS = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")
 
     def row_offsets(self) -> np.ndarray:
         """First row of each expert in :attr:`data` (length E + 1)."""

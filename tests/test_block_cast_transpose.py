@@ -307,6 +307,19 @@ def test_out_lends_buffers_and_the_result_describes_the_call(backend):
     assert np.array_equal(np.asarray(out.data).view(np.uint8), before)
 
 
+def test_repr_is_short_and_names_the_block_kind():
+    res = cugrouped.multi_block_cast_transpose(make_inputs([300], 260, "bfloat16", seed=9), align=1,
+                                               block_scaling_dim=2, backend="reference")
+    assert repr(res) == ("GroupedBlockFP8(fp8_format='e4m3', k=260, block_scaling_dim=2, "
+                         "m_splits=(300,), align=1, data=numpy float8_e4m3fn (300, 260), "
+                         "data_t=numpy uint8 (78000,), scale_inv=numpy float32 (12,), "
+                         "scale_inv_t=numpy float32 (12,), column_sums=None)")
+    mx = cugrouped.multi_mxfp8_cast_transpose(make_inputs([32], 64, "float32", seed=1),
+                                              backend="reference")
+    assert repr(mx).startswith("GroupedMXFP8(fp8_format='e4m3', k=64, block_scaling_dim=3, ")
+    assert "scale_inv=numpy uint8 (512,)" in repr(mx) and len(repr(mx)) < 300
+
+
 def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
     w = make_inputs([300], 260, "bfloat16", seed=9)[0]
     res = cugrouped.multi_block_cast_transpose([w], align=1, block_scaling_dim=2, backend="emulate")

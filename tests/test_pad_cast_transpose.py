@@ -290,6 +290,51 @@ def test_out_of_another_fp8_format_is_refused_before_anything_is_written(backend
         reference.multi_pad_cast_transpose(xs, fp8_format="e5m2", out=out)
 
 
+class _DeviceOnly:
+    """A CUDA array as the repr sees it: metadata only; reading its data fails the test."""
+    __module__ = "cupy._core.core"
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.device = type("Device", (), {"id": 1})()
+
+    def __getattr__(self, name):
+        raise AssertionError(f"repr read {name} of a device array")
+
+    def __array__(self, *a, **k):
+        raise AssertionError("repr copied a device array to the host")
+
+
+def test_repr_is_short_and_reads_no_data():
+    """Class, format, k, splits (the first 8 of many), align, and each buffer's kind, dtype,
+    shape and device, instead of the arrays' contents (kB of them, or a device copy and sync)."""
+    splits = [3] * 40
+    res = cugrouped.multi_pad_cast_transpose(make_inputs(splits, 256, "float32", 1),
+                                             column_sums=True, backend="reference")
+    text = repr(res)
+    assert text == ("GroupedFP8(fp8_format='e4m3', k=256, m_splits=(3, 3, 3, 3, 3, 3, 3, 3, "
+                    "...: 40 experts), align=16, data=numpy float8_e4m3fn (120, 256), "
+                    "data_t=numpy uint8 (163840,), amax=numpy float32 (40,), scale=numpy "
+                    "float32 (40,), scale_inv=numpy float32 (40,), column_sums=numpy float32 "
+                    "(40, 256))")
+    dev = cugrouped.GroupedFP8(data=None, data_t=_DeviceOnly((48 * 16,), np.uint8),
+                               m_splits=(16, 0, 32), m_pad_splits=(16, 0, 32),
+                               amax=_DeviceOnly((3,), np.float32),
+                               scale=_DeviceOnly((3,), np.float32),
+                               scale_inv=_DeviceOnly((3,), np.float32),
+                               fp8_format="e5m2", k=16, align=16)
+    assert repr(dev) == ("GroupedFP8(fp8_format='e5m2', k=16, m_splits=(16, 0, 32), align=16, "
+                         "data=None, data_t=cupy uint8 (768,) cuda:1, amax=cupy float32 (3,) "
+                         "cuda:1, scale=cupy float32 (3,) cuda:1, scale_inv=cupy float32 (3,) "
+                         "cuda:1, column_sums=None)")
+    torch = pytest.importorskip("torch")           # meta tensors: any data read would raise
+    meta = dataclasses.replace(dev, data=torch.empty((48, 16), dtype=torch.float8_e5m2,
+                                                     device="meta"),
+                               m_splits=torch.empty(3, dtype=torch.int64, device="meta"))
+    assert "m_splits=torch int64 (3,) meta, align=16, data=torch float8_e5m2 (48, 16) meta, " \
+        "data_t=cupy uint8 (768,) cuda:1" in repr(meta)
+
+
 def test_weights_align_one_give_w_and_w_transposed():
     w = make_inputs([24, 24], 32, "bfloat16", 8)
     res = cugrouped.multi_pad_cast_transpose(w, align=1, backend="emulate")

@@ -335,6 +335,15 @@ def test_expert_without_tokens_keeps_its_delayed_scales():
     assert torch.equal(layer.fp8_scale_inv, 1 / after)
 
 
+def test_delayed_scaling_state_repr_is_short_and_reads_no_device_data():
+    from cugrouped.pytorch.fp8_state import DelayedScalingState
+
+    # meta tensors hold no data: a repr that read any would raise
+    st = DelayedScalingState(5, DelayedScaling(amax_history_len=16, margin=1), "meta")
+    assert repr(st) == ("DelayedScalingState(experts=5, fp8_format=HYBRID, margin=1, "
+                        "amax_history_len=16, device=meta)")
+
+
 def test_dtype_casts_of_the_module_keep_the_fp8_state_float32():
     """``layer.bfloat16()`` / ``.double()`` cast the parameters, not the delayed-scaling state
     (which the casts and the update read as float32): its values survive bit for bit, and the

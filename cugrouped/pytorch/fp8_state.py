@@ -39,6 +39,13 @@ class DelayedScalingState:
                        "scale_inv": torch.ones(T, dtype=torch.float32, device=device)}
         self.tensors = tensors
 
+    def __repr__(self) -> str:
+        """Experts, format, margin, history length and device: tensor metadata only (no device
+        read, no sync)."""
+        r, hist = self.recipe, self.tensors["amax_history"]
+        return (f"DelayedScalingState(experts={self.num_experts}, fp8_format={r.fp8_format.name}, "
+                f"margin={r.margin}, amax_history_len={hist.shape[1]}, device={hist.device})")
+
     def compatible(self, recipe: DelayedScaling, num_experts: int) -> bool:
         """Whether this state's scales mean the same thing under ``recipe``: same experts, FP8
         format and margin (the history length and the amax algorithm may differ)."""
