@@ -378,6 +378,20 @@ def test_argument_checks():
         mod.get_function("g")
 
 
+@pytest.mark.parametrize("order", ["random", "Forward", 1.5, True, None])
+def test_emulation_order_refuses_an_unknown_order_on_entry(order):
+    """Not at the first emulated launch inside the block, which may be far away (or never)."""
+    entered = []
+    with pytest.raises(ValueError, match=r"^order: got .*, expected 'forward', 'reverse', "
+                       r"'shuffle' or an int seed$"):
+        with cugrouped.emulation_order(order):
+            entered.append(order)
+    assert entered == []
+    for ok in (*DEFAULT_ORDERS, np.int64(7)):
+        with cugrouped.emulation_order(ok):
+            assert cugrouped.ops._launch.current_emulation_order() is ok
+
+
 @pytest.mark.parametrize("body,what", [
     ('asm volatile("bar.sync 0;");', "poisoned"),
     ("unsigned m = __activemask(); p[0] = m;", "poisoned"),

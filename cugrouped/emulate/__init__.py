@@ -39,7 +39,8 @@ from ._build import (EmulationCompileError, EmulationError, cache_dir, compiler_
 from ._build import build as _build
 
 __all__ = ["EmuModule", "EmuKernel", "EmulationError", "EmulationCompileError", "OrderDependenceError",
-           "OrderReport", "run_all_orders", "DEFAULT_ORDERS", "asan_env", "stats", "cache_dir"]
+           "OrderReport", "run_all_orders", "DEFAULT_ORDERS", "asan_env", "stats", "cache_dir",
+           "check_order"]
 
 #: The orders :func:`run_all_orders` tries: fibers (and blocks) forward, reversed, and shuffled.
 DEFAULT_ORDERS = ("forward", "reverse", "shuffle", 1, 2)
@@ -85,6 +86,11 @@ def _dims(v, what: str, limits) -> tuple[int, int, int]:
     return t
 
 
+def check_order(order) -> None:
+    """A fiber order: ``"forward"``, ``"reverse"``, ``"shuffle"`` or an int seed (ValueError)."""
+    _order(order)
+
+
 def _order(order) -> tuple[int, int]:
     if order == "forward":
         return 0, 0
@@ -94,7 +100,8 @@ def _order(order) -> tuple[int, int]:
         return 2, SHUFFLE_SEED
     if isinstance(order, (int, np.integer)) and not isinstance(order, bool):
         return 2, int(order) & (2**64 - 1)
-    raise ValueError(f"order must be 'forward', 'reverse', 'shuffle' or an int seed, got {order!r}")
+    raise ValueError(f"order: got {order!r}, expected 'forward', 'reverse', 'shuffle' or an int "
+                     "seed")
 
 
 class EmuKernel:

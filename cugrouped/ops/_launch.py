@@ -66,7 +66,11 @@ _order: contextvars.ContextVar[object] = contextvars.ContextVar("_order", defaul
 @contextlib.contextmanager
 def emulation_order(order):
     """Run emulated kernels with fibers started in ``order`` (``"forward"``, ``"reverse"``,
-    ``"shuffle"`` or an int seed): a kernel whose result depends on it has a race."""
+    ``"shuffle"`` or an int seed): a kernel whose result depends on it has a race. Any other
+    ``order`` is a ValueError here, on entry."""
+    from ..emulate import check_order      # the emulator's own rule (light: no compiler run)
+
+    check_order(order)
     token = _order.set(order)
     try:
         yield
