@@ -46,7 +46,10 @@ _recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar("_
 
 @contextlib.contextmanager
 def record_launches():
-    """Collect every kernel launch made inside the block (tests assert launch counts with it)."""
+    """Collect every launch made inside the block (tests assert launch counts with it): CUDA
+    launches (kernels, and the GEMMs' ``cublasLtMatmul`` calls) and emulated kernel launches
+    only. The reference backend (NumPy, the default for host arrays) launches nothing, so its
+    calls record nothing."""
     log: list[Launch] = []
     token = _recorders.set(_recorders.get() + (log,))
     try:
