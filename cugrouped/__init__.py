@@ -13,11 +13,14 @@ Public API::
     grouped_dgrad(dy, w)            # dx_i = dy_i W_i
     grouped_wgrad(x, dy)            # dW_i = dy_i^T x_i (or accumulate into fp32 main_grad)
     update_scales(...)              # delayed scaling: amax histories -> scales, all tensors, one launch
+    warmup()                        # compile every kernel for the current GPU ahead of use
+    kernel_sources()                # where the installed CUDA sources live
+    gpu_available()                 # whether CuPy sees a CUDA device here
+    record_launches()               # context manager: the CUDA / emulated launches inside it
+    emulation_order(order)          # context manager: the emulator's fiber order (race hunting)
 
 PyTorch users: ``cugrouped.pytorch`` (``GroupedLinear``, ``fp8_autocast``, recipes); importing
 ``cugrouped`` itself never imports torch.
-    warmup()                        # compile every kernel for the current GPU ahead of use
-    kernel_sources()                # where the installed CUDA sources live
 
 Every op takes ``backend="cuda" | "emulate" | "reference"``; see the README.
 """

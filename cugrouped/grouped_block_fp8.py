@@ -131,7 +131,8 @@ class GroupedBlockFP8(GroupedSplits):
     Attributes
     ----------
     data : array ``(sum(m_splits), k)`` or None
-        Row-wise FP8, experts back to back (NumPy: an ml_dtypes float8 dtype; CuPy: ``uint8``).
+        Row-wise FP8, experts back to back (NumPy: an ml_dtypes float8 dtype; CuPy: ``uint8``;
+        torch: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``).
     data_t : array ``(sum(k * m_pad_splits),)`` or None
         Transposed FP8, expert ``i`` a ``(k, m_pad_splits[i])`` block whose columns ``m_i:`` are
         zero. With 1-D blocks it is quantized along its own rows (128 tokens of one feature), so

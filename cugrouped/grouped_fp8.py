@@ -78,7 +78,7 @@ class GroupedFP8(GroupedSplits):
     ----------
     data : array ``(sum(m_splits), k)`` or None
         Row-wise FP8, experts back to back (no padding). NumPy: ml_dtypes float8 dtype;
-        CuPy: ``uint8`` bytes.
+        CuPy: ``uint8`` bytes; torch: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
     data_t : array ``(sum(k * m_pad_splits),)`` or None
         Transposed FP8, experts back to back; expert ``i`` is a ``(k, m_pad_splits[i])`` block
         (see :meth:`columnwise`) whose columns ``m_splits[i]:`` are zero.
