@@ -621,6 +621,31 @@ def test_wrong_out(ops):
         grouped_fprop(X, W, out_dtype="float64")
 
 
+def test_out_dtype_takes_dtype_objects_as_their_names(ops):
+    """NumPy dtypes and scalar types, ml_dtypes.bfloat16 and torch dtypes name the same output
+    dtypes as the strings: the same result bits; anything else lists the accepted names."""
+    X, W, DY = ops
+    torch = pytest.importorskip("torch")
+    spellings = {"bfloat16": (ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16), torch.bfloat16),
+                 "float16": (np.float16, np.dtype("float16"), torch.float16),
+                 "float32": (np.float32, np.dtype(np.float32), torch.float32)}
+    for name, objs in spellings.items():
+        want = grouped_fprop(X, W, out_dtype=name)
+        wg = grouped_wgrad(X, DY, out_dtype=name)
+        for obj in objs:
+            got = grouped_fprop(X, W, out_dtype=obj)
+            assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
+                                                              want.view(np.uint8)), obj
+            assert np.array_equal(grouped_wgrad(X, DY, out_dtype=obj).view(np.uint8),
+                                  wg.view(np.uint8)), obj
+    assert grouped_dgrad(DY, W, out_dtype=torch.float16).dtype == np.float16
+    for bad in (np.float64, torch.float64, torch.int8, "fp16", 3):
+        with pytest.raises(ValueError, match=r"^out_dtype: got .*, expected one of \('bfloat16', "
+                           r"'float16', 'float32'\) \(a name, or its NumPy, ml_dtypes or torch "
+                           r"dtype\)$"):
+            grouped_fprop(X, W, out_dtype=bad)
+
+
 def test_operand_kinds_and_dtypes(ops):
     X, W, DY = ops
     rng = np.random.default_rng(0)

@@ -218,13 +218,30 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
         raise ValueError(f"{a_name} has {len(a.blocks)} experts but {b_name} has {len(b.blocks)}")
 
 
-def _check_out_dtype(out_dtype: str | None, op: _Operand, wgrad: bool = False) -> str:
-    """The output dtype: ``out_dtype`` checked, or its default when None (float32 for wgrad;
-    otherwise bfloat16 for FP8 operands and the operands' own dtype for plain ones)."""
+def _dtype_name(dtype: Any) -> Any:
+    """A dtype given as an object by its name: NumPy dtypes and scalar types, ml_dtypes'
+    ``bfloat16``, torch dtypes (read by name: torch is not imported). Strings, and what is
+    none of these, are returned as they are (for the caller's check)."""
+    if isinstance(dtype, str):
+        return dtype
+    if type(dtype).__module__.split(".")[0] == "torch":     # torch.bfloat16 -> "bfloat16"
+        return str(dtype).removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        return dtype
+
+
+def _check_out_dtype(out_dtype: Any, op: _Operand, wgrad: bool = False) -> str:
+    """The output dtype's name: ``out_dtype`` (a name, or a NumPy / ml_dtypes / torch dtype)
+    checked, or its default when None (float32 for wgrad; otherwise bfloat16 for FP8 operands
+    and the operands' own dtype for plain ones)."""
     if out_dtype is None:
         return "float32" if wgrad else "bfloat16" if op.fmt is not None else op.dtype
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype: got {out_dtype!r}, expected one of {OUT_DTYPES}")
+    given, out_dtype = out_dtype, _dtype_name(out_dtype)
+    if not isinstance(out_dtype, str) or out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: got {given!r}, expected one of {OUT_DTYPES} (a name, or "
+                         "its NumPy, ml_dtypes or torch dtype)")
     if op.fmt is None and out_dtype not in _PLAIN_OUT[op.dtype]:
         raise ValueError(f"out_dtype: {op.dtype} operands give {_PLAIN_OUT[op.dtype]} outputs in "
                          f"cuBLASLt, got {out_dtype!r} (pass out_dtype={op.dtype!r}, or None)")

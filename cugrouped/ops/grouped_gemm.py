@@ -106,8 +106,9 @@ def grouped_fprop(x, w, bias=None, *, m_splits=None, out=None, out_dtype: str | 
     out : ``(Σ m_i, n)`` array (unit column stride), or None to allocate one of the operands'
         kind (torch operands: a torch tensor from torch's allocator, on their device). CuPy
         bfloat16 is a ``uint16`` array tagged by ``out_dtype``.
-    out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``; None (default): bfloat16 for FP8
-        operands, the operands' dtype for plain ones (float32 for :func:`grouped_wgrad`).
+    out_dtype : ``"bfloat16"``, ``"float16"`` or ``"float32"``, or the dtype of one (NumPy's
+        ``np.float32``, ``ml_dtypes.bfloat16``, ``torch.bfloat16``); None (default): bfloat16 for
+        FP8 operands, the operands' dtype for plain ones (float32 for :func:`grouped_wgrad`).
     fast_accum : FP8 fast accumulation (cuBLASLt ``FAST_ACCUM``); ignored without FP8.
     backend : ``"cuda"`` (cuBLASLt, device arrays), ``"reference"`` (NumPy twin, host arrays) or
         None to pick by where the data lives. NumPy, CuPy and torch operands (one kind per call)
