@@ -678,8 +678,18 @@ def test_operand_kinds_and_dtypes(ops):
 
 def test_bias_checks(ops):
     X, W, _ = ops
-    with pytest.raises(TypeError, match=r"bias\[0\]: cuBLASLt's bias epilogue needs bfloat16"):
+    with pytest.raises(TypeError, match=r"^bias\[0\]: expected bfloat16, got float32 \(with FP8 "
+                       r"operands and a float32 output, cuBLASLt's bias epilogue takes a bfloat16 "
+                       r"bias\)$"):
         grouped_fprop(X, W, np.zeros((3, 48), np.float32), out_dtype="float32")
+    for out_dtype, bias_dtype in (("bfloat16", np.float32), ("float16", ml_dtypes.bfloat16)):
+        with pytest.raises(TypeError, match=rf"^bias\[0\]: expected {out_dtype}, got "
+                           rf"{np.dtype(bias_dtype).name} \(cuBLASLt's bias epilogue takes a bias "
+                           r"of the output dtype\)$"):
+            grouped_fprop(X, W, np.zeros((3, 48), bias_dtype), out_dtype=out_dtype)
+    rng = np.random.default_rng(0)          # plain operands: the output dtype too
+    with pytest.raises(TypeError, match=r"^bias\[0\]: expected float32, got float16 \(cuBLASLt's"):
+        grouped_fprop([rand(rng, (5, 32))], [rand(rng, (16, 32))], [np.zeros(16, np.float16)])
     with pytest.raises(ValueError, match=r"bias: expected an \(3, 48\) array"):
         grouped_fprop(X, W, np.zeros((48,), ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match=r"bias\[1\]: expected a contiguous \(48,\) vector"):

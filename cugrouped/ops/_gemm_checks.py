@@ -268,7 +268,8 @@ def _tagged_view(a, dtype: str, arg: str) -> ArrayView:
     return as_view(a, dtype=dtype if carrier else None, arg=arg)
 
 
-def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand) -> tuple[int, ...] | None:
+def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand,
+          out_dtype: str) -> tuple[int, ...] | None:
     if bias is None:
         return None
     if isinstance(bias, (list, tuple)):
@@ -288,9 +289,11 @@ def _bias(bias: Any, n: int, num: int, dtype: str, where: _Operand) -> tuple[int
         if v.shape != (n,) or (n > 1 and v.strides != (1,)):
             raise ValueError(f"bias[{i}]: expected a contiguous ({n},) vector, got shape {v.shape} "
                              f"strides {v.strides}")
-        if v.dtype != dtype:
-            raise TypeError(f"bias[{i}]: cuBLASLt's bias epilogue needs {dtype} here (output "
-                            f"{'FP8 GEMM ' if where.fmt else ''}type), got {v.dtype}")
+        if v.dtype != dtype:      # the rule of bias_dtype_for
+            rule = ("with FP8 operands and a float32 output, cuBLASLt's bias epilogue takes a "
+                    "bfloat16 bias" if dtype != out_dtype else
+                    "cuBLASLt's bias epilogue takes a bias of the output dtype")
+            raise TypeError(f"bias[{i}]: expected {dtype}, got {v.dtype} ({rule})")
     return tuple(v.ptr for v in views)
 
 
@@ -342,7 +345,8 @@ def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     _check_block_tokens(xo, "x")
     return Problem("fprop", xo.fmt is not None, xo.blocks, False, wo.blocks, True,
                    (k,) * len(xo.blocks), xo.scale_inv, wo.scale_inv,
-                   _bias(bias, n, len(xo.blocks), bdt, xo), bdt if bias is not None else None,
+                   _bias(bias, n, len(xo.blocks), bdt, xo, out_dtype),
+                   bdt if bias is not None else None,
                    _fast_accum(fast_accum, xo), False, out_dtype, _place(xo),
                    xo.scale_mode, wo.scale_mode)
 
