@@ -1703,6 +1703,39 @@ def test_torch_tensor_refusals(torch_on_device):
         grouped_fprop(Xt, Wt, out=torch.empty((24, 48)))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_flags_must_be_bools_even_after_a_memo_hit(request, backend):
+    """fast_accum / accumulate: a bool (NumPy's too), not anything with a truth value. The call
+    memo keys the options with their types, so fast_accum=1 does not reuse fast_accum=True's
+    checked entry on the device path (which runs no second check)."""
+    X, W, DY = make_fp8([5, 0, 19], 32, 48, seed=0)
+    if backend == "cuda":                        # the device path, on torch tensors (fixture)
+        request.getfixturevalue("torch_on_device")
+        import torch
+
+        X, W, DY = (_torch_operand(a) for a in (X, W, DY))
+        new = {"fprop": lambda: torch.empty((24, 48), dtype=torch.bfloat16),
+               "dgrad": lambda: torch.empty((24, 32), dtype=torch.bfloat16),
+               "wgrad": lambda: torch.zeros((3, 48, 32))}
+    else:
+        new = {"fprop": lambda: None, "dgrad": lambda: None,
+               "wgrad": lambda: np.zeros((3, 48, 32), np.float32)}
+    calls = {"fprop": lambda **kw: grouped_fprop(X, W, out=new["fprop"](), **kw),
+             "dgrad": lambda **kw: grouped_dgrad(DY, W, out=new["dgrad"](), **kw),
+             "wgrad": lambda **kw: grouped_wgrad(X, DY, out=new["wgrad"](), **kw)}
+    for name, call in calls.items():
+        call(fast_accum=True)
+        call(fast_accum=np.bool_(False))
+        for bad in ("yes", 1, None):
+            with pytest.raises(TypeError, match=rf"^fast_accum: expected a bool, got {bad!r}$"):
+                call(fast_accum=bad)
+    calls["wgrad"](accumulate=True)
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"^accumulate: expected a bool, got {bad!r}$"):
+            calls["wgrad"](accumulate=bad)
+    gg.clear_memo()
+
+
 @pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
 def test_torch_tensors_in_torch_tensors_out(torch_on_device, pass_name):
     """Torch operands without out=: the output comes from torch (CUDA: torch's allocator, here

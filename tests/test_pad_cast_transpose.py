@@ -490,6 +490,22 @@ def test_bad_input_is_rejected_clearly(call, exc, match):
         call(xs)
 
 
+@pytest.mark.parametrize("op", ["multi_pad_cast_transpose", "multi_block_cast_transpose",
+                                "multi_mxfp8_cast_transpose"])
+@pytest.mark.parametrize("flag", ["rowwise", "columnwise", "column_sums"])
+def test_cast_flags_must_be_bools(op, flag):
+    """Not anything with a truth value: rowwise="no" used to mean True. NumPy bools are bools;
+    the torch front checks the same before sizing its outputs."""
+    x = np.ones((32, 32), np.float32)
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got {bad!r}$"):
+            getattr(cugrouped, op)(x, [32], **{flag: bad})
+    assert getattr(cugrouped, op)(x, [32], **{flag: np.bool_(True)}).k == 32
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got 'no'$"):
+        getattr(cugrouped, op)(torch.from_numpy(x), [32], **{flag: "no"})
+
+
 def test_bad_out_buffer_is_rejected_before_anything_is_written():
     xs = [np.ones((10, 16), np.float32)]
     out = cugrouped.multi_pad_cast_transpose(xs, backend="emulate")

@@ -16,6 +16,7 @@ from ..cublaslt import _enums as E
 from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, scale_dtype
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
+from ._launch import check_bool
 
 # cuBLASLt FP8 GEMMs need the reduction and output dims, leading dims and pointers in multiples of
 # 16 (elements = bytes for FP8).
@@ -327,6 +328,7 @@ def split_rows(a: Any, m_splits: Any, arg: str) -> Any:
 
 def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     """Check fprop's operands; raise TypeError/ValueError naming the argument."""
+    check_bool(fast_accum, "fast_accum")
     xo = _operand(x, "x", "rowwise", "fprop")
     wo = _operand(w, "w", "rowwise", "fprop", expect_3d=True)
     _check_pair(wo, "w", xo, "x")
@@ -353,6 +355,7 @@ def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
 
 def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
     """Check dgrad's operands. FP8: ``dy`` row-wise ``(m_i, n)``, ``w`` transposed ``(k, n)``."""
+    check_bool(fast_accum, "fast_accum")
     dyo = _operand(dy, "dy", "rowwise", "dgrad")
     wo = _operand(w, "w", "columnwise", "dgrad (the transposed weight)", expect_3d=True)
     _check_pair(wo, "w", dyo, "dy")
@@ -386,6 +389,8 @@ def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
 
 def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) -> Problem:
     """Check wgrad's operands. FP8: both transposed, ``x`` ``(k, m_pad_i)``, ``dy`` ``(n, m_pad_i)``."""
+    check_bool(fast_accum, "fast_accum")
+    check_bool(accumulate, "accumulate")
     xo = _operand(x, "x", "columnwise", "wgrad")
     dyo = _operand(dy, "dy", "columnwise", "wgrad")
     _check_pair(xo, "x", dyo, "dy")

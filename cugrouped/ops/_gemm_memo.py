@@ -123,7 +123,9 @@ _memo: dict = {}
 def _call_key(pass_name: str, args: tuple, kwargs: dict):
     copies = _COPIES[pass_name]
     try:
-        key = (pass_name, tuple(kwargs.values())) + tuple(
+        # the options with their types: fast_accum=1 must not hit True's entry (and skip the
+        # checks, which refuse it)
+        key = (pass_name, tuple((type(v), v) for v in kwargs.values())) + tuple(
             _operand_key(a, c) if c is not None else (None if a is None else _seq_key(a))
             for a, c in zip(args, copies))
         hash(key)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-__all__ = ["BACKENDS", "resolve_backend", "record_launches", "note_launch", "emulation_order",
+__all__ = ["BACKENDS", "resolve_backend", "check_bool", "record_launches", "note_launch",
+           "emulation_order",
            "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture",
            "ChunkLaunch", "chunks_of_tiles", "device_chunks", "ArgMemo", "pack_chunks",
            "pointer_offsets", "device_scope"]
@@ -31,6 +32,13 @@ def resolve_backend(backend: str | None, on_device: bool) -> str:
         raise ValueError(f"backend={backend!r} runs on the CPU and needs host (NumPy) arrays; "
                          "got device arrays")
     return backend
+
+
+def check_bool(value, arg: str) -> None:
+    """An on/off option is a bool (NumPy's too): ``"yes"``, 1 or None are refused, not read by
+    their truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{arg}: expected a bool, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

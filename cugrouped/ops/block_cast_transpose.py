@@ -140,7 +140,8 @@ def plan_block_launches_device(num_experts: int, total_rows: int, k: int,
 # ---------------------------------------------------------------------------------------------
 # Argument checks.
 
-def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, columnwise=True) -> None:
+def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, columnwise=True,
+                        column_sums=False) -> None:
     """The options of both block-scaled casts (``block_scaling_dim`` ``MX_DIMS``: MXFP8's op)."""
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
@@ -152,6 +153,9 @@ def check_block_options(fp8_format, block_scaling_dim, align, rowwise=True, colu
     if align not in ALIGNS or isinstance(align, bool):
         raise ValueError(f"align: block scaling pads each expert to a divisor of {BLOCK}, one of "
                          f"{ALIGNS}; got {align!r}")
+    for name, flag in (("rowwise", rowwise), ("columnwise", columnwise),
+                       ("column_sums", column_sums)):
+        _launch.check_bool(flag, name)
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
 
@@ -259,9 +263,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
                       column_sums=False) -> GroupedBlockFP8:
     """The op on arrays of any kind without the torch dispatch (NumPy / CuPy in and out; CUDA
     torch tensors through their pointers, all outputs given as ``out=``: the torch front)."""
-    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
-    if not isinstance(column_sums, (bool, np.bool_)):
-        raise TypeError(f"column_sums: expected a bool, got {column_sums!r}")
+    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     if column_sums and row_index is not None:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
     if normalized is None:

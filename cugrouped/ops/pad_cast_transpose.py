@@ -136,13 +136,16 @@ def output_sizes(g: "GroupedInput", align: int) -> tuple[int, int]:
 # Argument checks (the inputs' own: :mod:`._cast_inputs`).
 
 def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True,
-                  columnwise: bool = True) -> None:
+                  columnwise: bool = True, column_sums: bool = False) -> None:
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format: got {fp8_format!r}, expected one of {FP8_FORMATS}")
     if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
         raise ValueError(f"align: expected a positive int, got {align!r}")
     if not isinstance(margin, (int, np.integer)) or isinstance(margin, bool) or not 0 <= margin <= 64:
         raise ValueError(f"margin: expected an int in [0, 64], got {margin!r}")
+    for name, flag in (("rowwise", rowwise), ("columnwise", columnwise),
+                       ("column_sums", column_sums)):
+        _launch.check_bool(flag, name)
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one must be True")
 
@@ -267,7 +270,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
     its result as ``normalized`` (the torch front does, to size its outputs): the O(E) checks
     run once."""
     if normalized is None:
-        check_options(fp8_format, margin, align, rowwise, columnwise)
+        check_options(fp8_format, margin, align, rowwise, columnwise, column_sums)
         normalized = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device,
                                                    row_index)
     g = normalized

@@ -43,7 +43,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
 
     CUDA tensors go to the op as they are (it reads their pointers: no DLPack round trip per
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
-    _pct.check_options(fp8_format, margin, align, rowwise, columnwise)   # before any sizing
+    _pct.check_options(fp8_format, margin, align, rowwise, columnwise,   # before any sizing
+                       column_sums)
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
@@ -147,7 +148,8 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
                 columnwise=True, amax_epsilon=0.0, power_2_scale=True, out=None, dtype=None,
                 splits_on_device=None, backend=None, row_index=None, column_sums=False):
     """Both block-scaled casts on torch tensors (``block_scaling_dim`` 1, 2 or ``MX_DIMS``)."""
-    _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise,
+                             column_sums)
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":

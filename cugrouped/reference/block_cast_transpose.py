@@ -141,7 +141,7 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
-    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise)
+    check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
     g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
     if g.on_device:
