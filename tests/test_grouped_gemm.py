@@ -603,6 +603,27 @@ def test_mismatched_experts_and_shapes(ops):
                       out_dtype="float32")
 
 
+def test_swapped_operands_get_a_hint_only_when_the_shapes_say_so(ops):
+    X, W, DY = ops                    # tokens per expert (5, 0, 19); W: 48 rows per expert
+    hint = r" \({0} has the same rows in every expert, as weights do: did you pass {0} and w in " \
+        r"the wrong order\?\)$"
+    with pytest.raises(ValueError, match=r"^w: every expert must have the same n \(rows\), got "
+                       r"\[0, 5, 19\]" + hint.format("x")):
+        grouped_fprop(W, X)
+    with pytest.raises(ValueError, match=r"^w: every expert must have the same n \(rows\), got "
+                       r"\[0, 5, 19\]" + hint.format("dy")):
+        grouped_dgrad(W, DY)
+    rng = np.random.default_rng(0)
+    ws = [rand(rng, (16, 8)) for _ in range(3)]
+    xs = [rand(rng, (m, 8)) for m in (5, 0, 19)]
+    with pytest.raises(ValueError, match=r"got \[0, 5, 19\]" + hint.format("x")):
+        grouped_fprop(ws, xs)                                       # plain operands too
+    with pytest.raises(ValueError, match=r"^w: every expert must have the same n \(rows\), got "
+                       r"\[4, 5\]$"):    # x's rows differ too: no reason to suspect the order
+        grouped_fprop([rand(rng, (3, 8)), rand(rng, (2, 8))], [rand(rng, (4, 8)),
+                                                               rand(rng, (5, 8))])
+
+
 def test_wrong_out(ops):
     X, W, DY = ops
     with pytest.raises(ValueError, match=r"out: expected shape \(24, 48\), got \(24, 47\)"):

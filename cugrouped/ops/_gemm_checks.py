@@ -254,13 +254,24 @@ def _check_fp8_dim(value: int, name: str) -> None:
         raise ValueError(f"{name}: FP8 GEMMs need a multiple of {FP8_MULTIPLE}, got {value}")
 
 
-def _uniform(blocks: Blocks, attr: str, arg: str, what: str) -> int:
+def _uniform(blocks: Blocks, attr: str, arg: str, what: str, swapped_with: tuple = ()) -> int:
+    """The one value of ``attr`` over the experts (``swapped_with``: see :func:`_swap_hint`)."""
     vals = getattr(blocks, attr)
     lo, hi = int(vals.min()), int(vals.max())
     if lo != hi:
         raise ValueError(f"{arg}: every expert must have the same {what}, got "
-                         f"{np.unique(vals).tolist()}")
+                         f"{np.unique(vals).tolist()}{_swap_hint(arg, *swapped_with)}")
     return lo
+
+
+def _swap_hint(arg: str, other: _Operand | None = None, other_name: str = "") -> str:
+    """For an error on the weight ``arg`` whose experts' rows differ (as token counts do): a hint
+    that ``other`` came in its place when the rows of ``other``'s experts are all the same (as a
+    weight's are); else nothing (the experts' own counts may just differ)."""
+    if other is None or len(set(other.m_splits)) != 1:
+        return ""
+    return (f" ({other_name} has the same rows in every expert, as weights do: did you pass "
+            f"{other_name} and {arg} in the wrong order?)")
 
 
 def _tagged_view(a, dtype: str, arg: str) -> ArrayView:
@@ -334,7 +345,7 @@ def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     _check_pair(wo, "w", xo, "x")
     out_dtype = _check_out_dtype(out_dtype, xo)
     k = _uniform(xo.blocks, "cols", "x", "k (columns)") if xo.fmt is None else xo.blocks[0].cols
-    n = _uniform(wo.blocks, "rows", "w", "n (rows)")
+    n = _uniform(wo.blocks, "rows", "w", "n (rows)", (xo, "x"))
     wk = _uniform(wo.blocks, "cols", "w", "k (columns)")
     if wk != k:
         raise ValueError(f"w: has k={wk} columns but x has k={k}")
@@ -365,12 +376,13 @@ def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
         # w's transposed blocks are (k, n_pad) with the true n = w.m_splits[i] columns
         w_n = set(wo.m_splits)
         if len(w_n) != 1:
-            raise ValueError(f"w: every expert must have the same n (rows), got {sorted(w_n)}")
+            raise ValueError(f"w: every expert must have the same n (rows), got {sorted(w_n)}"
+                             f"{_swap_hint('w', dyo, 'dy')}")
         wn = w_n.pop()
         k = wo.blocks[0].rows
         right = wo.blocks.replace(cols=wn)
     else:
-        wn = _uniform(wo.blocks, "rows", "w", "n (rows)")
+        wn = _uniform(wo.blocks, "rows", "w", "n (rows)", (dyo, "dy"))
         k = _uniform(wo.blocks, "cols", "w", "k (columns)")
         right = wo.blocks
     if wn != n:
