@@ -151,6 +151,18 @@ def test_bad_torch_input_is_rejected_before_anything_runs():
         cugrouped.multi_pad_cast_transpose([x, x.float()])
 
 
+@pytest.mark.parametrize("op, cls", [("multi_pad_cast_transpose", "GroupedFP8"),
+                                     ("multi_block_cast_transpose", "GroupedBlockFP8"),
+                                     ("multi_mxfp8_cast_transpose", "GroupedMXFP8")])
+def test_an_out_that_is_not_a_result_is_a_type_error_naming_out(op, cls):
+    """As on the NumPy path (not an AttributeError from reading its fields)."""
+    x = torch.randn(32, 32)
+    for xs in (x, x.numpy()):
+        with pytest.raises(TypeError, match=rf"^out: expected a {cls} \(e.g. the result of an "
+                           r"earlier call\), got dict$"):
+            getattr(cugrouped, op)(xs, [32], out={"data": None})
+
+
 @pytest.mark.parametrize("scale", [np.ones(4, np.float32), [1.0] * 4, 2.0])
 def test_a_scale_that_is_not_a_tensor_is_a_type_error_naming_scale(scale):
     x = _inputs()

@@ -24,7 +24,7 @@ from ..grouped_fp8 import FP8_FORMATS
 from . import _cast_inputs, _launch
 from ._cast_inputs import GroupedInput, row_stride
 from ._launch import ChunkLaunch
-from .pad_cast_transpose import check_out_format, padded_splits
+from .pad_cast_transpose import check_out_format, check_out_kind, padded_splits
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
            "GATHER_KERNEL_SPEC",
@@ -171,9 +171,7 @@ def check_out(g: GroupedInput, align: int, dims: int, rowwise: bool, columnwise:
               column_sums: bool = False, fp8_format: str | None = None) -> None:
     """``out`` buffers (of ``fp8_format`` when given) against the inputs, before anything is
     launched or written."""
-    if not isinstance(out, GroupedBlockFP8):
-        raise TypeError(f"out: expected a GroupedBlockFP8 (e.g. the result of an earlier call), "
-                        f"got {type(out).__name__}")
+    check_out_kind(out, result_type(dims))
     if fp8_format is not None:
         check_out_format(out, fp8_format)
     sz = block_output_sizes(g.m_splits, g.k, align, dims, g.num_experts, g.total_rows)

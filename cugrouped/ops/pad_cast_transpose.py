@@ -26,7 +26,7 @@ __all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "GATHER_KERNEL_SPEC", "kernel_name",
            "GEMM_K_MULTIPLE",
            "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
-           "check_out_format"]
+           "check_out_format", "check_out_kind"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -163,6 +163,13 @@ def check_amax_accumulate(amax_accumulate, scale, out) -> None:
     if out is None or getattr(out, "amax", None) is None:
         raise ValueError("amax_accumulate: needs out= with an amax buffer to merge into, got "
                          f"{'no out' if out is None else 'out.amax=None'}")
+
+
+def check_out_kind(out, cls) -> None:
+    """``out``: None or a result of the op's own class (``cls``)."""
+    if out is not None and not isinstance(out, cls):
+        raise TypeError(f"out: expected a {cls.__name__} (e.g. the result of an earlier call), "
+                        f"got {type(out).__name__}")
 
 
 def check_out_format(out, fp8_format: str) -> None:
@@ -345,9 +352,7 @@ def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums
             raise ValueError("scale: must live on the same device as inputs")
     if out is None:
         return
-    if not isinstance(out, GroupedFP8):
-        raise TypeError(f"out: expected a GroupedFP8 (e.g. the result of an earlier call), got "
-                        f"{type(out).__name__}")
+    check_out_kind(out, GroupedFP8)
     if fp8_format is not None:
         check_out_format(out, fp8_format)
     want = {"data": ((rows, k), 1) if rowwise else None,

@@ -45,6 +45,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     tensor); CPU tensors as zero-copy NumPy views, for the reference or emulated backends."""
     _pct.check_options(fp8_format, margin, align, rowwise, columnwise,   # before any sizing
                        column_sums)
+    _pct.check_out_kind(out, GroupedFP8)
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
@@ -151,6 +152,7 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
     _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise,
                              column_sums)
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
+    _pct.check_out_kind(out, result_type(block_scaling_dim))
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
