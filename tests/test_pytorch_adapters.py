@@ -167,5 +167,6 @@ def test_import_without_torch_says_how_to_get_it():
             "except ImportError as e:\n    print(e)\nimport cugrouped\nprint(cugrouped.__version__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert "cugrouped.pytorch needs PyTorch: pip install torch" in out
+    assert "cugrouped.pytorch needs PyTorch: pip install torch (or the torch extra, pip install " \
+        "'.[cuda13,torch]'" in out
     assert out.strip().endswith(__import__("cugrouped").__version__)   # the ops import without it

@@ -784,6 +784,7 @@ def test_constructor_and_recipe_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device: 'cuda' .*device='cpu'"):
             GroupedLinear(2, 16, 16)
+    assert GroupedLinear(2, 16, 16, device=None).weight0.device == torch.get_default_device()
 
 
 def test_autocast_is_fp8_autocast_under_te_names():
@@ -1193,6 +1194,12 @@ def test_transposed_inputs_give_the_contiguous_results(recipe, list_mode):
         torch.testing.assert_close(got, want)
     else:
         assert_bits_equal(got, want, recipe)
+    if recipe == "delayed":      # calibration records the same amaxes from the copy
+        layers = [make_layer(3), make_layer(3)]
+        for lay, xi in zip(layers, (x.detach(), x.detach().contiguous())):
+            with fp8_autocast(enabled=False, fp8_recipe=RECIPES["delayed"], calibrating=True):
+                lay(list(xi.split(sp)) if list_mode else xi, None if list_mode else sp)
+        assert_bits_equal(layers[0].fp8_amax_history, layers[1].fp8_amax_history)
 
 
 @pytest.mark.parametrize("splits", [

@@ -116,7 +116,9 @@ def roofline_pct(ms: float, flops: float, nbytes: float, peak_tflops: float, bw_
 
 _STICKY = ("device-side assert", "cudaErrorAssert", "illegal memory access", "IllegalAddress",
            "ILLEGAL_ADDRESS", "unspecified launch failure", "cudaErrorLaunchFailure",
-           "LAUNCH_FAILED", "illegal instruction", "misaligned address", "cudaErrorMisalignedAddress")
+           "LAUNCH_FAILED", "illegal instruction", "misaligned address", "cudaErrorMisalignedAddress",
+           "hardware stack error", "invalid program counter", "launch timed out",
+           "uncorrectable ECC")
 
 
 def is_sticky_cuda_error(exc: BaseException) -> bool:

@@ -97,8 +97,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
             return ctypes.CDLL(name), name
         except OSError as exc:
             errors.append(f"{name}: {exc}")
-    raise OSError("libcublasLt not found; install the cuBLAS wheel (pip install 'cugrouped[cuda13]' "
-                  "or nvidia-cublas / nvidia-cublas-cu12) or a CUDA toolkit. Tried:\n  "
+    raise OSError("libcublasLt not found; install the cuBLAS wheel (pip install '.[cuda13]' in "
+                  "the checkout, or nvidia-cublas / nvidia-cublas-cu12) or a CUDA toolkit. Tried:\n  "
                   + "\n  ".join(errors))
 
 

@@ -20,8 +20,8 @@ try:
     import torch  # noqa: F401
 except ImportError as exc:
     raise ImportError("cugrouped.pytorch needs PyTorch: pip install torch (or the torch extra, "
-                      "'cugrouped[cuda13,torch]'); the ops in cugrouped itself run without it") \
-        from exc
+                      "pip install '.[cuda13,torch]' in the checkout); the ops in cugrouped "
+                      "itself run without it") from exc
 
 from . import _custom_ops  # noqa: F401  (registers the torch.library ops)
 from .checkpoint import checkpoint

@@ -100,7 +100,8 @@ class GroupedLinear(torch.nn.Module):
     params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)`` (or of the
         single grouped ``weight`` ``(E, n, k)`` and ``bias`` ``(E, n)``)
         (default ``torch.get_default_dtype()``).
-    device : ``"cuda"`` (default, as in TransformerEngine), ``"cpu"`` or ``"meta"``. On
+    device : ``"cuda"`` (default, as in TransformerEngine), ``"cpu"``, ``"meta"`` or None
+        (torch's default device, ``torch.set_default_device``). On
         ``"meta"`` nothing is initialised; materialise with ``to_empty(device=...)`` and then call
         :meth:`reset_parameters`.
     fuse_wgrad_accumulation : accumulate weight gradients into ``weight{i}.main_grad`` (fp32,
@@ -612,7 +613,8 @@ class GroupedLinear(torch.nn.Module):
         if recipe is None:
             calibration = get_calibration_recipe()
             if calibration is not None and not recomputing():
-                self._calibrate(calibration, xs, splits, list_mode)
+                self._calibrate(calibration, tuple(_row_major(x) for x in xs), splits,
+                                list_mode)
             cfg = _Config(list_mode, E, k, n, bool(bs), False,
                           fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
@@ -879,7 +881,7 @@ def check_params_args(params_dtype, device) -> torch.device:
     if params_dtype is not None and not isinstance(params_dtype, torch.dtype):
         raise TypeError(f"params_dtype: expected a torch.dtype (e.g. torch.bfloat16) or None, "
                         f"got {params_dtype!r}")
-    device = torch.device(device)
+    device = torch.get_default_device() if device is None else torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' (the default, as in TransformerEngine) but torch sees no "
                          "CUDA device; pass device='cpu' to run the layer on the CPU")
