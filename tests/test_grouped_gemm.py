@@ -1990,7 +1990,7 @@ def test_one_array_and_m_splits_equal_the_list_form():
      r"m_splits: expected non-negative counts summing to x's 22 rows, got \[7, 0, 12\]"),
     (lambda x, xs, ws: grouped_fprop(x, ws, m_splits=[7, 0, 16, -1]), ValueError, "non-negative"),
     (lambda x, xs, ws: grouped_fprop(x, ws, m_splits=[7.0, 0, 12, 3]), TypeError,
-     "m_splits: expected a sequence of ints"),
+     "m_splits: expected a 1-D sequence of non-negative ints"),
     (lambda x, xs, ws: grouped_fprop(xs, ws, m_splits=[7, 0, 12, 3]), ValueError,
      "m_splits: goes with one 2-D x array"),
     (lambda x, xs, ws: grouped_fprop(x[None], ws, m_splits=[7, 0, 12, 3]), TypeError,

@@ -328,7 +328,7 @@ def split_rows(a: Any, m_splits: Any, arg: str) -> Any:
     values = m_splits.tolist() if hasattr(m_splits, "tolist") else m_splits
     if not isinstance(values, Sequence) or not all(
             isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"m_splits: expected a sequence of ints, got {m_splits!r}")
+        raise TypeError(f"m_splits: expected a 1-D sequence of non-negative ints, got {m_splits!r}")
     counts = [int(v) for v in values]
     if any(c < 0 for c in counts) or sum(counts) != shape[0]:
         raise ValueError(f"m_splits: expected non-negative counts summing to {arg}'s {shape[0]} "
