@@ -9,7 +9,11 @@
 //   amax[t]                       the amax the cast kernel measured this step (zeroed after
 //                                 it is read when reset_amax != 0: rolled in, consumed)
 //   scale[t], scale_inv[t]        float32, written here
-// and the block
+// and the block, unless the new amax is 0 (a step that measured nothing: an expert that received
+// no tokens, a weight that was not cast again; -0 and denormals count as 0, as the GPU's FTZ
+// comparisons see them), in which case the history and the scale stay as they are (only
+// scale_inv is rewritten, from the kept scale), as in TransformerEngine's update, where such a
+// step neither rolls the history nor moves the scale:
 //   1. rolls the history by one and inserts the new amax at the front:
 //        h'[0] = amax[t],  h'[j] = h[j - 1]  (j = 1 .. L-1; the oldest value drops out);
 //      values are moved bit for bit (no arithmetic touches them, so FTZ cannot change them);
@@ -18,13 +22,13 @@
 //      reduces to -inf);
 //   3. scale = compute_scale<F>(reduced, margin) when the reduced amax is usable (a positive,
 //      normal, finite float32: amax_usable in fp8.cuh); otherwise the tensor KEEPS its previous
-//      scale (amax 0 after an expert received no tokens for a whole window, inf, NaN), as
-//      TransformerEngine's delayed scaling does: resetting to 1 would underflow E5M2 gradients the
-//      next time the expert is used. scale_inv = scale_inverse(scale) either way (fp8.cuh: the
+//      scale (a window of zeros, inf, NaN), as TransformerEngine's delayed scaling does:
+//      resetting to 1 would underflow E5M2 gradients the next time the expert is used. scale_inv = scale_inverse(scale) either way (fp8.cuh: the
 //      bits the reference reproduces).
 // With reset_amax != 0, thread 0 writes amax[t] = 0 at the end, once every thread has read it (all
 // threads read it into `newest` before the first barrier of the roll, which runs at least once
-// as L >= 1, and nothing reads amax[t] afterwards): forwards then max-merge their amaxes into a
+// as L >= 1, and nothing reads amax[t] afterwards; an idle tensor has no barrier, but its amax
+// is a zero or a denormal, so a thread that reads the 0 written over it takes the same branch): forwards then max-merge their amaxes into a
 // zero buffer until the next update, with no separate zeroing launch.
 //
 // Tensors [0, num_e4m3) use E4M3's maximum, the rest E5M2's (HYBRID: inputs and weights E4M3,
@@ -62,9 +66,11 @@ scale_update_kernel(float* __restrict__ history, float* __restrict__ amax,
     const i64 L = history_len;
     float* h = history + t * L;
     const float newest = amax[t];
+    // one value per block, so every thread takes the same branch around the barriers below
+    const bool idle = (f32_bits(newest) & 0x7F800000u) == 0u;   // +-0 or denormal
 
     float best = bits_f32(0xFF800000u);       // -inf: "no entry yet"; NaN entries never win
-    const i64 chunks = (L + SU_THREADS - 1) / SU_THREADS;
+    const i64 chunks = idle ? 0 : (L + SU_THREADS - 1) / SU_THREADS;
     for (i64 c = chunks - 1; c >= 0; --c) {
         const i64 i = c * SU_THREADS + tid;
         float v = 0.f;
@@ -76,8 +82,8 @@ scale_update_kernel(float* __restrict__ history, float* __restrict__ amax,
         }
     }
 
-    float reduced = newest;
-    if (ALGO == AmaxAlgo::MAX) {
+    float reduced = newest;                   // idle: 0 or a denormal, never usable
+    if (ALGO == AmaxAlgo::MAX && !idle) {
         __shared__ float s_best[SU_THREADS];
         s_best[tid] = best;
         __syncthreads();

@@ -335,6 +335,24 @@ def test_expert_without_tokens_keeps_its_delayed_scales():
     assert torch.equal(layer.fp8_scale_inv, 1 / after)
 
 
+def test_an_idle_expert_keeps_its_amax_window_as_in_transformer_engine():
+    """Steps in which an expert receives no tokens leave its input and grad-output histories and
+    scales as they are (TransformerEngine's update skips a zero amax), so its old amaxes stay in
+    the window; its weight, cast every step, rolls on."""
+    rec, E = DelayedScaling(amax_history_len=4), 3
+    layer = make_layer(E)
+    x, dy = torch.randn(30, 32) * 8, torch.full((30, 48), 1e-3)
+    run(layer, x, [10, 5, 15], rec, False, dy=dy)
+    h0, s0 = layer.fp8_amax_history.clone(), layer.fp8_scale.clone()
+    for _ in range(2):
+        run(layer, x / 8, [10, 0, 20], rec, False, dy=dy)
+    idle = [1, 2 * E + 1]                                   # expert 1: input, grad output
+    assert torch.equal(layer.fp8_amax_history[idle], h0[idle])
+    assert torch.equal(layer.fp8_scale[idle], s0[idle])
+    assert not torch.equal(layer.fp8_amax_history[E + 1], h0[E + 1])     # its weight rolled
+    assert not torch.equal(layer.fp8_amax_history[0], h0[0])             # expert 0 rolled
+
+
 def test_delayed_scaling_state_repr_is_short_and_reads_no_device_data():
     from cugrouped.pytorch.fp8_state import DelayedScalingState
 
@@ -565,8 +583,9 @@ def test_forwards_ahead_of_their_backwards_keep_every_amax():
     for y in outs:
         y.sum().backward()
     amax_big = torch.stack([t.abs().max() for t in big.detach().split([10, 5, 15])])
-    torch.testing.assert_close(layer.fp8_amax_history[0:3, 1], amax_big, rtol=0, atol=0)
-    assert torch.all(layer.fp8_amax_history[0:3, 0] == 0)    # B2: no forward since B1's roll
+    torch.testing.assert_close(layer.fp8_amax_history[0:3, 0], amax_big, rtol=0, atol=0)
+    # B2: no forward since B1's update, so its input amaxes are 0 and leave the window alone
+    assert torch.all(layer.fp8_amax_history[0:3, 1:] == 0)
 
 
 def test_delayed_scaling_step_issues_no_extra_amax_ops():

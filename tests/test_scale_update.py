@@ -150,6 +150,30 @@ def test_unusable_amax_keeps_the_previous_scale(backend, algo):
     np.testing.assert_array_equal(_bits(scale_inv), _bits(reference.scale_inverse(want)))
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_a_step_that_measured_nothing_leaves_history_and_scale(backend, algo):
+    """TransformerEngine's update: a new amax of 0 (an expert without tokens, a weight not cast
+    again) neither rolls the history nor moves the scale, so old large amaxes are not pushed out
+    of the window by idle steps (the scale would grow and the expert's next input saturate).
+    -0 and denormals count as 0; a window of length 2 over amaxes 10, 1, 0, 0, 5."""
+    steps = [10.0, 1.0, 0.0, -0.0, 1e-40, 5.0]
+    h = np.zeros((1, 2), np.float32)
+    scale, scale_inv = np.ones(1, np.float32), np.ones(1, np.float32)
+    scales, hists = [], []
+    for a in steps:
+        su.update_scales(h, np.float32([a]), scale, scale_inv, amax_compute_algo=algo,
+                         backend=backend)
+        scales.append(float(scale[0]))
+        hists.append(h[0].tolist())
+    f = np.float32
+    want = [448 / f(10), 448 / f(10), 448 / f(10), 448 / f(10), 448 / f(10), 448 / f(5)] \
+        if algo == "max" else [448 / f(10), 448.0, 448.0, 448.0, 448.0, 448 / f(5)]
+    assert scales == [float(np.float32(v)) for v in want]
+    assert hists[2:5] == [[1.0, 10.0]] * 3 and hists[5] == [5.0, 1.0]
+    assert scale_inv[0] == reference.scale_inverse(scale)[0]
+
+
 def test_nan_entries_are_skipped_by_the_max():
     h = np.float32([[np.nan, 4.0, np.nan], [np.nan, np.nan, np.nan]])
     np.testing.assert_array_equal(reference.reduce_history(h, "max"), np.float32([4.0, -np.inf]))

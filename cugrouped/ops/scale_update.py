@@ -124,14 +124,17 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
     Parameters
     ----------
     amax_history : float32 ``(T, L)``, C-contiguous; row ``t`` is tensor ``t``'s window, newest
-        first. Updated in place: ``h[t] = [amax[t], h[t, 0], ..., h[t, L-2]]``.
+        first. Updated in place: ``h[t] = [amax[t], h[t, 0], ..., h[t, L-2]]``, except where
+        ``amax[t]`` is 0 (``+-0`` or a denormal: the tensor measured nothing this step, e.g. an
+        expert without tokens): that row and its scale stay as they are, as in
+        TransformerEngine's update, so idle steps do not push old amaxes out of the window.
     amax : float32 ``(T,)``: this step's amax of each tensor (what the cast wrote). With
         ``reset_amax`` it is zeroed once read (in the same launch): the buffer starts the next
         window empty, ready for casts that max-merge into it (``amax_accumulate``).
     scale, scale_inv : float32 ``(T,)``, updated: ``scale = compute_scale(reduced, margin)``
         (``fp8_max / amax / 2^margin``) when the reduced amax is positive, normal and finite;
-        otherwise (amax 0 after a whole window without tokens, inf, NaN) the previous ``scale`` is
-        kept, as TransformerEngine does. ``scale_inv = 1 / scale`` either way.
+        otherwise (an idle step, a window of zeros, inf, NaN) the previous ``scale`` is kept, as
+        TransformerEngine does. ``scale_inv = 1 / scale`` either way.
     fp8_format : one format, or one per tensor with the E4M3 tensors first (see
         :func:`split_formats`).
     amax_compute_algo : ``"max"`` over the window's non-NaN entries (NaN entries are skipped,

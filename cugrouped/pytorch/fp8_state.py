@@ -8,8 +8,10 @@ the single format boundary the update kernel takes (one launch for all 3E tensor
 ``amax`` holds the pending amaxes: forward casts (input, weight) max-merge into their slices,
 so forwards that run ahead of their backwards (pipeline schedules) all count; the grad-output
 cast writes its slice. The update (once per step, in the layer's backward) rolls them into
-``amax_history``, recomputes ``scale`` / ``scale_inv`` and zeroes ``amax``. A cast in step t therefore uses the
-scale derived from the amaxes of steps < t (TransformerEngine's delayed scaling).
+``amax_history`` (a tensor whose pending amax is 0, e.g. an expert without tokens, keeps its
+history and scale, as in TransformerEngine), recomputes ``scale`` / ``scale_inv`` and zeroes
+``amax``. A cast in step t therefore uses the scale derived from the amaxes of steps < t
+(TransformerEngine's delayed scaling).
 """
 
 from __future__ import annotations

@@ -81,9 +81,10 @@ class DelayedScaling:
     kept on the device and updated for all experts in one launch per step.
 
     ``scale = fp8_max / reduce(history) / 2^margin`` where ``reduce`` is ``"max"`` over the last
-    ``amax_history_len`` steps (NaN entries skipped) or ``"most_recent"``. A reduced amax that is
-    0 (an expert that saw no tokens in the window), inf or NaN keeps the previous scale, as in
-    TransformerEngine; a fresh state starts from scale 1.
+    ``amax_history_len`` steps (NaN entries skipped) or ``"most_recent"``. As in
+    TransformerEngine, a step whose amax is 0 (an expert that received no tokens, a weight reused
+    with ``is_first_microbatch=False``) leaves that tensor's history and scale as they are, and a
+    reduced amax that is inf or NaN keeps the previous scale; a fresh state starts from scale 1.
 
     When the scales move: a layer's backward updates all three tensors' scales, for all experts,
     in one launch; a forward only records its amaxes (max-merged until that backward). This

@@ -1,6 +1,8 @@
 """NumPy reference twin of :func:`cugrouped.ops.scale_update.update_scales`: defines the bits.
 
-Written from the contract (design.md §3 and the header of ``kernels_cu/scale_update.cu``): the
+Written from the contract (design.md §3 and the header of ``kernels_cu/scale_update.cu``): a
+tensor whose new amax is 0 (``+-0`` or a denormal: it measured nothing this step) keeps its
+history and scale, as in TransformerEngine; otherwise the
 history is rolled by one with the new amax in front (values moved bit for bit), reduced by
 ``max`` over the window's non-NaN entries (-inf when there are none) or ``most_recent``; then
 ``scale = compute_scale(reduced, margin)`` where the reduced amax is usable (positive, normal,
@@ -40,16 +42,16 @@ def update_scales(amax_history, amax, scale, scale_inv, *, fp8_format="e4m3",
     h = np.asarray(amax_history)
     bits = h.view(np.uint32)
     new = np.asarray(amax, dtype=np.float32).view(np.uint32).copy()
-    if L > 1:
-        bits[:, 1:] = bits[:, :-1].copy()
-    bits[:, 0] = new
+    idle = (new & np.uint32(0x7F800000)) == 0           # +-0 or denormal: nothing measured
+    rolled = np.concatenate([new[:, None], bits[:, :-1]], axis=1)
+    bits[~idle] = rolled[~idle]
     reduced = reduce_history(h, amax_compute_algo)
     if amax_compute_algo == "most_recent":
         reduced = new.view(np.float32).copy()
     s = np.empty(T, dtype=np.float32)
     s[:n4] = rfp8.compute_scale(reduced[:n4], "e4m3", margin)
     s[n4:] = rfp8.compute_scale(reduced[n4:], "e5m2", margin)
-    s = np.where(rfp8.amax_usable(reduced), s, np.asarray(scale, dtype=np.float32))
+    s = np.where(rfp8.amax_usable(reduced) & ~idle, s, np.asarray(scale, dtype=np.float32))
     np.asarray(scale)[...] = s
     np.asarray(scale_inv)[...] = rfp8.scale_inverse(s)
     if reset_amax:
