@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import gc
 import warnings
 
@@ -804,6 +805,9 @@ def test_constructor_and_recipe_errors():
         with pytest.raises(ValueError, match="device: 'cuda' .*device='cpu'"):
             GroupedLinear(2, 16, 16)
     assert GroupedLinear(2, 16, 16, device=None).weight0.device == torch.get_default_device()
+    assert GroupedLinear(2, 16, 16, device="cpu", name="experts.fc1").name == "experts.fc1"
+    with pytest.raises(TypeError, match="name: expected None or a str"):
+        GroupedLinear(2, 16, 16, device="cpu", name=1)
 
 
 def test_autocast_is_fp8_autocast_under_te_names():
@@ -873,9 +877,24 @@ def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
     dst.load_state_dict(te_style)
     assert dst.fp8_state() is None
     assert all(torch.equal(a, b) for a, b in zip(dst.parameters(), src.parameters()))
-    te_style["_extra_state"] = torch.ones(16, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="TransformerEngine's serialized format.*_extra_state"):
-        dst.load_state_dict(te_style)
+    # TE's payload of a stateless recipe (current, block, MXFP8 scaling) holds no scales: it
+    # loads as no FP8 state; delayed scaling's (pickled in a uint8 tensor, or torch.save'd into
+    # BytesIO by older TE) is refused with what to do, and the advice works
+    import pickle
+    blob = lambda obj: torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # noqa
+    dst.init_fp8_state(DelayedScaling())
+    dst.load_state_dict({**te_style, "_extra_state": blob(
+        {"recipe": "Float8CurrentScaling()", "extra_fp8_variables": {"num_gemms": 3}})})
+    assert dst.fp8_state() is None
+    delayed = {"scale_fwd": torch.ones(6), "amax_history_fwd": torch.zeros(16, 6),
+               "scale_bwd": torch.ones(3), "amax_history_bwd": torch.zeros(16, 3)}
+    old = io.BytesIO()
+    torch.save(delayed, old)
+    for state in (blob(delayed), old):
+        with pytest.raises(ValueError, match=r"TransformerEngine's delayed-scaling state.*"
+                                             r"torch.empty\(0, dtype=torch.uint8\)"):
+            dst.load_state_dict({**te_style, "_extra_state": state})
+    dst.load_state_dict({**te_style, "_extra_state": torch.empty(0, dtype=torch.uint8)})
 
 
 def test_distributed_checkpoint_round_trip(tmp_path):

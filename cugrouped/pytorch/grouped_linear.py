@@ -152,6 +152,7 @@ class GroupedLinear(torch.nn.Module):
         bits). Saves memory when the input is kept alive anyway (e.g. by the activation
         before it). Refused with ``DelayedScaling``, as in TransformerEngine; no effect
         without FP8.
+    name : str or None  TransformerEngine's label for its debug tools; kept as ``self.name``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
@@ -163,16 +164,16 @@ class GroupedLinear(torch.nn.Module):
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
                  ub_name: str | None = None, delay_wgrad_compute: bool = False,
                  save_original_input: bool = False, single_grouped_weight: bool = False,
-                 single_grouped_bias: bool = False):
+                 single_grouped_bias: bool = False, name: str | None = None):
         super().__init__()
-        for name, v in (("single_grouped_weight", single_grouped_weight),
+        for arg, v in (("single_grouped_weight", single_grouped_weight),
                         ("single_grouped_bias", single_grouped_bias)):
             if not isinstance(v, bool):
-                raise TypeError(f"{name}: expected a bool, got {v!r}")
-        for name, v in (("num_gemms", num_gemms), ("in_features", in_features),
+                raise TypeError(f"{arg}: expected a bool, got {v!r}")
+        for arg, v in (("num_gemms", num_gemms), ("in_features", in_features),
                         ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+                raise ValueError(f"{arg}: expected a positive int, got {v!r}")
         self.tp_size = self._tensor_parallel_size(tp_group, tp_size)
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode: expected None, 'column' or 'row', got "
@@ -185,6 +186,9 @@ class GroupedLinear(torch.nn.Module):
                             f"RNG tracker, got {type(get_rng_state_tracker).__name__}")
         if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
             raise TypeError(f"rng_tracker_name: expected None or a str, got {rng_tracker_name!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name: expected None or a str, got {name!r}")
+        self.name = name                    # TransformerEngine's label for its debug tools
         self.tp_group, self.parallel_mode = tp_group, parallel_mode
         self.sequence_parallel = False      # TransformerEngine: sequence_parallel and tp_size > 1
         self.ub_name = ub_name
@@ -397,10 +401,21 @@ class GroupedLinear(torch.nn.Module):
             self._set_state(None)
             return
         if isinstance(state, (torch.Tensor, io.BytesIO)):
-            raise ValueError("state_dict: this FP8 extra state is TransformerEngine's serialized "
-                             "format, which cugrouped does not read; drop the '_extra_state' "
-                             "entries to start delayed scaling afresh (the weights and biases "
-                             "load as they are)")
+            # TransformerEngine's serialized extra state (a pickle in a uint8 tensor; older
+            # versions torch.save into BytesIO). Never unpickled here: its recipe object is
+            # TE's class. Only delayed scaling stores scales and histories in it; the other
+            # recipes' payload carries no state, so it loads as "no FP8 state".
+            raw = state.getvalue() if isinstance(state, io.BytesIO) else \
+                state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            if b"amax_history_fwd" not in raw:
+                self._set_state(None)
+                return
+            raise ValueError("state_dict: this FP8 extra state is TransformerEngine's delayed-"
+                             "scaling state, in its serialized format, which cugrouped does not "
+                             "read; to start delayed scaling afresh, replace each "
+                             "'_extra_state' entry with torch.empty(0, dtype=torch.uint8) "
+                             "(TransformerEngine's 'no FP8 state'): the weights and biases load "
+                             "as they are")
         if not isinstance(state, dict):
             raise TypeError(f"state_dict: expected the FP8 extra state as a dict, got "
                             f"{type(state).__name__}")
