@@ -767,6 +767,9 @@ def test_constructor_and_recipe_errors():
         DelayedScaling(amax_compute_algo="mean")
     with pytest.raises(TypeError, match="fp8_format"):
         Float8CurrentScaling(fp8_format="hybrid")
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        with pytest.raises(ValueError, match="fp8_format: pure E5M2 training is not supported"):
+            cls(fp8_format=Format.E5M2)
     with pytest.raises(TypeError, match="fp8_recipe"):
         with fp8_autocast(fp8_recipe="delayed"):
             pass

@@ -28,10 +28,12 @@ __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScali
 
 
 class Format(enum.Enum):
-    """FP8 formats of the forward (inputs, weights) and backward (grad output) tensors."""
+    """FP8 formats of the forward (inputs, weights) and backward (grad output) tensors. ``E5M2``
+    exists as in TransformerEngine, and as there the recipes refuse it (pure E5M2 training)."""
 
     E4M3 = "e4m3"
     HYBRID = "hybrid"
+    E5M2 = "e5m2"
 
     @property
     def forward(self) -> str:
@@ -46,6 +48,9 @@ def _check_format(fmt) -> None:
     if not isinstance(fmt, Format):
         raise TypeError(f"fp8_format: expected a cugrouped.pytorch.Format (E4M3 or HYBRID), got "
                         f"{fmt!r}")
+    if fmt is Format.E5M2:
+        raise ValueError("fp8_format: pure E5M2 training is not supported (as in "
+                         "TransformerEngine); use Format.HYBRID (E5M2 gradients) or Format.E4M3")
 
 
 def _check_margin(margin) -> None:
