@@ -163,8 +163,7 @@ def compile_check(archs: tuple[str, ...] = ARCHS, *, names: tuple[str, ...] | No
         import cupy  # noqa: F401  (NVRTC is reached through CuPy)
     except ImportError:
         echo("compile-check: needs CuPy and NVRTC: pip install '.[cuda13]' (or '.[cuda12]') in the "
-             "checkout; "
-             "no GPU or CUDA toolkit is needed")
+             "checkout; no GPU or CUDA toolkit is needed")
         return 2
     from . import ops  # noqa: F401  (importing the ops registers their kernel specs)
 

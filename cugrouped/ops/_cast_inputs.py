@@ -19,7 +19,7 @@ import numpy as np
 from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_is_device, as_view
 
 __all__ = ["GroupedInput", "normalize_inputs", "row_stride", "check_scale_options",
-           "check_count_array"]
+           "check_count_array", "rows_readable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,13 @@ class GroupedInput:
     m_dev: ArrayView | None = None
     row_index: ArrayView | None = None  # gather: int64 (total_rows,) rows of ``base`` (tokens)
     src_rows: int = 0                   # gather: rows of ``base``
+
+
+def rows_readable(shape: tuple, strides: tuple) -> bool:
+    """Whether the cast kernels read a 2-D ``(m, k)`` layout (strides in elements) as it is: unit
+    column stride and rows at least ``k`` apart (either free with one column or one row)."""
+    m, k = shape
+    return m == 0 or ((k <= 1 or strides[1] == 1) and (m <= 1 or strides[0] >= k))
 
 
 def check_count_array(ndim: int, integer: bool, got: str) -> None:
@@ -200,8 +207,8 @@ def _check_views(views: list[ArrayView], is_list: bool) -> None:
                         f"bfloat16, got {dt}{hint}")
     for i, v in enumerate(views):
         shape = v.shape
-        if len(shape) == 2 and shape[1] == k and v.dtype == dt and (v.kind, v.device) == place and (
-                shape[0] == 0 or ((k <= 1 or v.strides[1] == 1) and (shape[0] <= 1 or v.strides[0] >= k))):
+        if len(shape) == 2 and shape[1] == k and v.dtype == dt and (v.kind, v.device) == place and \
+                rows_readable(shape, v.strides):
             continue                                   # the common case: one test per view
         name = f"inputs[{i}]" if is_list else "inputs"
         if len(shape) != 2:

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..ops._cast_inputs import rows_readable
 from . import _custom_ops as cops
 from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _split, _WgradStore,
                                  main_grad_dtype,
@@ -904,12 +905,9 @@ def check_params_args(params_dtype, device) -> torch.device:
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (2-D) itself when the cast kernel can read it (unit column stride, rows at least a
-    row apart), else a contiguous copy (a differentiable one)."""
-    m, k = x.shape
-    if m == 0 or ((k <= 1 or x.stride(1) == 1) and (m <= 1 or x.stride(0) >= k)):
-        return x
-    return x.contiguous()
+    """``x`` (2-D) itself when the cast kernels can read it, else a contiguous copy (a
+    differentiable one)."""
+    return x if rows_readable(tuple(x.shape), x.stride()) else x.contiguous()
 
 
 def _load_either_layout(module: "GroupedLinear", state_dict, prefix, *args) -> None:
