@@ -86,7 +86,7 @@ def _copy_states(states: dict) -> dict:
 
 def recomputing() -> bool:
     """Whether this runs inside a checkpoint's recomputation."""
-    return bool(_PHASE) and _PHASE[-1][0] == "recompute"
+    return len(_PHASE) > 0 and _PHASE[-1][0] == "recompute"
 
 
 def delayed_scale_for(module, scale: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -631,7 +631,7 @@ class GroupedLinear(torch.nn.Module):
             if calibration is not None and not recomputing():
                 self._calibrate(calibration, tuple(_row_major(x) for x in xs), splits,
                                 list_mode)
-            cfg = _Config(list_mode, E, k, n, bool(bs), False,
+            cfg = _Config(list_mode, E, k, n, len(bs) > 0, False,
                           fuse_wgrad=fuse, accumulate_main_grad=accumulate,
                           wgrad_store=self._wgrad_queue(),
                           grad_accs=self._grad_accumulators(), lazy_main_grad=lazy,
@@ -875,8 +875,8 @@ class GroupedLinear(torch.nn.Module):
             "hp_wgrad" if recipe.override_linear_precision[2] else "fp8")
         wq = self._fp8_weights(recipe, is_first_microbatch, scale, amax, cast_backend,
                                need_dgrad and mode in ("fp8", "hp_wgrad"), recompute)
-        fuse_bias = bool(bs) and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
-        cfg = _Config(list_mode, E, k, n, bool(bs), True, recipe.fp8_format.forward,
+        fuse_bias = len(bs) > 0 and bs[0].dtype == cops.fused_bias_dtype(first.dtype)
+        cfg = _Config(list_mode, E, k, n, len(bs) > 0, True, recipe.fp8_format.forward,
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", n_e4m3, fuse_bias,
                       fuse, accumulate_main_grad, cast_backend,

@@ -442,7 +442,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | N
 def is_fp8_enabled() -> bool:
     """True inside an enabled ``fp8_autocast`` (the innermost one decides), as in
     TransformerEngine."""
-    return bool(_STACK) and _STACK[-1][0]
+    # len(), not bool(): torch 2.11's Dynamo cannot trace bool() of a list (the GPU image's torch)
+    return len(_STACK) > 0 and _STACK[-1][0]
 
 
 def get_fp8_recipe() -> Recipe | None:
