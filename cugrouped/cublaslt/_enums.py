@@ -8,7 +8,7 @@ between cuBLAS 11 and 13.
 
 from __future__ import annotations
 
-__all__ = ["STATUS_NAMES", "status_name", "DTYPE_TO_CUDA", "HEADER_VALUES"]
+__all__ = ["STATUS_NAMES", "status_name", "DTYPE_TO_CUDA", "HEADER_VALUES", "GROUPED_NAMES"]
 
 # cublasStatus_t (cublas_api.h)
 CUBLAS_STATUS_SUCCESS = 0
@@ -70,8 +70,9 @@ CUBLASLT_MATRIX_LAYOUT_ROWS = 2
 CUBLASLT_MATRIX_LAYOUT_COLS = 3
 CUBLASLT_MATRIX_LAYOUT_LD = 4
 CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5
-# Grouped GEMM (cuBLAS 13.1+, "experimental" in the header): per-group shapes in device arrays
 CUBLASLT_MATRIX_LAYOUT_BATCH_MODE = 8
+# Grouped GEMM (cuBLAS 13.2+, "experimental" in the header; GROUPED_NAMES below): per-group
+# shapes in device arrays
 CUBLASLT_GROUPED_MATRIX_LAYOUT_ROWS_ARRAY = 9
 CUBLASLT_GROUPED_MATRIX_LAYOUT_COLS_ARRAY = 10
 CUBLASLT_GROUPED_MATRIX_LAYOUT_LD_ARRAY = 11
@@ -106,6 +107,12 @@ CUBLASLT_SEARCH_BEST_FIT = 0
 # Every constant above, by its header name (the test checks each against the headers).
 HEADER_VALUES: dict[str, int] = {k: v for k, v in dict(globals()).items()
                                  if k.startswith(("CUBLAS_", "CUBLASLT_", "CUDA_R_"))}
+
+# The grouped GEMM's constants: headers before cuBLAS 13.2 (13.1.2 included) have none of them.
+GROUPED_NAMES: frozenset[str] = frozenset(
+    k for k in HEADER_VALUES
+    if "GROUPED" in k or k in ("CUBLASLT_INTEGER_WIDTH_32",
+                               "CUBLASLT_MATMUL_MATRIX_SCALE_PER_BATCH_SCALAR_32F"))
 
 STATUS_NAMES: dict[int, str] = {v: k for k, v in HEADER_VALUES.items() if k.startswith("CUBLAS_STATUS_")}
 

@@ -172,7 +172,7 @@ class MatrixLayout(_Descriptor):
 
 
 class GroupedMatrixLayout(MatrixLayout):
-    """A grouped layout (``cublasLtGroupedMatrixLayoutCreate``, cuBLAS 13.1+): ``count`` column-major
+    """A grouped layout (``cublasLtGroupedMatrixLayoutCreate``, cuBLAS 13.2+): ``count`` column-major
     matrices whose rows, columns and leading dimensions are read by the GEMM from the device arrays
     at ``rows_ptr``, ``cols_ptr``, ``ld_ptr`` (int32 each, the default integer width, set
     explicitly). Creating it only records the addresses: no GPU needed."""
@@ -182,7 +182,7 @@ class GroupedMatrixLayout(MatrixLayout):
         create = getattr(self._lib, "cublasLtGroupedMatrixLayoutCreate", None)
         if create is None:
             raise CublasLtError("cublasLtGroupedMatrixLayoutCreate", E.CUBLAS_STATUS_NOT_SUPPORTED,
-                                "this libcublasLt has no grouped GEMM (needs cuBLAS 13.1+)")
+                                "this libcublasLt has no grouped GEMM (needs cuBLAS 13.2+)")
         self._destroy = self._lib.cublasLtMatrixLayoutDestroy
         self._setter = self._lib.cublasLtMatrixLayoutSetAttribute
         self._getter = self._lib.cublasLtMatrixLayoutGetAttribute

@@ -51,7 +51,7 @@ def grouped_gemm_unsupported(version: int, compute_capability: int, *, fp8: bool
                              has_symbol: bool = True) -> str | None:
     """Why cuBLASLt's grouped GEMM cannot run this configuration, or None if it can."""
     if not has_symbol:
-        return f"libcublasLt {version} has no cublasLtGroupedMatrixLayoutCreate (needs 13.1+)"
+        return f"libcublasLt {version} has no cublasLtGroupedMatrixLayoutCreate (needs 13.2+)"
     if in_dtype not in _GROUPED_INPUTS:
         return f"grouped GEMM inputs must be FP8, bfloat16 or float16, got {in_dtype}"
     cc = int(compute_capability)
