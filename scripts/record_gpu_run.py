@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Put a GPU check's results into the repository, after a device run.
+
+    python scripts/record_gpu_run.py FILES_AT/gc
+
+copies what ``scripts/gpu_check.sh OUT_DIR`` left in ``OUT_DIR`` (log, JUnit XMLs, CSV, plots) to
+``benchmarks/results/<date>-<gpu>/`` and writes a summary into README's Status between the
+``<!-- gpu-results:begin -->`` and ``<!-- gpu-results:end -->`` markers: when and where it ran
+(GPU, driver, CUDA, cuBLASLt, torch, CuPy, the commit), each test stage's counts and failures,
+how each stage ended, and the targets table (``cugrouped.bench.targets``) of the CSV's rows.
+Prints what it wrote; ``--dry-run`` only prints. Pure file work: no GPU, no network. A stage
+that left no file is reported as such, not skipped silently (a bench that failed still has its
+tests recorded, and the other way round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
+FILES = ("gpu_check.log", "gpu_tests.xml", "gpu_tests_block.xml", "bench.csv", "bench-cast.png",
+         "bench-gemm.png", "bench-layer.png", "bench-host.png")
+TEST_STAGES = (("GPU tests", "gpu_tests.xml"), ("GPU tests, block scaling", "gpu_tests_block.xml"))
+
+
+def junit_summary(path: Path) -> dict:
+    """Counts of a JUnit XML (pytest's) and the ids of the tests that failed or errored."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    out = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "failed": []}
+    for s in suites:
+        for key in ("tests", "failures", "errors", "skipped"):
+            out[key] += int(s.get(key, 0))
+        for case in s.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                out["failed"].append(f"{case.get('classname', '')}::{case.get('name', '')}")
+    out["passed"] = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def run_facts(rows: list[dict], log: str) -> dict:
+    """Date, GPU and versions (the CSV's environment columns, else the log) and the commit."""
+    first = rows[0] if rows else {}
+    facts = {k: first.get(k, "") for k in ("date", "gpu", "driver", "cuda_runtime", "cublaslt",
+                                           "torch", "cupy", "numpy", "python")}
+    m = re.search(r"^== gpu_check (\d{4}-\d{2}-\d{2})T\S* at (\S+)", log, re.M)
+    if m:
+        facts["date"] = facts["date"] or m.group(1)
+        facts["commit"] = m.group(2)
+    if not facts["gpu"]:           # no CSV: nvidia-smi's line follows the header in the log
+        m = re.search(r"^== gpu_check .*\n(NVIDIA [^,\n]+)", log, re.M)
+        facts["gpu"] = m.group(1).strip() if m else ""
+    return facts
+
+
+def slug(gpu: str) -> str:
+    """``'NVIDIA H200'`` -> ``'h200'``; ``'NVIDIA GeForce RTX 4090'`` -> ``'geforce-rtx-4090'``."""
+    s = re.sub(r"^nvidia\s+", "", gpu.strip(), flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+
+
+def stage_endings(log: str) -> list[str]:
+    """The log's ``== <stage>: rc=N in S s`` / ``STOPPED`` / ``SKIPPED`` lines and its last line."""
+    return [line[3:] for line in log.splitlines()
+            if line.startswith("== ") and re.search(r": (rc=|STOPPED|SKIPPED)|^== done", line)]
+
+
+def version_text(v: str) -> str:
+    """cuBLASLt's ``major*10000 + minor*100 + patch`` and CUDA's ``major*1000 + minor*10`` as
+    dotted versions (anything else as it is)."""
+    if not str(v).isdigit():
+        return str(v)
+    n = int(v)
+    if n >= 100000:
+        return f"{n // 10000}.{n // 100 % 100}.{n % 100}"
+    return f"{n // 1000}.{n % 1000 // 10}"
+
+
+def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: str | None) -> str:
+    lines = [BEGIN, "",
+             f"Latest GPU run: **{facts.get('gpu') or 'GPU ?'}**, {facts.get('date') or 'date ?'}, "
+             f"commit `{facts.get('commit', '?')}`; driver {version_text(facts.get('driver', '?'))}, "
+             f"CUDA runtime {version_text(facts.get('cuda_runtime', '?'))}, cuBLASLt "
+             f"{version_text(facts.get('cublaslt', '?'))}, torch {facts.get('torch') or '?'}, "
+             f"CuPy {facts.get('cupy') or '?'}. Files: `{dest}/`.", ""]
+    for stage, xml in TEST_STAGES:
+        t = tests.get(xml)
+        if t is None:
+            lines.append(f"- {stage}: no `{xml}` (the stage did not run or was killed)")
+            continue
+        lines.append(f"- {stage}: {t['passed']} passed, {t['failures'] + t['errors']} failed, "
+                     f"{t['skipped']} skipped")
+        lines += [f"  - FAILED `{name}`" for name in t["failed"]]
+    lines += [f"- stage `{e}`" for e in endings]
+    lines.append("")
+    if targets:
+        lines += ["```", targets, "```"]
+    else:
+        lines.append("No `bench.csv`: no targets table.")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def update_readme(text: str, block: str) -> str:
+    """``text`` with the part between the markers (markers included) replaced by ``block``."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"README: expected the markers {BEGIN} ... {END} (in Status)")
+    return text[:i] + block + text[j + len(END):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", help="the folder scripts/gpu_check.sh wrote (the device run's gc/)")
+    ap.add_argument("--repo", default=str(ROOT), help="the checkout to record into")
+    ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    args = ap.parse_args(argv)
+    src, repo = Path(args.out_dir), Path(args.repo)
+    if not src.is_dir():
+        print(f"record_gpu_run: out_dir: {src} is not a folder", file=sys.stderr)
+        return 2
+    present = [f for f in FILES if (src / f).is_file()]
+    if not present:
+        print(f"record_gpu_run: out_dir: none of {', '.join(FILES)} in {src}", file=sys.stderr)
+        return 2
+    log = (src / "gpu_check.log").read_text(errors="replace") if "gpu_check.log" in present else ""
+    rows = read_rows(src / "bench.csv") if "bench.csv" in present else []
+    facts = run_facts(rows, log)
+    if not facts.get("date") or not facts.get("gpu"):
+        print("record_gpu_run: cannot tell the run's date and GPU (no bench.csv rows, no log "
+              "header)", file=sys.stderr)
+        return 2
+    tests = {xml: junit_summary(src / xml) for _, xml in TEST_STAGES if xml in present}
+    targets = None
+    if rows:
+        sys.path.insert(0, str(repo))
+        from cugrouped.bench.targets import check_targets, format_targets
+
+        targets = format_targets(check_targets(rows), quick=True)
+    dest_rel = f"benchmarks/results/{facts['date']}-{slug(facts['gpu'])}"
+    block = summary(dest_rel, facts, tests, stage_endings(log), targets)
+    readme = repo / "README.md"
+    new_text = update_readme(readme.read_text(), block)
+    print(block)
+    if args.dry_run:
+        return 0
+    dest = repo / dest_rel
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in present:
+        shutil.copyfile(src / f, dest / f)
+    readme.write_text(new_text)
+    print(f"record_gpu_run: copied {len(present)} files to {dest_rel}/ and updated README.md "
+          f"(Status)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""scripts/record_gpu_run.py: a GPU check's folder into benchmarks/results/ and README's Status.
+The JUnit XMLs are written by a real pytest run (pass, fail, error, skip), the CSV by the bench's
+own writer with rows the targets read, the log in gpu_check.sh's format."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("record_gpu_run", ROOT / "scripts" / "record_gpu_run.py")
+rec = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rec)
+
+LOG = """gpu_check: python 3.12.3; numpy 2.5.2; torch 2.11.0
+== gpu_check 2027-01-15T10:00:00Z at abc1234
+NVIDIA H200, 580.159.03, 143771 MiB, 1980 MHz, 3201 MHz
+== kernel warm-up (limit 120 s)
+compiled 120 in 40.0 s
+== kernel warm-up: rc=0 in 41 s
+== GPU tests (limit 210 s)
+== GPU tests: rc=1 in 150 s
+== GPU tests, block scaling: STOPPED at its 60 s limit
+== GPU tests, block scaling: rc=124 in 80 s
+== benchmarks: rc=0 in 160 s
+== done in 520 s: tests rc=1 block tests rc=124 bench rc=0 notebooks rc=0
+"""
+
+ENV = dict(date="2027-01-15", gpu="NVIDIA H200", driver=13000, cuda_runtime=13000,
+           cublaslt=130100, torch="2.11.0+cu130", cupy="14.2.0")
+ROWS = [dict(op="cast", config="E8-k7168", scaling="current", impl="cugrouped", pct_copy_bw=93.5),
+        dict(op="cast", config="E64-k4096", scaling="current", impl="cugrouped", pct_copy_bw=81.25),
+        dict(op="gemm", config="E8", pass_name="fprop", impl="cugrouped-fp8", host_us_per_expert=2.5)]
+
+
+def _junit(tmp_path: Path, name: str, body: str) -> Path:
+    """A JUnit XML written by pytest itself for a small test file."""
+    src = tmp_path / f"t_{Path(name).stem}.py"
+    src.write_text(body)
+    xml = tmp_path / name
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src),
+                    f"--junitxml={xml}"], cwd=tmp_path, capture_output=True)
+    return xml
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    from cugrouped.bench import _write_csv
+
+    out = tmp_path / "gc"
+    out.mkdir()
+    (out / "gpu_check.log").write_text(LOG)
+    shutil.copy(_junit(tmp_path, "gpu_tests.xml", """
+import pytest
+def test_ok(): pass
+def test_bad(): assert 1 == 2
+@pytest.fixture
+def broken(): raise RuntimeError("setup")
+def test_err(broken): pass
+def test_skip(): pytest.skip("no sm_100")
+"""), out / "gpu_tests.xml")
+    _write_csv(ROWS, ENV, out)
+    (out / "bench-cast.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README.md").write_text(f"# x\n\n## Status\n\nbefore\n{rec.BEGIN}\nold\n{rec.END}\nafter\n")
+    return out, repo
+
+
+def test_junit_summary_of_a_real_pytest_report(tmp_path):
+    xml = _junit(tmp_path, "r.xml", "import pytest\ndef test_a(): pass\ndef test_b(): assert 0\n"
+                                    "def test_c(): pytest.skip('x')\n")
+    s = rec.junit_summary(xml)
+    assert (s["tests"], s["passed"], s["failures"], s["errors"], s["skipped"]) == (3, 1, 1, 0, 1)
+    assert s["failed"] == ["t_r::test_b"]
+
+
+def test_records_files_and_readme(run_dir):
+    out, repo = run_dir
+    assert rec.main([str(out), "--repo", str(repo)]) == 0
+    dest = repo / "benchmarks" / "results" / "2027-01-15-h200"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["gpu_check.log", "gpu_tests.xml", "bench.csv", "bench-cast.png"])
+    assert (dest / "gpu_check.log").read_text() == LOG
+    text = (repo / "README.md").read_text()
+    assert text.startswith("# x\n\n## Status\n\nbefore\n" + rec.BEGIN) and text.endswith(rec.END + "\nafter\n")
+    assert "old" not in text and text.count(rec.BEGIN) == 1 and text.count(rec.END) == 1
+    assert "**NVIDIA H200**, 2027-01-15, commit `abc1234`" in text
+    assert "cuBLASLt 13.1.0" in text and "CUDA runtime 13.0" in text
+    # the real report: 1 passed, test_bad failed and test_err errored, 1 skipped
+    assert "- GPU tests: 1 passed, 2 failed, 1 skipped" in text
+    assert "  - FAILED `t_gpu_tests::test_bad`" in text and "  - FAILED `t_gpu_tests::test_err`" in text
+    assert "no `gpu_tests_block.xml`" in text
+    assert "- stage `GPU tests, block scaling: STOPPED at its 60 s limit`" in text
+    assert "- stage `done in 520 s: tests rc=1 block tests rc=124 bench rc=0 notebooks rc=0`" in text
+    # the targets table from the CSV's rows: the worst cast row misses 90 %, the host time meets 3 us
+    assert re.search(r"cast: % of copy bandwidth +>= 90% +worst +81\.25% +MISSED \(E64-k4096 current; 2 rows\)", text)
+    assert re.search(r"host time per expert +<= 3us +worst +2\.50us met", text)
+    assert "not measured in this run" in text        # the peers' rows are absent
+
+
+def test_failed_ids_name_the_test(run_dir):
+    out, _ = run_dir
+    s = rec.junit_summary(out / "gpu_tests.xml")
+    assert sorted(n.split("::")[1] for n in s["failed"]) == ["test_bad", "test_err"]
+
+
+def test_dry_run_writes_nothing(run_dir, capsys):
+    out, repo = run_dir
+    before = (repo / "README.md").read_text()
+    assert rec.main([str(out), "--repo", str(repo), "--dry-run"]) == 0
+    assert (repo / "README.md").read_text() == before
+    assert not (repo / "benchmarks").exists()
+    assert "Latest GPU run" in capsys.readouterr().out
+
+
+def test_no_csv_still_records_the_tests(run_dir):
+    out, repo = run_dir
+    (out / "bench.csv").unlink()
+    assert rec.main([str(out), "--repo", str(repo)]) == 0
+    text = (repo / "README.md").read_text()
+    assert "No `bench.csv`: no targets table." in text
+    assert "**NVIDIA H200**, 2027-01-15" in text        # date and GPU from the log
+
+
+def test_refusals(run_dir, tmp_path, capsys):
+    out, repo = run_dir
+    assert rec.main([str(tmp_path / "missing"), "--repo", str(repo)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert rec.main([str(empty), "--repo", str(repo)]) == 2
+    assert "none of gpu_check.log" in capsys.readouterr().err
+    (repo / "README.md").write_text("# no markers\n")
+    with pytest.raises(ValueError, match="expected the markers"):
+        rec.main([str(out), "--repo", str(repo)])
+    assert not (repo / "benchmarks").exists()          # nothing copied before the README check
+
+
+@pytest.mark.parametrize("gpu, want", [("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090",
+                                                                  "geforce-rtx-4090"),
+                                       ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"), ("", "gpu")])
+def test_slug(gpu, want):
+    assert rec.slug(gpu) == want
+
+
+def test_the_readme_has_the_markers_once():
+    text = (ROOT / "README.md").read_text()
+    assert text.count(rec.BEGIN) == 1 and text.count(rec.END) == 1
+    assert text.index(rec.BEGIN) > text.index("## Status")
