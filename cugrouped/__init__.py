@@ -22,7 +22,8 @@ Public API::
 PyTorch users: ``cugrouped.pytorch`` (``GroupedLinear``, ``fp8_autocast``, recipes); importing
 ``cugrouped`` itself never imports torch.
 
-Every op takes ``backend="cuda" | "emulate" | "reference"``; see the README.
+The casts, ``update_scales`` and ``scatter_rows_sum`` take ``backend="cuda" | "emulate" |
+"reference"``; the GEMMs ``"cuda" | "reference"`` (cuBLASLt has no CPU emulation); see the README.
 """
 
 from ._jit import warmup

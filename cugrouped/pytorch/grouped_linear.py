@@ -96,7 +96,7 @@ class GroupedLinear(torch.nn.Module):
     call ported from it fails here instead of meaning something else.
 
     num_gemms : int  number of experts E.
-    in_features, out_features : int  k and n (multiples of 16 for FP8).
+    in_features, out_features : int  k and n (multiples of 16 for FP8; of 32 for MXFP8).
     bias : bool  per-expert biases ``bias{i}`` (or one ``bias``: ``single_grouped_bias``).
     params_dtype : torch dtype of ``weight{i}`` ``(n, k)`` and ``bias{i}`` ``(n,)`` (or of the
         single grouped ``weight`` ``(E, n, k)`` and ``bias`` ``(E, n)``)
