@@ -447,21 +447,21 @@ class _FakeEvent:
 
 def host_loop_state(compute_capability: int = 90):
     """A ``_DeviceState`` whose device calls are fakes: the heuristic returns an empty result,
-    ``cublasLtMatmul`` is a ctypes call into libc's ``labs`` (a C call with ctypes argument packing,
-    in place of the GPU call), streams/events do nothing. Everything else is the real loop: the
-    vectorized plan, descriptor and layout caches (real libcublasLt objects), pointer updates."""
+    streams/events do nothing, and ``cublasLtMatmul`` is the real function called through the
+    same ctypes prototype with every argument the loop passes, but a NULL handle, on which it
+    returns at once (the call's argument packing, about 1.5-2 us here, is counted; cuBLAS's own
+    host work and the launch are not). Everything else is the real loop: the vectorized plan,
+    descriptor and layout caches (real libcublasLt objects), pointer updates."""
     import ctypes
-    import ctypes.util
 
-    from ..cublaslt import HeuristicResult
+    from ..cublaslt import HeuristicResult, lib
     from ..ops import grouped_gemm as gg
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    fake_matmul = libc.labs  # one C call; returns its first argument (the handle: 0 = success)
-    fake_matmul.restype = ctypes.c_long
+    real_matmul = lib().cublasLtMatmul
 
-    def matmul(*args):
-        return fake_matmul(0)
+    def matmul(handle, *args):
+        real_matmul(None, *args)      # CUBLAS_STATUS_NOT_INITIALIZED, having packed every argument
+        return 0
 
     return gg._DeviceState(
         0, compute_capability, ctypes.c_void_p(0), [_FakeStream(0x1000 + i) for i in range(gg.NUM_STREAMS)],
