@@ -1,6 +1,6 @@
 // cugrouped/kernels_cu/fp8.cuh -- FP8 / bf16 / fp16 conversions and scale arithmetic.
 //
-// Self-contained (docs/design.md §2, §3, §7): no CUDA header, no system header. Every function here
+// Self-contained (design.md §2, §3, §7): no CUDA header, no system header. Every function here
 // has a portable bit-manipulation path that the CPU emulator and the host test harness
 // (tests/fp8_sweep.cpp) run; inline PTX is used only behind
 // `#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890`, and the portable path gives the same bits
@@ -193,7 +193,7 @@ CG_HOST_DEVICE float fp8_to_float(u8 v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Scales (current scaling, docs/design.md §3): scale = fp8_max / amax / 2^margin.
+// Scales (current scaling, design.md §3): scale = fp8_max / amax / 2^margin.
 // ---------------------------------------------------------------------------------------------
 
 // An amax a scale can be derived from: positive, normal and finite (decided on bits, so the

@@ -1,6 +1,6 @@
 // cugrouped/kernels_cu/grouped_gemm_setup.cu
 //
-// Setup of cuBLASLt's grouped GEMM (docs/design.md §5): fill, on the device and in one launch, the
+// Setup of cuBLASLt's grouped GEMM (design.md §5): fill, on the device and in one launch, the
 // per-group arrays the grouped matmul reads -- A, B, C, D pointer arrays, the A/B scale pointer
 // arrays, the int32 rows / cols / ld arrays of A, B and D (C shares D's), and the alpha and beta
 // scalars -- from the experts' token counts. The counts come either by value in the argument block

@@ -1,6 +1,6 @@
 // cugrouped/kernels_cu/scale_update.cu
 //
-// Delayed scaling (docs/design.md §3): update the amax histories and the scales of every FP8 tensor of
+// Delayed scaling (design.md §3): update the amax histories and the scales of every FP8 tensor of
 // every expert in one launch, on the device, with no host sync.
 //
 // T tensors (for a GroupedLinear of E experts: E inputs, E weights, E grad outputs), one block per

@@ -89,11 +89,11 @@ def version_text(v: str) -> str:
 
 
 def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: str | None) -> str:
+    v = {k: version_text(facts.get(k) or "?") for k in ("driver", "cuda_runtime", "cublaslt")}
     lines = [BEGIN, "",
              f"Latest GPU run: **{facts.get('gpu') or 'GPU ?'}**, {facts.get('date') or 'date ?'}, "
-             f"commit `{facts.get('commit', '?')}`; driver {version_text(facts.get('driver', '?'))}, "
-             f"CUDA runtime {version_text(facts.get('cuda_runtime', '?'))}, cuBLASLt "
-             f"{version_text(facts.get('cublaslt', '?'))}, torch {facts.get('torch') or '?'}, "
+             f"commit `{facts.get('commit', '?')}`; driver {v['driver']}, CUDA runtime "
+             f"{v['cuda_runtime']}, cuBLASLt {v['cublaslt']}, torch {facts.get('torch') or '?'}, "
              f"CuPy {facts.get('cupy') or '?'}. Files: `{dest}/`.", ""]
     for stage, xml in TEST_STAGES:
         t = tests.get(xml)

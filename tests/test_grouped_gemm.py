@@ -1,6 +1,6 @@
 """Grouped GEMMs (fprop, dgrad, wgrad): planning as pure functions, descriptors built for every pass
 and dtype combination against the real libcublasLt, the NumPy reference against an independent
-float64 computation over the split taxonomy (docs/design.md §6), argument checks, and (marked ``gpu``)
+float64 computation over the split taxonomy (design.md §6), argument checks, and (marked ``gpu``)
 the cuBLASLt path against the reference."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Setup kernel of the grouped GEMM: the CUDA source run on the CPU emulator must write the NumPy
-reference's bytes into the workspace over the split taxonomy (docs/design.md §6), with host counts and
+reference's bytes into the workspace over the split taxonomy (design.md §6), with host counts and
 with device counts (clamped like the cast kernel's), with dropped experts, in several fiber
 orders; the NVRTC compile for every architecture without spills; the specs the op builds for each
 pass match the per-expert loop's plan; and (``gpu``) the same bytes on a device."""

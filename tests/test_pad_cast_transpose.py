@@ -1,5 +1,5 @@
 """multi_pad_cast_transpose: the CUDA kernel run on the CPU emulator must give the NumPy reference's
-bits, over the split taxonomy of docs/design.md §6, input dtypes, FP8 formats, scaling modes, padding
+bits, over the split taxonomy of design.md §6, input dtypes, FP8 formats, scaling modes, padding
 alignments and input forms, with the emulator's fiber order varied. Plus planning (pure functions),
 launch counts, argument checks, and the GPU twin of the matrix (marked ``gpu``)."""
 
@@ -18,7 +18,7 @@ from cugrouped import reference
 from cugrouped.ops import _cast_inputs
 from cugrouped.ops import pad_cast_transpose as pct
 
-# The split taxonomy (docs/design.md §6): name -> (m_splits, k)
+# The split taxonomy (design.md §6): name -> (m_splits, k)
 SPLITS = {
     "uniform": ([48, 48, 48, 48], 64),
     "skewed": ([3, 130, 1, 70], 96),
@@ -909,7 +909,7 @@ def _denormal_case(dtype, given):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("given", [False, True])
 def test_cuda_flushes_float32_denormals_like_the_reference(dtype, given):
-    """-ftz=true (docs/design.md §7): a float32 denormal input counts as zero in the amax, the column
+    """-ftz=true (design.md §7): a float32 denormal input counts as zero in the amax, the column
     sums and the cast, and a denormal scale casts everything to zero; what the hardware flushes
     is exactly what the emulator and the reference flush explicitly (emulation cannot show it)."""
     import cupy

@@ -1,7 +1,7 @@
 """cuBLASLt binding: the few entry points cugrouped needs, loaded from the installed libcublasLt.
 
-Layer 5 of docs/design.md §2. ``_lib`` loads the library and declares prototypes, ``_enums``
-holds the header values used, ``descriptors`` wraps the opaque objects and caches them. Everything except
+Layer 5 of design.md §2. ``_lib`` loads the library and declares prototypes, ``_enums`` holds the
+header values used, ``descriptors`` wraps the opaque objects and caches them. Everything except
 :class:`Handle` (and the heuristic query and the matmul, which need one) works without a GPU.
 """
 

@@ -117,8 +117,8 @@ def _library() -> tuple[ctypes.CDLL, str]:
 
 def has_grouped_gemm() -> bool:
     """Whether the loaded library exports ``cublasLtGroupedMatrixLayoutCreate`` (cuBLAS 13.2+;
-    13.1.2 has neither the function nor its enums in the header). Which GPUs and dtypes it serves depends on the version: see
-    :func:`cugrouped.ops.grouped_gemm.grouped_gemm_unsupported`."""
+    13.1.2 has neither the function nor its enums in the header). Which GPUs and dtypes it serves
+    depends on the version: see :func:`cugrouped.ops.grouped_gemm.grouped_gemm_unsupported`."""
     return hasattr(lib(), "cublasLtGroupedMatrixLayoutCreate")
 
 

@@ -172,10 +172,10 @@ class MatrixLayout(_Descriptor):
 
 
 class GroupedMatrixLayout(MatrixLayout):
-    """A grouped layout (``cublasLtGroupedMatrixLayoutCreate``, cuBLAS 13.2+): ``count`` column-major
-    matrices whose rows, columns and leading dimensions are read by the GEMM from the device arrays
-    at ``rows_ptr``, ``cols_ptr``, ``ld_ptr`` (int32 each, the default integer width, set
-    explicitly). Creating it only records the addresses: no GPU needed."""
+    """A grouped layout (``cublasLtGroupedMatrixLayoutCreate``, cuBLAS 13.2+): ``count``
+    column-major matrices whose rows, columns and leading dimensions are read by the GEMM from the
+    device arrays at ``rows_ptr``, ``cols_ptr``, ``ld_ptr`` (int32 each, the default integer
+    width, set explicitly). Creating it only records the addresses: no GPU needed."""
 
     def __init__(self, data_type: int, count: int, rows_ptr: int, cols_ptr: int, ld_ptr: int):
         self._lib = lib()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # a GPU yet: the GPU tests in tests/test_grouped_gemm.py are what will prove it.
 
 # cuBLAS versions (cublasLtGetVersion: major*10000 + minor*100 + patch), from TransformerEngine's
-# cublaslt_grouped_gemm.cu and docs/design.md §5.
+# cublaslt_grouped_gemm.cu and design.md §5.
 GROUPED_MIN_VERSION_BLACKWELL = 130300     # sm_100..sm_110, BF16/FP16 and FP8
 GROUPED_MIN_VERSION_HOPPER = 130400        # sm_90, BF16/FP16
 GROUPED_MIN_VERSION_HOPPER_FP8 = 130500    # sm_90, FP8 per-tensor scaling (PER_BATCH_SCALAR_32F)

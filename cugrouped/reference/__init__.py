@@ -1,4 +1,4 @@
-"""NumPy references: the exact output bits every cugrouped kernel must reproduce (docs/design.md §2, §6)."""
+"""NumPy references: the exact output bits every cugrouped kernel must reproduce (design.md §2, §6)."""
 
 from .fp8 import (FLT_MAX, FP8_FORMAT_ID, FP8_MAX, FP8_NAN_BYTE, amax_of, amax_usable, cast_to_fp8,
                   compute_scale, dequantize, fp8_dtype, fp8_to_float, ftz, normalize_format,

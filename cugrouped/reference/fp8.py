@@ -1,4 +1,4 @@
-"""NumPy reference for the FP8 numerics of ``kernels_cu/fp8.cuh`` (docs/design.md §3, §7).
+"""NumPy reference for the FP8 numerics of ``kernels_cu/fp8.cuh`` (design.md §3, §7).
 
 This module defines the exact output bits; the CUDA path (``cvt.rn.satfinite`` on sm_89+), the
 portable C++ path (below sm_89 and in the CPU emulator) and this code must agree bit for bit.

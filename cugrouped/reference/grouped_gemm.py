@@ -1,7 +1,7 @@
 """NumPy reference twins of the grouped GEMMs (:func:`cugrouped.grouped_fprop`, ``grouped_dgrad``,
 ``grouped_wgrad``), with the same signatures, for host arrays.
 
-Written from the contract (docs/design.md §4), not from the cuBLASLt path: each operand is dequantized
+Written from the contract (design.md §4), not from the cuBLASLt path: each operand is dequantized
 exactly (FP8 value times its expert's ``scale_inv``, in float64, where the product is exact), the
 product is computed in float64, then the bias is added and the result rounded once to the output
 dtype (round to nearest even; ml_dtypes and NumPy round float64 directly). With

@@ -1,6 +1,6 @@
 """NumPy reference twin of :func:`cugrouped.multi_pad_cast_transpose`: defines the output bits.
 
-Written from the contract (docs/design.md §3, §4), not from the kernel: per expert, ``x`` in float32,
+Written from the contract (design.md §3, §4), not from the kernel: per expert, ``x`` in float32,
 denormals flushed (the GPU compiles with ``-ftz=true``), ``amax = max |x|`` (NaN ignored),
 ``q = fp8(ftz(x * scale))`` with round-to-nearest-even and saturation, the transposed copy padded
 with zero bytes to ``m_pad = ceil(m / align) * align`` columns.

@@ -1,6 +1,6 @@
 """NumPy reference twin of :func:`cugrouped.ops.scale_update.update_scales`: defines the bits.
 
-Written from the contract (docs/design.md §3 and the header of ``kernels_cu/scale_update.cu``): a
+Written from the contract (design.md §3 and the header of ``kernels_cu/scale_update.cu``): a
 tensor whose new amax is 0 (``+-0`` or a denormal: it measured nothing this step) keeps its
 history and scale, as in TransformerEngine; otherwise the
 history is rolled by one with the new amax in front (values moved bit for bit), reduced by
