@@ -1,5 +1,4 @@
-"""Grouped expert GEMMs through cuBLASLt: fprop, dgrad and wgrad for all experts (design.md
-§4, §5).
+"""Grouped expert GEMMs through cuBLASLt: fprop, dgrad and wgrad for all experts (design.md §4, §5).
 
 For experts ``i = 0..E-1``, in row-major terms:
 
