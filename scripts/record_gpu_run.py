@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         print("record_gpu_run: cannot tell the run's date and GPU (no bench.csv rows, no log "
               "header)", file=sys.stderr)
         return 2
+    if facts["gpu"].lower() == "none":
+        print("record_gpu_run: out_dir: this run saw no GPU (a dry run?): nothing to record",
+              file=sys.stderr)
+        return 2
     tests = {xml: junit_summary(src / xml) for _, xml in TEST_STAGES if xml in present}
     targets = None
     if rows:

@@ -137,6 +137,12 @@ def test_refusals(run_dir, tmp_path, capsys):
     empty.mkdir()
     assert rec.main([str(empty), "--repo", str(repo)]) == 2
     assert "none of gpu_check.log" in capsys.readouterr().err
+    from cugrouped.bench import _write_csv
+
+    _write_csv(ROWS, dict(ENV, gpu="none"), out)      # a dry run's CSV: refused
+    assert rec.main([str(out), "--repo", str(repo)]) == 2
+    assert "saw no GPU" in capsys.readouterr().err
+    _write_csv(ROWS, ENV, out)
     (repo / "README.md").write_text("# no markers\n")
     with pytest.raises(ValueError, match="expected the markers"):
         rec.main([str(out), "--repo", str(repo)])
