@@ -3,8 +3,9 @@
 # notebooks (which CI already runs on the CPU).
 # Usage: scripts/gpu_check.sh OUT_DIR
 # Needs only what a CUDA image with torch and CuPy already has (numpy, ml_dtypes, pytest; uses
-# pytest-timeout and pytest-xdist when present): no network, no install; the checkout is put on
-# PYTHONPATH. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
+# pytest-timeout and pytest-xdist when present): no network; the checkout is put on PYTHONPATH.
+# It installs nothing but the wheels carried in .whl/ (scripts/gpu_wheels.sh: the notebook
+# runner), and of those only what the image lacks, into a temporary folder. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
 # cannot eat the machine's lease: a stage stopped at its limit is reported and the next one runs.
 # The whole script ends by CUGROUPED_GPU_CHECK_DEADLINE_S (default 540 s, under the device tool's
 # 600 s per command): each stage's limit is cut to the time left, and a stage with under 20 s
@@ -35,6 +36,25 @@ BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
 LOG="$OUT/gpu_check.log"
+# Wheels carried with the checkout (scripts/gpu_wheels.sh: the notebook runner the image lacks):
+# the distributions the image does not have go into a folder appended to PYTHONPATH (nothing of
+# the image's is shadowed); said in the log below.
+WHEEL_MSG=""
+if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+    SITE="${TMPDIR:-/tmp}/cugrouped-site"
+    missing=$(timeout 60 "$PY" "$ROOT/scripts/missing_wheels.py" "$ROOT/.whl")
+    if [ -z "$missing" ]; then
+        WHEEL_MSG="gpu_check: .whl/: the image already has every distribution in it"
+    # shellcheck disable=SC2086
+    elif timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$SITE" $missing > "$SITE.log" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:$SITE"
+        WHEEL_MSG="gpu_check: installed from .whl/ into $SITE: $(for w in $missing; do
+            basename "$w" | cut -d- -f1; done | tr '\n' ' ')"
+    else
+        WHEEL_MSG="gpu_check: installing .whl/ failed ($(tail -n 1 "$SITE.log")); notebooks may skip"
+    fi
+fi
 # what this image has (a missing package is named here, not mistaken for a missing GPU); the
 # probes are time-limited too (a hung driver must not eat the lease) and start the log
 timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG"
@@ -51,6 +71,7 @@ print(f"gpu_check: python {sys.version.split()[0]}; " + "; ".join(have))
 print("gpu_check: host compilers: " + (", ".join(c for c in ("gcc", "g++", "cc", "nvcc")
                                                    if shutil.which(c)) or "none"))
 PYEOF
+[ -n "$WHEEL_MSG" ] && echo "$WHEEL_MSG" | tee -a "$LOG"
 if ! timeout 60 "$PY" -c "import cugrouped" >> "$LOG" 2>&1; then
     tail -n 20 "$LOG"
     echo "gpu_check: cugrouped does not import (above); nothing can be checked" | tee -a "$LOG"
