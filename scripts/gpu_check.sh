@@ -5,8 +5,9 @@
 # Needs only what a CUDA image with torch and CuPy already has (numpy, ml_dtypes, pytest; uses
 # pytest-timeout and pytest-xdist when present): no network; the checkout is put on PYTHONPATH.
 # It installs nothing but the wheels carried in .whl/ (scripts/gpu_wheels.sh: the notebook
-# runner), and of those only what the image lacks, into a temporary folder. Target: under 8 minutes on one H200. Each stage has a time limit, so that a hang
-# cannot eat the machine's lease: a stage stopped at its limit is reported and the next one runs.
+# runner), and of those only what the image lacks, into a temporary folder. Target: under 8
+# minutes on one H200. Each stage has a time limit, so that a hang cannot eat the machine's
+# lease: a stage stopped at its limit is reported and the next one runs.
 # The whole script ends by CUGROUPED_GPU_CHECK_DEADLINE_S (default 540 s, under the device tool's
 # 600 s per command): each stage's limit is cut to the time left, and a stage with under 20 s
 # left is skipped, so the log, the XMLs, the CSV and the plots always come back.
