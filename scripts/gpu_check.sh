@@ -53,7 +53,8 @@ if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
         WHEEL_MSG="gpu_check: installed from .whl/ into $SITE: $(for w in $missing; do
             basename "$w" | cut -d- -f1; done | tr '\n' ' ')"
     else
-        WHEEL_MSG="gpu_check: installing .whl/ failed ($(tail -n 1 "$SITE.log")); notebooks may skip"
+        WHEEL_MSG="gpu_check: installing .whl/ failed ($(tail -n 1 "$SITE.log"));"
+        WHEEL_MSG+=" the notebooks may skip"
     fi
 fi
 # what this image has (a missing package is named here, not mistaken for a missing GPU); the

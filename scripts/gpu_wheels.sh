@@ -20,6 +20,9 @@ done
 "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
     --python-version "$PYVER" --implementation cp "${platforms[@]}" -d "$ROOT/.whl" \
     nbclient nbformat ipykernel 2>&1 | { grep -v "^WARNING: Location" || true; } >&2
-compgen -G "$ROOT/.whl/nbclient-*.whl" > /dev/null || { echo "gpu_wheels: download failed" >&2; exit 1; }
+if ! compgen -G "$ROOT/.whl/nbclient-*.whl" > /dev/null; then
+    echo "gpu_wheels: download failed (above)" >&2
+    exit 1
+fi
 echo "gpu_wheels: $(ls "$ROOT/.whl" | wc -l) wheels, $(du -sh "$ROOT/.whl" | cut -f1) in .whl/" \
      "(carry \".whl\" in the device call)"
