@@ -16,7 +16,6 @@ tests recorded, and the other way round).
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import shutil
 import sys
@@ -24,6 +23,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cugrouped.bench.plot import load_rows  # noqa: E402  (the CSV as the notebooks read it)
+from cugrouped.bench.targets import check_targets, format_targets  # noqa: E402
+
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 FILES = ("gpu_check.log", "gpu_tests.xml", "gpu_tests_block.xml", "bench.csv", "bench-cast.png",
          "bench-gemm.png", "bench-layer.png", "bench-host.png")
@@ -43,11 +46,6 @@ def junit_summary(path: Path) -> dict:
                 out["failed"].append(f"{case.get('classname', '')}::{case.get('name', '')}")
     out["passed"] = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
     return out
-
-
-def read_rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def run_facts(rows: list[dict], log: str) -> dict:
@@ -77,10 +75,12 @@ def stage_endings(log: str) -> list[str]:
             if line.startswith("== ") and re.search(r": (rc=|STOPPED|SKIPPED)|^== done", line)]
 
 
-def version_text(v: str) -> str:
-    """cuBLASLt's ``major*10000 + minor*100 + patch`` and CUDA's ``major*1000 + minor*10`` as
-    dotted versions (anything else as it is)."""
-    if not str(v).isdigit():
+def version_text(v) -> str:
+    """cuBLASLt's ``major*10000 + minor*100 + patch`` and CUDA's ``major*1000 + minor*10`` (as
+    ``load_rows`` reads them: floats) as dotted versions; anything else as it is."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) and not str(v).isdigit():
         return str(v)
     n = int(v)
     if n >= 100000:
@@ -136,23 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"record_gpu_run: out_dir: none of {', '.join(FILES)} in {src}", file=sys.stderr)
         return 2
     log = (src / "gpu_check.log").read_text(errors="replace") if "gpu_check.log" in present else ""
-    rows = read_rows(src / "bench.csv") if "bench.csv" in present else []
+    rows = load_rows(src / "bench.csv") if "bench.csv" in present else []
     facts = run_facts(rows, log)
     if not facts.get("date") or not facts.get("gpu"):
         print("record_gpu_run: cannot tell the run's date and GPU (no bench.csv rows, no log "
               "header)", file=sys.stderr)
         return 2
-    if facts["gpu"].lower() == "none":
+    if str(facts["gpu"]).lower() == "none":
         print("record_gpu_run: out_dir: this run saw no GPU (a dry run?): nothing to record",
               file=sys.stderr)
         return 2
     tests = {xml: junit_summary(src / xml) for _, xml in TEST_STAGES if xml in present}
-    targets = None
-    if rows:
-        sys.path.insert(0, str(repo))
-        from cugrouped.bench.targets import check_targets, format_targets
-
-        targets = format_targets(check_targets(rows), quick=True)
+    targets = format_targets(check_targets(rows), quick=True) if rows else None
     dest_rel = f"benchmarks/results/{facts['date']}-{slug(facts['gpu'])}"
     block = summary(dest_rel, facts, tests, stage_endings(log), targets)
     readme = repo / "README.md"

@@ -41,6 +41,10 @@ def rand(rng, shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+NO_GROUPED_LIB = ("this libcublasLt has no grouped GEMM (cuBLAS 13.2+; torch 2.11's CUDA wheels "
+                  "bring 13.1): the grouped descriptors cannot be made")
+
+
 def make_fp8(m_splits, k, n, seed, x_fmt="e4m3", w_fmt="e4m3", g_fmt="e5m2", xp=np):
     """x (m_i, k), w (n, k), dy (m_i, n) cast with multi_pad_cast_transpose (on xp's device)."""
     rng = np.random.default_rng(seed)
@@ -525,7 +529,7 @@ def test_grouped_descriptors_on_the_real_library():
     from cugrouped import cublaslt
 
     if not cublaslt.has_grouped_gemm():
-        pytest.skip("this libcublasLt has no grouped GEMM")
+        pytest.skip(NO_GROUPED_LIB)
     p, vp = _planned([16, 0, 48, 32])
     cfg = dataclasses.replace(vp.config, grouped=True)
     base = 0x7F1234560000
@@ -1058,10 +1062,6 @@ def test_memo_plans_per_output_buffer():
 # ---------------------------------------------------------------------------------------------
 # The grouped path on the CPU: the setup kernel (emulated) fills a host workspace and a fake
 # grouped matmul reads it back; every group must be exactly the loop's call for that expert.
-
-NO_GROUPED_LIB = ("this libcublasLt has no grouped GEMM (cuBLAS 13.2+; torch 2.11's CUDA wheels "
-                  "bring 13.1): the grouped descriptors cannot be made")
-
 
 def _grouped_cpu_state():
     from cugrouped import cublaslt

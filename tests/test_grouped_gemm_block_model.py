@@ -16,7 +16,7 @@ import cugrouped
 from cugrouped.cublaslt import _enums as E
 from cugrouped.ops import grouped_gemm as gg
 from cugrouped.ops.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
-from test_grouped_gemm import _model_close, _model_state, rand
+from test_grouped_gemm import NO_GROUPED_LIB, _model_close, _model_state, rand
 
 KINDS = {   # name -> (compute capability, token multiple of the GEMM's reduction)
     "block": (90, 16),
@@ -234,7 +234,7 @@ def test_grouped_descriptors_take_the_block_scale_modes(kind, pass_name):
     from cugrouped import cublaslt
 
     if not cublaslt.has_grouped_gemm():
-        pytest.skip("this libcublasLt has no grouped GEMM")
+        pytest.skip(NO_GROUPED_LIB)
     import dataclasses
 
     gg.clear_memo()
