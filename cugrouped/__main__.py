@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -50,7 +51,8 @@ def _cmd_info(args) -> int:
         from .cublaslt import _lib
 
         v = _lib.version()
-        print(f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} ({_lib.library_path()})")
+        named = f", named by {_lib.ENV_VAR}" if os.environ.get(_lib.ENV_VAR) else ""
+        print(f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} ({_lib.library_path()}{named})")
     except Exception as exc:                      # no cuBLAS wheel or toolkit
         print(f"cuBLASLt: not loadable ({type(exc).__name__}: {exc}); the GEMMs run on the "
               f"NumPy reference only")

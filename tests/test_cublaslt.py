@@ -155,6 +155,63 @@ def test_library_loads_with_every_prototype():
     assert "cublasLt" in os.path.basename(cublaslt.library_path())
 
 
+
+@pytest.fixture
+def named_library(monkeypatch):
+    """Load through ``CUGROUPED_CUBLASLT`` = the value given, then restore the usual library
+    (the cache cleared both ways; a path to the same file is the same loaded copy)."""
+    lib = cublaslt._lib
+
+    def load(value: str):
+        monkeypatch.setenv(lib.ENV_VAR, value)
+        lib._library.cache_clear()
+        return lib._library()
+
+    yield load
+    monkeypatch.delenv(lib.ENV_VAR, raising=False)
+    lib._library.cache_clear()
+
+
+def test_env_var_names_the_library(named_library, tmp_path, capsys):
+    from cugrouped.__main__ import main
+
+    real, usual = os.path.realpath(cublaslt.library_path()), cublaslt.version()
+    folder = tmp_path / "other-cublas"      # another place for it, as a second wheel would be
+    folder.mkdir()
+    link = folder / os.path.basename(real)
+    link.symlink_to(real)
+    for value in (str(folder), str(link)):
+        cdll, path = named_library(value)
+        assert path == str(link)            # that one, not the one the search finds
+        assert cublaslt.library_path() == str(link) and cublaslt.version() == usual
+        assert cdll.cublasLtMatmul.argtypes is not None
+    capsys.readouterr()
+    assert main(["info"]) == 0      # says which library it loaded, and why that one
+    assert f"({link}, named by CUGROUPED_CUBLASLT)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["missing", "empty folder", "other library", "no cublasLt"])
+def test_env_var_refuses_what_is_not_libcublaslt(named_library, tmp_path, case):
+    if case == "missing":
+        value = str(tmp_path / "nowhere")
+    elif case == "empty folder":
+        value = str(tmp_path)
+    elif case == "other library":    # exports cublasLtMatmul through its dependencies only
+        value = os.path.join(os.path.dirname(cublaslt.library_path()), "libcublas.so.13")
+        if not os.path.isfile(value):
+            pytest.skip("no libcublas.so.13 beside libcublasLt")
+    else:                            # named like it, but some other shared object
+        cxx = shutil.which("g++") or shutil.which("cc")
+        if cxx is None:
+            pytest.skip("no C compiler to build a stand-in shared object")
+        src = tmp_path / "x.c"
+        src.write_text("int not_cublas(void) { return 0; }\n")
+        value = str(tmp_path / "libcublasLt.so.13")
+        subprocess.run([cxx, "-shared", "-fPIC", "-x", "c", str(src), "-o", value], check=True)
+    with pytest.raises(OSError, match=r"CUGROUPED_CUBLASLT=.*(expected a libcublasLt|holds "
+                                      r"none of|is not libcublasLt)"):
+        named_library(value)
+
 def test_version_query():
     v = cublaslt.version()
     assert 110000 <= v < 200000, v  # major * 10000 + minor * 100 + patch

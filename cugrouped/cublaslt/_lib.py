@@ -2,15 +2,19 @@
 
 The library is found by ``cuda.pathfinder`` (the ``nvidia-cublas`` / ``nvidia-cublas-cu12`` wheels,
 conda, or a CUDA toolkit); without pathfinder, the sonames ``libcublasLt.so.13`` / ``.so.12`` are
-tried through the dynamic loader. Loading needs neither a GPU nor a driver, and neither do the
-descriptor functions; ``cublasLtCreate`` does (it returns ``CUBLAS_STATUS_NOT_INITIALIZED``
-without a usable device).
+tried through the dynamic loader. ``CUGROUPED_CUBLASLT`` (a ``libcublasLt.so*`` file, or a folder
+holding one) names the library instead, e.g. a newer cuBLAS than the one torch pins, for its
+grouped GEMM: that copy is loaded beside torch's (a different file is a separate copy to the
+dynamic loader), and nothing else is tried. Loading needs neither a GPU nor a driver, and neither
+do the descriptor functions; ``cublasLtCreate`` does (it returns
+``CUBLAS_STATUS_NOT_INITIALIZED`` without a usable device).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 from . import _enums
 
@@ -18,6 +22,7 @@ __all__ = ["lib", "library_path", "version", "has_grouped_gemm", "cudart_version
            "MatmulAlgo", "HeuristicResult"]
 
 _SONAMES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
+ENV_VAR = "CUGROUPED_CUBLASLT"   # the library to load instead of searching (a file or a folder)
 
 _p = ctypes.c_void_p
 _i32, _u64, _i64, _sz = ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
@@ -83,7 +88,31 @@ def check(status: int, function: str, detail: str = "") -> None:
         raise CublasLtError(function, status, detail)
 
 
+def _named_library(value: str) -> tuple[ctypes.CDLL, str]:
+    """Load the library ``CUGROUPED_CUBLASLT`` names: a file, or a folder with one of the sonames
+    (e.g. a cuBLAS wheel's ``nvidia/cu13/lib``). Raises ``OSError`` saying what is wrong."""
+    where = os.path.abspath(os.path.expanduser(value))
+    if os.path.isdir(where):
+        found = [os.path.join(where, n) for n in _SONAMES if os.path.isfile(os.path.join(where, n))]
+        if not found:
+            raise OSError(f"{ENV_VAR}={value!r}: the folder holds none of {', '.join(_SONAMES)}")
+        where = found[0]
+    elif not os.path.isfile(where) or not os.path.basename(where).startswith("libcublasLt.so"):
+        raise OSError(f"{ENV_VAR}={value!r}: expected a libcublasLt.so* file or the folder "
+                      f"holding it (unset it to search as usual)")
+    try:
+        cdll = ctypes.CDLL(where)
+    except OSError as exc:
+        raise OSError(f"{ENV_VAR}={value!r}: cannot load {where}: {exc}") from None
+    if not hasattr(cdll, "cublasLtMatmul"):
+        raise OSError(f"{ENV_VAR}={value!r}: {where} is not libcublasLt (no cublasLtMatmul)")
+    return cdll, where
+
+
 def _load() -> tuple[ctypes.CDLL, str]:
+    named = os.environ.get(ENV_VAR)
+    if named:
+        return _named_library(named)
     errors = []
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
