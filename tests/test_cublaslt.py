@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -256,6 +257,46 @@ def test_gpu_handle():
     h = cublaslt.Handle()
     assert h.ptr
     h.close()
+
+
+# Run in a fresh process (argv[1]: the device): torch first, its own libcublasLt mapped and (on a
+# GPU) used; then cugrouped's GEMMs through the copy CUGROUPED_CUBLASLT names, beside torch's.
+NAMED_COPY_SCRIPT = r"""
+import os, sys
+import torch
+dev = sys.argv[1]
+a = torch.randn(64, 64, device=dev)
+(a @ a).sum().item()
+from cugrouped import cublaslt, grouped_fprop
+named = os.environ["CUGROUPED_CUBLASLT"]
+assert cublaslt.library_path() == named, cublaslt.library_path()
+maps = {ln.split()[-1] for ln in open("/proc/self/maps") if "libcublasLt" in ln}
+print("mapped:", sorted(maps), "cugrouped's version:", cublaslt.version())
+assert named in maps and len(maps) >= 2, maps
+g = torch.Generator().manual_seed(0)
+xs = [torch.randn(m, 64, generator=g).to(dev, torch.bfloat16) for m in (5, 0, 40)]
+ws = [torch.randn(32, 64, generator=g).to(dev, torch.bfloat16) for _ in range(3)]
+y = grouped_fprop(xs, ws, out_dtype="float32")
+ref = torch.cat([x.double() @ w.double().T for x, w in zip(xs, ws)])
+bound = 2.0**-20 * torch.cat([x.double().abs() @ w.double().abs().T for x, w in zip(xs, ws)])
+assert y.device == xs[0].device and bool(((y.double() - ref).abs() <= bound).all())
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_named_copy_runs_beside_torchs(tmp_path):
+    """CUGROUPED_CUBLASLT on a GPU: a second copy of libcublasLt (this one, copied to another
+    file) loaded beside the one torch mapped and used, its per-expert bf16 GEMMs (fp32
+    accumulation, exact products: 2^-20 of sum |x||w| bounds the error at k=64) right."""
+    pytest.importorskip("torch")
+    copy = tmp_path / "named" / "libcublasLt.so.13"
+    copy.parent.mkdir()
+    shutil.copyfile(os.path.realpath(cublaslt.library_path()), copy)
+    env = dict(os.environ, CUGROUPED_CUBLASLT=str(copy))
+    run = subprocess.run([sys.executable, "-c", NAMED_COPY_SCRIPT, "cuda"], env=env,
+                         capture_output=True, text=True, timeout=80)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("OK"), run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------------------------
