@@ -211,6 +211,15 @@ def test_pointer_alignment():
     assert gg.pointer_alignment(0x40, cap=32) == 32
 
 
+def test_pointer_alignments_apply_the_scalar_rule_to_every_pointer():
+    """The vectorized form (what plan_arrays and the alignment check use) is
+    :func:`pointer_alignment` per pointer, a null pointer included."""
+    ptrs = [0, 0x7F0000001000, 0x7F0000001010, 0x7F0000001002, 0x7F0000001001, 0x40]
+    for cap in (256, 32):
+        assert gg.pointer_alignments(ptrs, cap=cap).tolist() == \
+            [gg.pointer_alignment(p, cap=cap) for p in ptrs]
+
+
 def _fake_problem_fprop(m_splits, k, n, base_x=0x10000, base_w=0x900000):
     left, right, off = [], [], 0
     for i, m in enumerate(m_splits):
@@ -319,6 +328,23 @@ def test_vectorized_plan_equals_the_per_expert_mapping():
         assert (plan.zero, plan.skipped) == (tuple(zero), tuple(skipped))
         vp = gg.plan_arrays(p, blocks)
         assert [tuple(r) for r in vp.keys[:, 12:16].tolist()] == [c.alignments for c in want]
+
+
+def test_plan_keys_end_with_the_bias_pointers_alignment():
+    """A call's shape signature selects its cached algorithm, which the heuristic chose with the
+    bias pointer set: its last entry is the bias pointer's own alignment (0 without a bias), not
+    that of another pointer (here the scales are 4-byte aligned, the bias rows 32 or more)."""
+    m_splits, k, n = [16, 0, 32, 16], 32, 48
+    X, W, _ = make_fp8(m_splits, k, n, seed=5)
+    bias = np.zeros((4, n), ml_dtypes.bfloat16)          # rows 96 bytes apart
+    for b in (bias, None):
+        p = gg.check_fprop(X, W, b)
+        _, blocks = gg.outputs(p, None, np)
+        vp = gg.plan_arrays(p, blocks)
+        want = [gg.pointer_alignment(bias[e].ctypes.data) if b is not None else 0
+                for e in (0, 2, 3)]
+        assert vp.experts.tolist() == [0, 2, 3]
+        assert vp.keys[:, 16].tolist() == want
 
 
 def test_plan_names_the_expert_with_a_wrong_shape():
@@ -514,6 +540,43 @@ def test_choose_path():
         gg.choose_path(p, vp, **kw, requested="fast")
 
 
+def _fake_plan(m_splits, k=32, n=48):
+    p = _fake_problem_fprop(m_splits, k, n)
+    out, row = [], 0
+    for m in m_splits:
+        out.append(gg.Block(0x200000 + row * n * 2, m, n, n, "bfloat16"))
+        row += m
+    return p, gg.plan_arrays(p, out)
+
+
+def test_choose_path_at_the_edges_of_each_rule():
+    """Each documented limit on both sides: sm_90 and sm_100..sm_110, the per-group-output
+    corruption of cuBLAS [13.7.0, 13.8.1), at most 256 groups, and m, n, k in multiples of 16
+    bytes (8 elements of bfloat16, 16 of FP8)."""
+    f = gg.grouped_gemm_unsupported
+    for cc in (90, 100, 110):
+        assert f(131000, cc, fp8=True, in_dtype="float8_e4m3fn") is None, cc
+    for cc in (89, 111):
+        assert f"not sm_{cc}" in f(131000, cc, fp8=True, in_dtype="float8_e4m3fn")
+    kw = dict(compute_capability=90, has_symbol=True)
+    p, vp = _fake_plan([16, 0, 48, 32])
+    for version, path in ((130699, "grouped"), (130700, "loop"), (130800, "loop"),
+                          (130801, "grouped")):
+        got, why = gg.choose_path(p, vp, version=version, discrete_out=True, **kw)
+        assert got == path and (path == "grouped" or "corrupts" in why), version
+    kw.update(version=131000, discrete_out=False)
+    assert gg.choose_path(*_fake_plan([16] * 256), **kw) == ("grouped", "supported")
+    assert gg.choose_path(*_fake_plan([16] * 257), **kw) == ("loop", "more than 256 experts")
+    rng = np.random.default_rng(7)
+    ws = [rand(rng, (48, 32)).astype(ml_dtypes.bfloat16) for _ in range(3)]
+    for m_splits, path in (([8, 24, 16], "grouped"), ([8, 4, 16], "loop")):
+        xs = [rand(rng, (m, 32)).astype(ml_dtypes.bfloat16) for m in m_splits]
+        p = gg.check_fprop(xs, ws)
+        _, blocks = gg.outputs(p, None, np)
+        got, why = gg.choose_path(p, gg.plan_arrays(p, blocks), **kw)
+        assert got == path and (path == "grouped" or "multiple of 8 elements" in why), m_splits
+
+
 def test_grouped_workspace_layout():
     off, total = gg.grouped_workspace_layout(5)
     ptrs = [off[n] for n in gg.GROUPED_PTR_ARRAYS]
@@ -548,6 +611,23 @@ def test_grouped_descriptors_on_the_real_library():
     # sums over the computed calls divided by the 4 groups (the empty expert adds 0): 144, 96, 96
     assert (pref.get("GROUPED_DESC_D_AVERAGE_ROWS"), pref.get("GROUPED_DESC_D_AVERAGE_COLS"),
             pref.get("GROUPED_AVERAGE_REDUCTION_DIM")) == (36, 24, 24)
+
+
+def test_grouped_descriptors_average_over_the_groups_written():
+    """The launch passes the groups the setup kernel writes, the computed experts: the
+    heuristic's average D rows, D columns and reduction are then the means of those calls."""
+    from cugrouped import cublaslt
+
+    if not cublaslt.has_grouped_gemm():
+        pytest.skip(NO_GROUPED_LIB)
+    p, vp = _planned([16, 0, 48, 32])
+    groups = vp.mnk.shape[0]
+    cfg = dataclasses.replace(vp.config, grouped=True)
+    *_, pref = gg.grouped_descriptors(cfg, groups, 0x7F1234560000, vp, 32 << 20)
+    sums = [sum(c) for c in zip(*vp.mnk.tolist())]        # 3 calls: (144, 96, 96)
+    assert (pref.get("GROUPED_DESC_D_AVERAGE_ROWS"), pref.get("GROUPED_DESC_D_AVERAGE_COLS"),
+            pref.get("GROUPED_AVERAGE_REDUCTION_DIM")) == tuple(v // groups for v in sums) \
+        == (48, 32, 32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1158,6 +1238,25 @@ def test_grouped_path_refusals():
     assert gg.path_for(call.problem, vp, blocks, st)[0] == "loop"
     with pytest.raises(ValueError, match="path: got 'fast'"):
         grouped_fprop(X, W, path="fast")
+    gg.clear_memo()
+
+
+def test_only_wgrad_outputs_count_as_per_group_outputs():
+    """The corrupting cuBLAS versions are avoided for per-group outputs (wgrad into separate
+    main_grad buffers) only: fprop's one output array, unevenly split, still takes the grouped
+    path there, while uneven main_grad buffers do not."""
+    st = _grouped_cpu_state()
+    st.cublas_version = 130800
+    X, W, DY = make_fp8([16, 32, 48], 32, 48, seed=2)
+    call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    _, blocks, vp = gg.prepared_out(call, None, np)
+    assert gg.path_for(call.problem, vp, blocks, st)[:2] == ("grouped", "supported")
+    call = gg.checked("wgrad", (X, DY), dict(out_dtype="float32", fast_accum=False,
+                                             accumulate=True))
+    big = np.zeros((4, 48, 32), np.float32)
+    _, blocks, vp = gg.prepared_out(call, [big[0], big[2], big[1]], np)
+    path, reason, _ = gg.path_for(call.problem, vp, blocks, st)
+    assert path == "loop" and "corrupts" in reason
     gg.clear_memo()
 
 

@@ -164,6 +164,33 @@ def test_struct_layout_and_bad_arguments():
         gs.grouped_gemm_setup(spec, _workspace(spec), m_dev=np.zeros(3, np.int32), backend="reference")
 
 
+def test_what_the_kernel_cannot_hold_is_refused_just_past_each_limit():
+    """The kernel holds the counts and their sum in int32, reads one count per expert and writes
+    16-byte aligned pointer arrays: negative counts, sums of 2^31, a count array of another
+    length, token_align 0 and an 8-byte aligned workspace are refused; the values just inside
+    each limit are not."""
+    spec = _spec(3)
+    off = gg.grouped_workspace_layout(3)[0]
+    assert gs.pack_args(spec, 0, off, m_host=[2**31 - 2, 1, 0])["m_host"][0] == 2**31 - 2
+    for bad in ([2**31 - 1, 1, 0], [5, -1, 3]):
+        with pytest.raises(ValueError, match="^m_host: expected 3 non-negative counts"):
+            gs.pack_args(spec, 0, off, m_host=bad)
+    assert gs.pack_args(spec, 0, off, m_dev_ptr=0x1000, total_rows=2**31 - 1)["total_rows"] \
+        == 2**31 - 1
+    with pytest.raises(ValueError, match="^total_rows: expected 0 <= total_rows < 2"):
+        gs.pack_args(spec, 0, off, m_dev_ptr=0x1000, total_rows=2**31)
+    with pytest.raises(ValueError, match=r"^m_dev: expected a contiguous int64 array of shape"):
+        gs.grouped_gemm_setup(spec, _workspace(spec), m_dev=np.zeros(4, np.int64),
+                              backend="reference")
+    with pytest.raises(ValueError, match="^token_align: expected >= 1, got 0"):
+        _spec(3, token_align=0)
+    nbytes = _workspace(spec).size
+    buf = np.zeros(nbytes + 32, np.uint8)
+    at8 = ((-buf.ctypes.data) % 16 + 8) % 16               # 8 but not 16-byte aligned
+    with pytest.raises(ValueError, match="is not 16-byte aligned"):
+        gs.grouped_gemm_setup(spec, buf[at8:at8 + nbytes], m_host=[1, 2, 3], backend="reference")
+
+
 def test_registered_for_compile_check():
     from cugrouped import _jit
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import zlib
 
 import ml_dtypes
@@ -389,6 +390,25 @@ def test_row_stride_larger_than_k():
     assert_same_bits(got, want)
 
 
+def test_row_stride_of_a_two_row_input():
+    """Only a single row has no row stride of its own (its width stands in): two rows of a wider
+    array are read ``ld`` apart."""
+    base = make_inputs([6], 80, "float32", 5)[0]
+    xs = [base[:2, :48], base[2:3, 8:56], base[3:5, 16:64]]
+    got = cugrouped.multi_pad_cast_transpose(xs, backend="emulate")
+    assert_same_bits(got, reference.multi_pad_cast_transpose([np.ascontiguousarray(x)
+                                                              for x in xs]))
+
+def test_row_stride_larger_than_k_with_device_splits():
+    """With device counts the blocks get one base pointer and its row stride (not ``k``)."""
+    base = make_inputs([30], 80, "float32", 3)[0]
+    view = base[:, :48]          # rows 80 elements apart, 48 used
+    got = cugrouped.multi_pad_cast_transpose(view, np.array([12, 0, 18], np.int64),
+                                             splits_on_device=True, backend="emulate")
+    want = reference.multi_pad_cast_transpose(np.ascontiguousarray(view), [12, 0, 18])
+    assert_same_bits(got, want)
+
+
 # ------------------------------------------------------------------------------------------------
 # Planning is pure and runs without any array.
 
@@ -400,6 +420,25 @@ def test_planning_pure_functions():
     plans = pct.plan_launches([1] * 130, 16, 16, max_experts=64)
     assert [(p.first, p.count) for p in plans] == [(0, 64), (64, 64), (128, 2)]
     assert plans[0].tile_start[:3] == (0, 1, 2) and plans[2].grid == 2
+
+
+def test_tile_counts_and_chunks_follow_the_documented_rule():
+    """Tiles per expert = max(1, ceil(m_pad / 64)) * ceil(k / 128), k on both sides of whole
+    tiles; each chunk's tile offsets are the prefix sums of its own experts' tiles, its grid
+    their sum."""
+    rng = np.random.default_rng(1)
+    m = [int(v) for v in rng.integers(0, 300, 150)] + [0, 64, 65, 128]
+    for k in (1, 127, 128, 129, 256, 384, 1000):
+        for align in (1, 16, 128):
+            want = [max(1, math.ceil(math.ceil(v / align) * align / 64)) * math.ceil(k / 128)
+                    for v in m]
+            assert pct.tile_counts(m, k, align) == tuple(want), (k, align)
+            plans = pct.plan_launches(m, k, align, max_experts=64)
+            assert [(p.first, p.count) for p in plans] == [(0, 64), (64, 64), (128, 26)]
+            for p in plans:
+                own = want[p.first:p.first + p.count]
+                assert p.tile_start == tuple(itertools.accumulate(own, initial=0))
+                assert p.grid == sum(own)
 
 
 def _layout_asserts(offsets: bool) -> str:
@@ -458,12 +497,27 @@ def test_group_struct_layout_matches_on_host_and_device():
     (lambda x: cugrouped.multi_pad_cast_transpose([x[0].reshape(-1)]), ValueError, "2-D"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(3, np.float32)), ValueError, "scale"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float64)), ValueError, "scale"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(4, np.float32)[::2]), ValueError,
+     "scale: expected a contiguous"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, rowwise=False, columnwise=False), ValueError, "rowwise"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, out={"data": 1}), TypeError, "out"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x[0], np.array([4, 6], np.int32), splits_on_device=True,
                                                   backend="emulate"), TypeError, "int64"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, np.array([4, 6]), splits_on_device=True),
      ValueError, "single inputs array"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], np.array([4, 0, 6, 0], np.int64)[::2],
+                                                  splits_on_device=True, backend="emulate"),
+     TypeError, "m_splits: a count array read by the kernel must be a contiguous"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x[0], np.zeros(0, np.int64),
+                                                  splits_on_device=True, backend="emulate"),
+     ValueError, "m_splits: expected at least one expert"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(x, [0, 10]), ValueError,
+     r"m_splits: must be None \(or equal the row counts\) when inputs is a list"),
+    (lambda x: cugrouped.multi_pad_cast_transpose([np.ones((3, 0), np.float32)]), ValueError,
+     "inputs: expected k >= 1 columns, got 0"),
+    (lambda x: cugrouped.multi_pad_cast_transpose(
+        [np.lib.stride_tricks.as_strided(x[0], shape=(5, 16), strides=(32, 4))]), ValueError,
+     r"inputs\[0\]: expected rows with unit column stride"),     # rows 8 apart overlap
     (lambda x: cugrouped.multi_pad_cast_transpose(x, amax_accumulate=True, out=cugrouped.multi_pad_cast_transpose(
         x, backend="emulate")), ValueError, r"amax_accumulate: needs a given scale"),
     (lambda x: cugrouped.multi_pad_cast_transpose(x, scale=np.ones(2, np.float32), amax_accumulate=True),
@@ -515,6 +569,54 @@ def test_bad_out_buffer_is_rejected_before_anything_is_written():
     with pytest.raises(ValueError, match="out.data_t"):
         cugrouped.multi_pad_cast_transpose(xs2, backend="emulate", out=out)
     assert np.array_equal(np.asarray(out.data).view(np.uint8), data_before)
+
+
+@pytest.mark.parametrize("name,bad,given", [
+    ("data", lambda b: np.zeros(b.shape, np.float16), True),            # 2-byte items
+    ("amax", lambda b: b.astype(np.float64), False),                    # 8-byte items
+    ("amax", lambda b: np.zeros(2 * b.size, np.float32)[::2], False),   # not contiguous
+    ("scale_inv", lambda b: np.zeros(2 * b.size, np.float32)[::2], True),
+    ("scale", lambda b: None, False),           # current scaling writes out.scale
+    ("scale", lambda b: b[:-1], False),
+])
+def test_every_out_buffer_is_checked_before_anything_is_written(name, bad, given):
+    """Each buffer ``out`` lends must have the shape, item size and layout the kernels write:
+    a wrong one is refused naming it, before any buffer is touched."""
+    xs = make_inputs([10, 0, 22], 32, "float32", 6)
+    scale = np.ones(3, np.float32) if given else None
+    out = cugrouped.multi_pad_cast_transpose(xs, scale=scale, backend="emulate")
+    out = dataclasses.replace(out, **{name: bad(np.asarray(getattr(out, name)))})
+    before = {n: np.asarray(getattr(out, n)).view(np.uint8).copy() for n in ("data", "data_t")
+              if n != name}
+    with pytest.raises(ValueError, match=rf"^out\.{name}: "):
+        cugrouped.multi_pad_cast_transpose([x * 2 for x in xs], scale=scale, out=out,
+                                           backend="emulate")
+    for n, b in before.items():
+        assert np.array_equal(np.asarray(getattr(out, n)).view(np.uint8), b), n
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_out_with_another_given_scale_casts_with_the_given_scale(backend):
+    """``out`` lends buffers only: a given ``scale`` is this call's (delayed scaling changes it
+    every step), not the one ``out`` holds from an earlier call."""
+    m_splits, k = [10, 0, 22], 32
+    xs = make_inputs(m_splits, k, "float32", 4)
+    first = cugrouped.multi_pad_cast_transpose(xs, scale=np.full(3, 2.0, np.float32),
+                                               backend=backend)
+    scale = scales_for(m_splits, "e4m3", 9)
+    again = cugrouped.multi_pad_cast_transpose(xs, scale=scale, out=first, backend=backend)
+    assert np.array_equal(again.scale, scale)
+    assert_same_bits(again, reference.multi_pad_cast_transpose(xs, scale=scale))
+
+
+def test_margin_range_includes_64():
+    """``margin`` is documented as an int in [0, 64]: both ends are accepted, 65 is refused."""
+    xs = make_inputs([10, 0, 22], 32, "float32", 7)
+    for margin in (0, 64):
+        got = cugrouped.multi_pad_cast_transpose(xs, margin=margin, backend="emulate")
+        assert_same_bits(got, reference.multi_pad_cast_transpose(xs, margin=margin), str(margin))
+    with pytest.raises(ValueError, match=r"^margin: expected an int in \[0, 64\], got 65$"):
+        cugrouped.multi_pad_cast_transpose(xs, margin=65, backend="emulate")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -718,6 +820,8 @@ def test_gather_from_no_tokens_gives_zero_rows(backend):
      TypeError, "row_index: expected a contiguous 1-D int64"),
     (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i + 8), ValueError,
      "row_index: indices must be below the 10 rows"),
+    (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i + 6), ValueError,
+     "row_index: indices must be below the 10 rows .* got 10$"),
     (lambda t, i: cugrouped.multi_pad_cast_transpose(t, [5], row_index=i[::-1]), TypeError,
      "row_index: expected a contiguous"),
 ])
@@ -1043,6 +1147,57 @@ def test_argument_blocks_are_reused_only_for_identical_values():
     # and results stay right when blocks are reused
     again = cugrouped.multi_pad_cast_transpose(x, [9, 0, 20], backend="emulate", out=first)
     assert_same_bits(again, reference.multi_pad_cast_transpose(x, [9, 0, 20]))
+
+
+def test_argument_blocks_see_the_row_stride():
+    """Inputs at the same addresses with the same splits but other row strides (an allocator
+    hands the addresses out again), written to the same out buffers, get blocks of their own."""
+    k, m_splits = 32, [9, 0, 20]
+    bufs = [make_inputs([2 * m], k, "float32", 12 + i)[0].reshape(-1)
+            for i, m in enumerate(m_splits)]
+    wide = [b.reshape(m, 2 * k)[:, :k] for b, m in zip(bufs, m_splits)]   # rows 64 apart
+    tight = [b[: m * k].reshape(m, k) for b, m in zip(bufs, m_splits)]    # rows 32 apart
+    assert [x.ctypes.data for x in wide] == [x.ctypes.data for x in tight]
+    out = cugrouped.multi_pad_cast_transpose(tight, backend="emulate")
+    for xs in (wide, tight, wide):
+        got = cugrouped.multi_pad_cast_transpose(xs, out=out, backend="emulate")
+        assert_same_bits(got, reference.multi_pad_cast_transpose(
+            [np.ascontiguousarray(x) for x in xs]))
+
+
+def test_argument_blocks_see_the_align():
+    """The same inputs and output addresses with another ``align`` (out buffers carved from one
+    pool at one address) must not reuse blocks whose transposed offsets were padded otherwise."""
+    k, m_splits = 32, [9, 0, 20]
+    x = np.concatenate(make_inputs(m_splits, k, "float32", 13))
+    pool, data = np.empty(k * 29 * 8, np.uint8), np.empty((29, k), np.uint8)
+    template = cugrouped.multi_pad_cast_transpose(x, m_splits, backend="emulate")
+    for align in (16, 32, 16):
+        n = k * sum(pct.padded_splits(m_splits, align))
+        out = dataclasses.replace(template, data=data, data_t=pool[:n])
+        got = cugrouped.multi_pad_cast_transpose(x, m_splits, align=align, out=out,
+                                                 backend="emulate")
+        assert_same_bits(got, reference.multi_pad_cast_transpose(x, m_splits, align=align),
+                         f"align={align}")
+
+
+def test_device_split_blocks_see_the_rows_there_are():
+    """Device counts are clamped to the rows of ``inputs``, a value packed into the blocks: the
+    same addresses with fewer rows (a shorter view at the same address) get blocks of their own,
+    and the counts are clamped to those rows."""
+    k, E, align = 32, 3, 16
+    counts = np.array([9, 0, 20], np.int64)
+    x = np.concatenate(make_inputs([9, 0, 20], k, "float32", 14))
+    data, pool = np.empty(29 * k, np.uint8), np.empty(k * (29 + E * (align - 1)), np.uint8)
+    template = cugrouped.multi_pad_cast_transpose(x, counts, splits_on_device=True,
+                                                  backend="emulate")
+    for rows, splits in ((29, [9, 0, 20]), (20, [9, 0, 11]), (29, [9, 0, 20])):
+        out = dataclasses.replace(template, data=data[: rows * k].reshape(rows, k),
+                                  data_t=pool[: k * (rows + E * (align - 1))])
+        got = cugrouped.multi_pad_cast_transpose(x[:rows], counts, splits_on_device=True,
+                                                 out=out, backend="emulate")
+        assert got.host_splits()[0] == tuple(splits)
+        assert_same_bits(got, reference.multi_pad_cast_transpose(x[:rows], splits), str(rows))
 
 
 def test_arg_memo_keeps_the_most_recently_used():

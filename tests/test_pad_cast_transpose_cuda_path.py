@@ -269,3 +269,42 @@ def test_cuda_path_gather_reads_out_of_range_indices_as_zero_rows(fake_device, f
     assert_same_bits(_fp8_view(got, "e4m3"), want, form)
     block = calls[0][3][0]
     assert int(block["row_index"]) == idx.ctypes.data and int(block["src_rows"]) == T
+
+
+@pytest.mark.parametrize("stray", ["scale", "data", "data_t", "amax", "scale_inv", "m_splits"])
+def test_a_buffer_on_another_device_is_refused_before_any_launch(fake_device, stray):
+    """Every array must live on the inputs' device (a kernel on device 0 handed device-1 memory
+    faults or writes another GPU's memory): one on device 1 is refused, naming it."""
+    calls, _, _ = fake_device
+    m_splits, k = [7, 0, 20], 32
+    xs = make_inputs(m_splits, k, "float32", seed=4)
+    counts = np.array(m_splits, np.int64)
+    scale = scales_for(m_splits, "e4m3", 4)
+    out = _out_buffers(m_splits, k, 16, False, scale, device_splits=True)
+    obj = {"scale": scale, "m_splits": counts}.get(stray)
+    obj = getattr(out, stray) if obj is None else obj
+    real_view = pct.as_view
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (pct, _cast_inputs):
+            mp.setattr(module, "as_view", lambda x, **kw: dataclasses.replace(
+                real_view(x, **kw), device=1 if x is obj else 0))
+        name = stray if stray in ("scale", "m_splits") else f"out.{stray}"
+        with pytest.raises(ValueError, match=rf"^{name}: .*(same device|inputs' device|where "
+                           r"inputs lives)"):
+            pct.cast_arrays(np.concatenate(xs), counts, scale=scale, out=out,
+                            splits_on_device=True)
+    assert not calls
+
+
+def test_list_inputs_on_two_devices_are_refused(fake_device):
+    """A list of inputs must live on one device: ``inputs[1]`` on device 1 is refused, naming it."""
+    calls, _, _ = fake_device
+    xs = make_inputs([7, 0, 20], 32, "float32", seed=5)
+    real_view = pct.as_view
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_cast_inputs, "as_view", lambda x, **kw: dataclasses.replace(
+            real_view(x, **kw), device=1 if x is xs[1] else 0))
+        with pytest.raises(ValueError, match=r"^inputs\[1\]: is a numpy array on device 1, "
+                           r"inputs\[0\] is a numpy array on device 0$"):
+            pct.cast_arrays(xs)
+    assert not calls

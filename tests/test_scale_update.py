@@ -204,12 +204,36 @@ def test_one_launch_for_all_tensors():
     (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format=["e5m2", "e4m3", "e4m3"]),
      ValueError, "before"),
     (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format=["e4m3"]), ValueError, "one per"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, fp8_format=["e4m3", "e5m2", "e4m3"]),
+     ValueError, "before"),
+    (lambda h, a, s, si: su.update_scales(np.zeros((3, 6), np.float32)[:, :4], a, s, si),
+     ValueError, "amax_history: must be C-contiguous"),
+    (lambda h, a, s, si: su.update_scales(h, np.zeros(6, np.float32)[::2], s, si), ValueError,
+     "amax: expected a contiguous"),
+    (lambda h, a, s, si: su.update_scales(h, a, s, si, margin=65), ValueError, "margin"),
     (lambda h, a, s, si: su.update_scales(h, a, s, si, backend="cuda"), ValueError, "backend"),
 ])
 def test_bad_arguments(call, exc, match):
     h = np.zeros((3, 4), np.float32)
     with pytest.raises(exc, match=match):
         call(h, np.zeros(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32))
+
+
+def test_limits_are_inclusive():
+    """``margin`` in [0, 64] and ``history_len`` up to MAX_HISTORY_LEN are accepted at the top
+    end (and computed as the reference does), one past it refused."""
+    h, a = np.ones((2, 4), np.float32), np.array([3.0, 0.5], np.float32)
+    runs = []
+    for backend in ("reference", "emulate"):
+        s, si = np.ones(2, np.float32), np.ones(2, np.float32)
+        su.update_scales(h.copy(), a.copy(), s, si, margin=64, backend=backend)
+        runs.append(s)
+    assert np.array_equal(runs[0], runs[1]) and not np.array_equal(runs[0], np.ones(2))
+    L = su.MAX_HISTORY_LEN
+    one = [np.ones(1, np.float32) for _ in range(3)]
+    su.update_scales(np.zeros((1, L), np.float32), *one)
+    with pytest.raises(ValueError, match="history_len"):
+        su.update_scales(np.zeros((1, L + 1), np.float32), *one)
 
 
 def test_reference_exported():
@@ -283,6 +307,25 @@ def test_cuda_launch_refuses_arrays_on_another_device(monkeypatch):
     with pytest.raises(ValueError, match="device 1 but the current CUDA device is 0"):
         su.update_scales(h, np.zeros(3, np.float32), np.zeros(3, np.float32),
                          np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("stray", [1, 2, 3])
+def test_arrays_on_another_device_than_the_history_are_refused(monkeypatch, stray):
+    """amax, scale and scale_inv must live with amax_history (one kernel reads them all)."""
+    from cugrouped._array import ArrayView
+
+    arrays = [np.zeros((3, 4), np.float32)] + [np.zeros(3, np.float32) for _ in range(3)]
+
+    def view(a, arg="array"):
+        a = np.asarray(a)
+        return ArrayView(a.ctypes.data, a.shape, tuple(b // a.itemsize for b in a.strides),
+                         str(a.dtype), 1 if a is arrays[stray] else 0, "cupy", a)
+
+    monkeypatch.setattr(su, "as_view", view)
+    monkeypatch.setattr(su._jit, "get_function", lambda spec, name: pytest.fail("launched"))
+    name = ("amax", "scale", "scale_inv")[stray - 1]
+    with pytest.raises(ValueError, match=rf"^{name}: is a cupy array on device 1, amax_history"):
+        su.update_scales(*arrays)
 
 
 @pytest.mark.gpu
