@@ -399,6 +399,7 @@ def test_row_stride_of_a_two_row_input():
     assert_same_bits(got, reference.multi_pad_cast_transpose([np.ascontiguousarray(x)
                                                               for x in xs]))
 
+
 def test_row_stride_larger_than_k_with_device_splits():
     """With device counts the blocks get one base pointer and its row stride (not ``k``)."""
     base = make_inputs([30], 80, "float32", 3)[0]
