@@ -1075,3 +1075,20 @@ def test_chunks_of_tiles_and_device_chunks():
         ChunkLaunch(0, 2, (), 20), ChunkLaunch(2, 2, (), 20), ChunkLaunch(4, 1, (), 10)]
     with pytest.raises(ValueError, match="too many tiles"):
         device_chunks(1, 64, lambda n: 2**31)
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
+def test_tiles_one_row_short_of_full(form):
+    """m = 63 and 127 with k a multiple of 128: the last tile row of each expert lies inside k and
+    is 16-byte aligned but one row short of 64, so it must take the bounds-checked path; the
+    full-tile path would read the row after the expert's last (the next expert's first, here with
+    the largest values) into the amax, the column sums and, with align 16, the zero padding of
+    the transposed copy. The matrix above has no m that is 63 modulo 64 with k >= 128."""
+    m_splits, k = [63, 127, 1, 64], 256
+    xs = make_inputs(m_splits, k, "bfloat16", 17)
+    for x in xs[1:]:
+        x[0] = 2.0 ** 10                         # larger than anything make_inputs gives
+    for given in (True, False):
+        scale = scales_for(m_splits, "e4m3", 4) if given else None
+        got, want = run_both(xs, m_splits, form, align=16, scale=scale, column_sums=True)
+        assert_same_bits(got, want, f"{form}/given={given}")
