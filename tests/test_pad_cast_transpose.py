@@ -1092,3 +1092,28 @@ def test_tiles_one_row_short_of_full(form):
         scale = scales_for(m_splits, "e4m3", 4) if given else None
         got, want = run_both(xs, m_splits, form, align=16, scale=scale, column_sums=True)
         assert_same_bits(got, want, f"{form}/given={given}")
+
+
+@pytest.mark.parametrize("align", [3, 8, 24])
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
+def test_align_not_a_multiple_of_16_writes_zero_padding(align, form):
+    """An align that is not a multiple of 16 makes the last transposed run of an expert neither
+    32 nor 16 bytes (or not 16-byte aligned): its padding bytes are written one by one. The out
+    buffers are filled with 0xFF first, so a padding byte the kernel skips cannot pass as the
+    zero that a fresh allocation happens to hold. (The matrix above uses align 1, 16, 32, 128.)"""
+    m_splits, k = [5, 0, 70, 33, 1], 48
+    xs = make_inputs(m_splits, k, "float16", 23)
+    args = (xs, None) if form == "list" else (np.concatenate(xs), list(m_splits))
+    dev = {}
+    if form == "device":
+        args, dev = (args[0], np.array(m_splits, np.int64)), dict(splits_on_device=True)
+    want = reference.multi_pad_cast_transpose(xs, align=align, column_sums=True)
+    out = cugrouped.multi_pad_cast_transpose(*args, align=align, column_sums=True,
+                                             backend="emulate", **dev)
+    for name in ("data", "data_t", "column_sums"):
+        np.asarray(getattr(out, name)).view(np.uint8)[...] = 0xFF
+    got = cugrouped.multi_pad_cast_transpose(*args, align=align, column_sums=True, out=out,
+                                             backend="emulate", **dev)
+    assert_same_bits(got, want, f"align={align}/{form}")
+    for i, m in enumerate(m_splits):
+        assert not np.asarray(got.columnwise(i))[:, m:].any(), i
