@@ -1117,3 +1117,21 @@ def test_align_not_a_multiple_of_16_writes_zero_padding(align, form):
     assert_same_bits(got, want, f"align={align}/{form}")
     for i, m in enumerate(m_splits):
         assert not np.asarray(got.columnwise(i))[:, m:].any(), i
+
+
+@pytest.mark.parametrize("margin", [1, 5])
+@pytest.mark.parametrize("form", ["list", "device"])
+def test_margin_emulated_matches_reference(margin, form):
+    """The amax pass of current scaling divides the scale by 2^margin on the device: the emulated
+    kernel gives the reference's scales and bytes, and the scale of an expert with data is the
+    margin-0 scale over 2^margin (an empty expert keeps 1). Every other emulated test casts with
+    margin 0, where a kernel that ignored the argument would pass."""
+    m_splits, k = [37, 0, 70, 5], 48
+    xs = make_inputs(m_splits, k, "bfloat16", 29)
+    for fmt in ("e4m3", "e5m2"):
+        got, want = run_both(xs, m_splits, form, fp8_format=fmt, margin=margin,
+                             column_sums=True)
+        assert_same_bits(got, want, f"margin={margin}/{form}/{fmt}")
+        plain = reference.multi_pad_cast_transpose(xs, fp8_format=fmt)
+        for e, m in enumerate(m_splits):
+            assert got.scale[e] == (plain.scale[e] / np.float32(2.0**margin) if m else 1), e
