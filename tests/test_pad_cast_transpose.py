@@ -1135,3 +1135,23 @@ def test_margin_emulated_matches_reference(margin, form):
         plain = reference.multi_pad_cast_transpose(xs, fp8_format=fmt)
         for e, m in enumerate(m_splits):
             assert got.scale[e] == (plain.scale[e] / np.float32(2.0**margin) if m else 1), e
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("given", [True, False])
+def test_a_nan_after_the_largest_value_does_not_hide_it_from_the_amax(dtype, given):
+    """The amax ignores NaN as fmaxf does, also when the NaN comes after the largest value in
+    the same thread's elements (same row segment, and rows r and r + 32 of a tile): a max that
+    let NaN win a comparison would lose what came before it, and the warp's fmaxf would then drop
+    the NaN, leaving a smaller, finite and wrong amax (and scale)."""
+    m_splits, k = [40, 3, 64], 32
+    xs = [np.random.default_rng(i).uniform(-1, 1, (m, k)).astype(np.float32)
+          for i, m in enumerate(m_splits)]
+    xs[0][5, 2], xs[0][5, 3] = 1000.0, np.nan        # one segment: the max, then a NaN
+    xs[1][1, 16], xs[1][1, 31] = -500.0, -np.nan
+    xs[2][3, 7], xs[2][35, 7] = 700.0, np.nan        # rows r and r + 32: one thread
+    xs = [x.astype(DTYPES[dtype]) for x in xs]
+    scale = np.array([1.0, 0.5, 2.0], np.float32) if given else None
+    got, want = run_both(xs, m_splits, "list", scale=scale, column_sums=True)
+    assert_same_bits(got, want, f"{dtype}/given={given}")
+    assert got.amax.tolist() == [1000.0, 500.0, 700.0]
