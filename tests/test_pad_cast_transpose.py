@@ -194,6 +194,23 @@ def test_device_splits_are_clamped_to_the_rows_there_are():
     assert np.array_equal(got.data_t[: want.data_t.size], want.data_t)
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_negative_device_counts_count_as_zero(given):
+    """Device counts are not checked on the host (that would need a sync): a negative count is
+    an expert without rows, as host_splits() reads them back (clip at 0), not a step back into
+    the rows of the experts before it."""
+    xs = make_inputs([10, 6, 17], 32, "float32", 2)
+    x = np.concatenate(xs)
+    counts = np.array([10, -4, 6, -1, 17], np.int64)
+    scale = np.array([1.0, 4.0, 0.5, 2.0, 8.0], np.float32) if given else None
+    got = cugrouped.multi_pad_cast_transpose(x, counts, splits_on_device=True, scale=scale,
+                                             column_sums=True, backend="emulate")
+    assert got.host_splits()[0] == (10, 0, 6, 0, 17)
+    want = reference.multi_pad_cast_transpose(x, [10, 0, 6, 0, 17], scale=scale,
+                                              column_sums=True)
+    assert_same_bits(got, want, f"given={given}")
+
+
 def test_planning_for_device_splits_bounds_every_split():
     rng = np.random.default_rng(0)
     for _ in range(200):
