@@ -620,6 +620,25 @@ def test_amax_accumulate_over_two_casts_and_more_experts_than_one_launch():
     np.testing.assert_array_equal(outs["emulate"], np.maximum(a1, a2))
 
 
+@pytest.mark.parametrize("form", ["list", "device"])
+def test_amax_accumulate_into_zero_like_old_values_gives_the_new_amax(form):
+    """An old amax that counts as 0 (-0, a denormal of either sign) met by a new amax of 0 (an
+    expert without rows, or all zeros): the merge keeps the old value only when it is larger
+    after FTZ, so the result is the new +0 (the reference's bits), not the -0 or denormal that
+    was there. The matrix above never puts such an old value on an empty or all-zero expert."""
+    den = np.float32(1e-40)
+    old = np.array([-0.0, den, -den, -0.0, den, np.nan, -0.0], np.float32)
+    m_splits = [0, 0, 0, 9, 4, 0, 6]
+    xs = make_inputs(m_splits, 32, "float32", 3)
+    xs[3][...] = 0.0
+    xs[4][...] = -0.0
+    scale = scales_for(m_splits, "e4m3", 4)
+    want = _accumulate("reference", xs, m_splits, "list", scale, old)
+    got = _accumulate("emulate", xs, m_splits, form, scale, old)
+    assert_same_bits(got, want, form)
+    assert as_bits(got.amax)[:6].tolist() == [0] * 6 and got.amax[6] > 0
+
+
 def test_amax_accumulate_is_still_one_launch():
     """Delayed scaling with a pending amax: one CAST_AMAX launch, nothing else (the torch layer
     used to add a torch.maximum launch per cast)."""
