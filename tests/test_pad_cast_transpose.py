@@ -744,6 +744,30 @@ def test_gather_from_no_tokens_gives_zero_rows(backend):
     assert_same_bits(got, want, backend)
 
 
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_gather_index_past_the_tokens_reads_a_zero_row(monkeypatch, form):
+    """Device indices cannot be checked on the host (that would need a sync): the kernel reads an
+    index >= the token rows as a zero row, as it reads a negative one. The emulator's host
+    indices are refused first, so the host check is lifted here to reach the kernel's rule; the
+    tokens are the front of a larger matrix, so reading row T (one past the last) would show."""
+    monkeypatch.setattr(_cast_inputs, "_check_row_index",
+                        lambda row_index, view: _cast_inputs.as_view(row_index, arg="row_index"))
+    T, k, m_splits = 40, 144, [7, 0, 70, 13]
+    rows = make_inputs([T + 1], k, "bfloat16", seed=12)[0]
+    tokens = rows[:T]
+    idx = _routing(T, m_splits, seed=13)
+    idx[[0, 9, 40, 89]] = [T, T + 1, 2**40, T]
+    valid = (idx >= 0) & (idx < T)
+    permuted = np.where(valid[:, None], tokens[np.where(valid, idx, 0)].astype(np.float32), 0)
+    want = reference.multi_pad_cast_transpose(permuted.astype(tokens.dtype), m_splits,
+                                              column_sums=True)
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    got = cugrouped.multi_pad_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
+                                             splits_on_device=form == "device" or None,
+                                             column_sums=True)
+    assert_same_bits(got, want, form)
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda t, i: cugrouped.multi_pad_cast_transpose([t], [5], row_index=i), ValueError,
      "row_index: gathers rows of a single"),
