@@ -195,6 +195,23 @@ def test_device_splits_are_clamped_to_the_rows_there_are():
     assert np.array_equal(got.data_t[: want.data_t.size], want.data_t)
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_negative_device_counts_count_as_zero(given):
+    """Device counts are not checked on the host (that would need a sync): a negative count is
+    an expert without rows, as host_splits() reads them back (clip at 0), not a step back into
+    the rows of the experts before it."""
+    xs = make_inputs([10, 6, 17], 32, "float32", 2)
+    x = np.concatenate(xs)
+    counts = np.array([10, -4, 6, -1, 17], np.int64)
+    scale = np.array([1.0, 4.0, 0.5, 2.0, 8.0], np.float32) if given else None
+    got = cugrouped.multi_pad_cast_transpose(x, counts, splits_on_device=True, scale=scale,
+                                             column_sums=True, backend="emulate")
+    assert got.host_splits()[0] == (10, 0, 6, 0, 17)
+    want = reference.multi_pad_cast_transpose(x, [10, 0, 6, 0, 17], scale=scale,
+                                              column_sums=True)
+    assert_same_bits(got, want, f"given={given}")
+
+
 def test_planning_for_device_splits_bounds_every_split():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -706,6 +723,25 @@ def test_amax_accumulate_over_two_casts_and_more_experts_than_one_launch():
     np.testing.assert_array_equal(outs["emulate"], np.maximum(a1, a2))
 
 
+@pytest.mark.parametrize("form", ["list", "device"])
+def test_amax_accumulate_into_zero_like_old_values_gives_the_new_amax(form):
+    """An old amax that counts as 0 (-0, a denormal of either sign) met by a new amax of 0 (an
+    expert without rows, or all zeros): the merge keeps the old value only when it is larger
+    after FTZ, so the result is the new +0 (the reference's bits), not the -0 or denormal that
+    was there. The matrix above never puts such an old value on an empty or all-zero expert."""
+    den = np.float32(1e-40)
+    old = np.array([-0.0, den, -den, -0.0, den, np.nan, -0.0], np.float32)
+    m_splits = [0, 0, 0, 9, 4, 0, 6]
+    xs = make_inputs(m_splits, 32, "float32", 3)
+    xs[3][...] = 0.0
+    xs[4][...] = -0.0
+    scale = scales_for(m_splits, "e4m3", 4)
+    want = _accumulate("reference", xs, m_splits, "list", scale, old)
+    got = _accumulate("emulate", xs, m_splits, form, scale, old)
+    assert_same_bits(got, want, form)
+    assert as_bits(got.amax)[:6].tolist() == [0] * 6 and got.amax[6] > 0
+
+
 def test_amax_accumulate_is_still_one_launch():
     """Delayed scaling with a pending amax: one CAST_AMAX launch, nothing else (the torch layer
     used to add a torch.maximum launch per cast)."""
@@ -809,6 +845,30 @@ def test_gather_from_no_tokens_gives_zero_rows(backend):
     want = reference.multi_pad_cast_transpose(np.zeros((5, 48), np.float32), [2, 3],
                                               column_sums=True)
     assert_same_bits(got, want, backend)
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_gather_index_past_the_tokens_reads_a_zero_row(monkeypatch, form):
+    """Device indices cannot be checked on the host (that would need a sync): the kernel reads an
+    index >= the token rows as a zero row, as it reads a negative one. The emulator's host
+    indices are refused first, so the host check is lifted here to reach the kernel's rule; the
+    tokens are the front of a larger matrix, so reading row T (one past the last) would show."""
+    monkeypatch.setattr(_cast_inputs, "_check_row_index",
+                        lambda row_index, view: _cast_inputs.as_view(row_index, arg="row_index"))
+    T, k, m_splits = 40, 144, [7, 0, 70, 13]
+    rows = make_inputs([T + 1], k, "bfloat16", seed=12)[0]
+    tokens = rows[:T]
+    idx = _routing(T, m_splits, seed=13)
+    idx[[0, 9, 40, 89]] = [T, T + 1, 2**40, T]
+    valid = (idx >= 0) & (idx < T)
+    permuted = np.where(valid[:, None], tokens[np.where(valid, idx, 0)].astype(np.float32), 0)
+    want = reference.multi_pad_cast_transpose(permuted.astype(tokens.dtype), m_splits,
+                                              column_sums=True)
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    got = cugrouped.multi_pad_cast_transpose(tokens, splits, row_index=idx, backend="emulate",
+                                             splits_on_device=form == "device" or None,
+                                             column_sums=True)
+    assert_same_bits(got, want, form)
 
 
 @pytest.mark.parametrize("call,exc,match", [
@@ -1231,3 +1291,105 @@ def test_chunks_of_tiles_and_device_chunks():
         ChunkLaunch(0, 2, (), 20), ChunkLaunch(2, 2, (), 20), ChunkLaunch(4, 1, (), 10)]
     with pytest.raises(ValueError, match="too many tiles"):
         device_chunks(1, 64, lambda n: 2**31)
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
+def test_tiles_one_row_short_of_full(form):
+    """m = 63 and 127 with k a multiple of 128: the last tile row of each expert lies inside k and
+    is 16-byte aligned but one row short of 64, so it must take the bounds-checked path; the
+    full-tile path would read the row after the expert's last (the next expert's first, here with
+    the largest values) into the amax, the column sums and, with align 16, the zero padding of
+    the transposed copy. The matrix above has no m that is 63 modulo 64 with k >= 128."""
+    m_splits, k = [63, 127, 1, 64], 256
+    xs = make_inputs(m_splits, k, "bfloat16", 17)
+    for x in xs[1:]:
+        x[0] = 2.0 ** 10                         # larger than anything make_inputs gives
+    for given in (True, False):
+        scale = scales_for(m_splits, "e4m3", 4) if given else None
+        got, want = run_both(xs, m_splits, form, align=16, scale=scale, column_sums=True)
+        assert_same_bits(got, want, f"{form}/given={given}")
+
+
+@pytest.mark.parametrize("align", [3, 8, 24])
+@pytest.mark.parametrize("form", ["list", "tensor", "device"])
+def test_align_not_a_multiple_of_16_writes_zero_padding(align, form):
+    """An align that is not a multiple of 16 makes the last transposed run of an expert neither
+    32 nor 16 bytes (or not 16-byte aligned): its padding bytes are written one by one. The out
+    buffers are filled with 0xFF first, so a padding byte the kernel skips cannot pass as the
+    zero that a fresh allocation happens to hold. (The matrix above uses align 1, 16, 32, 128.)"""
+    m_splits, k = [5, 0, 70, 33, 1], 48
+    xs = make_inputs(m_splits, k, "float16", 23)
+    args = (xs, None) if form == "list" else (np.concatenate(xs), list(m_splits))
+    dev = {}
+    if form == "device":
+        args, dev = (args[0], np.array(m_splits, np.int64)), dict(splits_on_device=True)
+    want = reference.multi_pad_cast_transpose(xs, align=align, column_sums=True)
+    out = cugrouped.multi_pad_cast_transpose(*args, align=align, column_sums=True,
+                                             backend="emulate", **dev)
+    for name in ("data", "data_t", "column_sums"):
+        np.asarray(getattr(out, name)).view(np.uint8)[...] = 0xFF
+    got = cugrouped.multi_pad_cast_transpose(*args, align=align, column_sums=True, out=out,
+                                             backend="emulate", **dev)
+    assert_same_bits(got, want, f"align={align}/{form}")
+    for i, m in enumerate(m_splits):
+        assert not np.asarray(got.columnwise(i))[:, m:].any(), i
+
+
+@pytest.mark.parametrize("margin", [1, 5])
+@pytest.mark.parametrize("form", ["list", "device"])
+def test_margin_emulated_matches_reference(margin, form):
+    """The amax pass of current scaling divides the scale by 2^margin on the device: the emulated
+    kernel gives the reference's scales and bytes, and the scale of an expert with data is the
+    margin-0 scale over 2^margin (an empty expert keeps 1). Every other emulated test casts with
+    margin 0, where a kernel that ignored the argument would pass."""
+    m_splits, k = [37, 0, 70, 5], 48
+    xs = make_inputs(m_splits, k, "bfloat16", 29)
+    for fmt in ("e4m3", "e5m2"):
+        got, want = run_both(xs, m_splits, form, fp8_format=fmt, margin=margin,
+                             column_sums=True)
+        assert_same_bits(got, want, f"margin={margin}/{form}/{fmt}")
+        plain = reference.multi_pad_cast_transpose(xs, fp8_format=fmt)
+        for e, m in enumerate(m_splits):
+            assert got.scale[e] == (plain.scale[e] / np.float32(2.0**margin) if m else 1), e
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("given", [True, False])
+def test_a_nan_after_the_largest_value_does_not_hide_it_from_the_amax(dtype, given):
+    """The amax ignores NaN as fmaxf does, also when the NaN comes after the largest value in
+    the same thread's elements (same row segment, and rows r and r + 32 of a tile): a max that
+    let NaN win a comparison would lose what came before it, and the warp's fmaxf would then drop
+    the NaN, leaving a smaller, finite and wrong amax (and scale)."""
+    m_splits, k = [40, 3, 64], 32
+    xs = [np.random.default_rng(i).uniform(-1, 1, (m, k)).astype(np.float32)
+          for i, m in enumerate(m_splits)]
+    xs[0][5, 2], xs[0][5, 3] = 1000.0, np.nan        # one segment: the max, then a NaN
+    xs[1][1, 16], xs[1][1, 31] = -500.0, -np.nan
+    xs[2][3, 7], xs[2][35, 7] = 700.0, np.nan        # rows r and r + 32: one thread
+    xs = [x.astype(DTYPES[dtype]) for x in xs]
+    scale = np.array([1.0, 0.5, 2.0], np.float32) if given else None
+    got, want = run_both(xs, m_splits, "list", scale=scale, column_sums=True)
+    assert_same_bits(got, want, f"{dtype}/given={given}")
+    assert got.amax.tolist() == [1000.0, 500.0, 700.0]
+
+
+@pytest.mark.parametrize("form", ["tensor", "device"])
+def test_row_offsets_past_2_31_elements(form):
+    """Rows 2^26 elements apart (a strided view of a 4 GiB bfloat16 buffer, of which only the
+    pages of the rows read are ever touched): from row 32 on, a row's element offset exceeds
+    2^31, so an offset computed in 32 bits (the device splits' per-expert input offset, or a
+    row's offset inside an expert) reads elsewhere or faults. The GPU test of a case over 2^31
+    elements needs a GPU; this one needs only address space."""
+    ld, k, m_splits = 1 << 26, 32, [33, 1]
+    try:
+        base = np.zeros((sum(m_splits), ld), ml_dtypes.bfloat16)
+    except MemoryError:
+        pytest.skip("no 4 GiB of address space")
+    small = make_inputs([sum(m_splits)], k, "bfloat16", 31)[0]
+    view = base[:, 16:16 + k]
+    view[...] = small
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    got = cugrouped.multi_pad_cast_transpose(view, splits, splits_on_device=form == "device",
+                                             column_sums=True, backend="emulate")
+    want = reference.multi_pad_cast_transpose(small, m_splits, column_sums=True)
+    assert_same_bits(got, want, form)

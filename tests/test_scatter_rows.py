@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cugrouped
 from cugrouped import reference
 from cugrouped.ops import scatter_rows as sr
 
@@ -161,3 +162,21 @@ def test_cuda_nan_sums_have_the_references_bits():
     out = cupy.full((4, 4), 7.0, cupy.float32)
     sr.scatter_rows(cupy.asarray(x), cupy.asarray(order), cupy.asarray(seg), 4, out)
     np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle", 7])
+def test_emulated_writes_only_its_own_cells_in_every_order(order):
+    """h = 300 leaves the second column chunk of every token partial: its threads past h must
+    not write, since their cell would be the next token's column 0 (a race that the block order
+    decides) or, for the last token, past the output. The output is the front of a larger
+    buffer of sentinels, so a write past it shows, and the blocks run in every order."""
+    tokens, rows, h = 7, 40, 300
+    idx, x = _case(tokens, rows, h, "float32", seed=47)
+    plan, seg = reference.scatter_plan(idx, tokens)
+    want = reference.scatter_rows(x, plan, seg, tokens)
+    guard = np.full(tokens * h + 64, -1.0, np.float32)
+    out = guard[: tokens * h].reshape(tokens, h)
+    with cugrouped.emulation_order(order):
+        sr.scatter_rows(x, plan, seg, tokens, out, backend="emulate")
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    assert (guard[tokens * h:] == -1.0).all()
