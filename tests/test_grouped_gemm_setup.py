@@ -109,6 +109,20 @@ def test_dropped_experts_are_compacted():
     assert arrays["b"].tolist() == [0x7F1000000000 + 48 * p for p in (0, 16, 48)]
 
 
+def test_alpha_and_beta_are_written_when_the_first_expert_is_dropped():
+    """The scalars belong to the call, not to expert 0: written even when expert 0 has no
+    group (the host drops an empty first expert), else the GEMM reads the workspace's old bytes
+    as alpha and beta."""
+    m = [0, 16, 32]
+    spec = _spec(3, 16, (-1, 0, 1), beta=1.0)
+    want = _run("reference", spec, m_host=m)
+    off, _ = gg.grouped_workspace_layout(spec.groups)
+    assert want[off["alpha"]:off["alpha"] + 4].view(np.float32)[0] == 1.0
+    assert want[off["beta"]:off["beta"] + 4].view(np.float32)[0] == 1.0
+    for order in ("forward", "reverse"):
+        assert np.array_equal(_run("emulate", spec, order, m_host=m), want), order
+
+
 def test_reference_layout_and_values():
     m = [3, 0, 20]
     spec = _spec(3)
