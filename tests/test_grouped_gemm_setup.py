@@ -123,6 +123,19 @@ def test_alpha_and_beta_are_written_when_the_first_expert_is_dropped():
         assert np.array_equal(_run("emulate", spec, order, m_host=m), want), order
 
 
+def test_negative_device_counts_count_as_zero():
+    """A negative device count is 0 rows and takes no rows from the experts after it: with
+    token_align 1 the expert cut by total_rows gets total_rows - (the counts before it), not
+    4 rows more, and the negative expert's own tokens are 0, not -4."""
+    dev = np.array([-4, 10, 3], np.int64)
+    spec = _spec(3, 1, scales="vec128_rows")
+    want = _run("reference", spec, m_dev=dev, total_rows=8)
+    assert ref.clamp_counts(dev, 8).tolist() == [0, 8, 0]
+    assert np.array_equal(_run("reference", spec, m_host=[0, 8, 0]), want)
+    for order in ("forward", "shuffle"):
+        assert np.array_equal(_run("emulate", spec, order, m_dev=dev, total_rows=8), want), order
+
+
 def test_reference_layout_and_values():
     m = [3, 0, 20]
     spec = _spec(3)
