@@ -136,6 +136,24 @@ def test_negative_device_counts_count_as_zero():
         assert np.array_equal(_run("emulate", spec, order, m_dev=dev, total_rows=8), want), order
 
 
+def test_pointer_offsets_past_2_31_bytes():
+    """Experts that start 4 GiB and more past a base (D's 4096 bytes per token times 2^20
+    tokens; block scales of 4096 bytes per token): offsets computed in 32 bits would wrap to
+    the first expert's pointer. Only addresses are computed, so the counts cost nothing."""
+    m = [2**20, 2**20, 3]
+    big = gs.ScaleSpec(0x7F3000000000, 0, 4096, 1, 1)
+    s3 = _spec(3)
+    spec = gs.SetupSpec(s3.a, s3.b, s3.d, 3, 1, (big, big), 1.0, 0.0)
+    arrays = ref.setup_arrays(spec, m)
+    starts = (0, 2**20, 2**21)
+    assert arrays["d"].tolist() == [0x7F2000000010 + 4096 * p for p in starts]
+    assert arrays["a_scale"].tolist() == [0x7F3000000000 + 4096 * p for p in starts]
+    want = _run("reference", spec, m_host=m)
+    assert np.array_equal(_run("emulate", spec, m_host=m), want)
+    dev = np.array(m, np.int64)
+    assert np.array_equal(_run("emulate", spec, m_dev=dev, total_rows=sum(m)), want)
+
+
 def test_reference_layout_and_values():
     m = [3, 0, 20]
     spec = _spec(3)
