@@ -262,6 +262,21 @@ def test_device_counts_are_clamped_to_the_rows_there_are():
     assert_same_bits(got, want, "clamped")
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_negative_device_counts_count_as_zero(dims):
+    """As for multi_pad_cast_transpose: a negative device count is an expert without rows (no
+    tiles, no scales), not a step back into the rows of the experts before it."""
+    xs = make_inputs([10, 6, 17], 32, "float32", 2)
+    x = np.concatenate(xs)
+    counts = np.array([10, -4, 6, -1, 17], np.int64)
+    got = cugrouped.multi_block_cast_transpose(x, counts, splits_on_device=True,
+                                               block_scaling_dim=dims, column_sums=True,
+                                               backend="emulate")
+    assert got.host_splits()[0] == (10, 0, 6, 0, 17)
+    want = reference.multi_block_cast_transpose(x, [10, 0, 6, 0, 17], block_scaling_dim=dims,
+                                                column_sums=True)
+    assert_same_bits(got, want, f"{dims}D")
+
 def test_launch_counts_and_no_launch_without_rows():
     xs = make_inputs([0, 33, 0], 64, "bfloat16", seed=1)
     with cugrouped.record_launches() as launches:
