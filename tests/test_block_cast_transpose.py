@@ -335,6 +335,23 @@ def test_repr_is_short_and_names_the_block_kind():
     assert "scale_inv=numpy uint8 (512,)" in repr(mx) and len(repr(mx)) < 300
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_tail_tile_of_more_than_112_columns_reads_no_column_past_k(dims):
+    """k = 248: the last tile column has 120 columns, so its last segment of 16 is partial and
+    the tile must take the bounded loads; a whole-segment load would add the next row's first
+    8 values (64 times larger every other row here) to the amax of the even rows' 1-D blocks
+    (2-D: the same loads, though here the odd rows set the tile's amax anyway). No other case
+    has a tail of 113 to 127 columns."""
+    m_splits, k = [130, 256], 248
+    x = np.concatenate(make_inputs(m_splits, k, "float32", 23))
+    x *= np.where(np.arange(len(x)) % 2, 64, 1).astype(np.float32)[:, None]
+    got = cugrouped.multi_block_cast_transpose(x, m_splits, block_scaling_dim=dims,
+                                               column_sums=True, backend="emulate")
+    want = reference.multi_block_cast_transpose(x, m_splits, block_scaling_dim=dims,
+                                                column_sums=True)
+    assert_same_bits(got, want, f"{dims}D")
+
+
 def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
     w = make_inputs([300], 260, "bfloat16", seed=9)[0]
     res = cugrouped.multi_block_cast_transpose([w], align=1, block_scaling_dim=2, backend="emulate")
