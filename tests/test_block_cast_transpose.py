@@ -352,6 +352,26 @@ def test_tail_tile_of_more_than_112_columns_reads_no_column_past_k(dims):
     assert_same_bits(got, want, f"{dims}D")
 
 
+@pytest.mark.parametrize("form", ["tensor", "device"])
+def test_row_offsets_past_2_31_elements(form):
+    """As for multi_pad_cast_transpose: rows 2^26 elements apart (a strided view of a 4 GiB
+    bfloat16 buffer, of which only the pages of the rows read are touched), so that from row 32
+    on a row's element offset exceeds 2^31: an offset computed in 32 bits (the device splits'
+    per-expert input offset, or a row's offset inside an expert) reads elsewhere or faults."""
+    ld, k, m_splits = 1 << 26, 32, [33, 1]
+    try:
+        base = np.zeros((sum(m_splits), ld), ml_dtypes.bfloat16)
+    except MemoryError:
+        pytest.skip("no 4 GiB of address space")
+    small = make_inputs([sum(m_splits)], k, "bfloat16", 31)[0]
+    view = base[:, 16:16 + k]
+    view[...] = small
+    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    got = cugrouped.multi_block_cast_transpose(view, splits, splits_on_device=form == "device",
+                                               column_sums=True, backend="emulate")
+    want = reference.multi_block_cast_transpose(small, m_splits, column_sums=True)
+    assert_same_bits(got, want, form)
+
 def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
     w = make_inputs([300], 260, "bfloat16", seed=9)[0]
     res = cugrouped.multi_block_cast_transpose([w], align=1, block_scaling_dim=2, backend="emulate")
