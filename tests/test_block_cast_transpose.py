@@ -168,6 +168,18 @@ def test_options_and_one_sided_copies(dims, eps, p2, which):
                          block_scaling_dim=dims, amax_epsilon=eps, power_2_scale=p2)
 
 
+@pytest.mark.parametrize("p2", [True, False])
+def test_two_d_amax_in_the_last_warps_rows(p2):
+    """The 2-D tile amax is reduced over the 8 warps; here every tile's largest values lie in
+    rows 28..31 modulo 32 (the last warp's), 2^10 times the others, so a reduction that
+    missed a warp would give another scale. (Random data puts the maximum there 1 tile in 8.)"""
+    x = np.concatenate(make_inputs([256, 200], 160, "float32", 41))
+    rows = np.arange(len(x)) % 32 >= 28
+    x[rows] *= np.float32(1024)
+    got, want = run_both([x[:256], x[256:]], [256, 200], "tensor", block_scaling_dim=2,
+                         power_2_scale=p2)
+    assert_same_bits(got, want, f"p2={p2}")
+
 def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
     # ceil(150 / 64) chunks, one launch each
     check_over_several_chunks(BLOCK_CAST, (3, 4), 136, block_scaling_dim=1)
