@@ -95,6 +95,22 @@ def test_list_and_tensor_inputs_identical(recipe, splits):
             assert torch.count_nonzero(ra[2][i]) == 0 and torch.count_nonzero(ra[3][i]) == 0
 
 
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_list_inputs_of_which_only_some_need_grad(recipe):
+    """A list whose first tensor needs no gradient (its producer is frozen): the other experts'
+    inputs still get theirs, the same bits as when every input needs one."""
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    x, dy = torch.randn(17, 32), torch.randn(17, 48)
+    want = run(layer, x, sp, RECIPES[recipe], True, dy)[1]
+    inp = [t.clone().requires_grad_(i > 0) for i, t in enumerate(x.split(sp))]
+    with _autocast(RECIPES[recipe]):
+        y = layer(inp)
+    torch.cat(y).backward(dy)
+    assert inp[0].grad is None
+    assert_bits_equal(torch.cat([t.grad for t in inp[1:]]), want[6:])
+
+
 def test_list_outputs_are_views_of_one_buffer():
     layer = make_layer(3)
     xs = [torch.randn(m, 32) for m in (4, 0, 6)]
