@@ -333,6 +333,47 @@ def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
         make_layer(2).load_state_dict(layer.state_dict())
 
 
+def _with_amaxes(rows, cols, amaxes, seed):
+    """Per expert, a ``(m, cols)`` block of values below ``amaxes[e]`` (a power of two) with one
+    entry equal to it: the amaxes are known exactly."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for m, a in zip(rows, amaxes):
+        t = (torch.rand(m, cols, generator=g) - 0.5) * a
+        t[0, 0] = -a
+        parts.append(t)
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scales_follow_the_documented_rule(fmt, margin, algo):
+    """DelayedScaling's rule, tensor by tensor (rows ``which·E + e``): ``scale = fp8_max /
+    reduce(history) / 2^margin``, where fp8_max is E4M3's 448 for inputs and weights and, for
+    grad outputs, E5M2's 57344 under HYBRID (448 under E4M3); ``reduce`` is the max over the
+    window or the most recent amax. Amaxes are powers of two, so every scale is exact."""
+    E, sp, n = 3, [4, 6, 2], 48
+    rec = DelayedScaling(fp8_format=fmt, margin=margin, amax_history_len=2, amax_compute_algo=algo)
+    layer = make_layer(E, bias=False)
+    w_amax = [1.0, 0.5, 0.25]
+    with torch.no_grad():
+        for w, a, i in zip(layer.weights(), w_amax, range(E)):
+            w.copy_(_with_amaxes([n], 32, [a], 10 + i))
+    steps = [([2.0, 4.0, 8.0], [0.5, 1.0, 0.25]), ([1.0, 16.0, 2.0], [2.0, 0.5, 4.0])]
+    for seed, (x_amax, dy_amax) in enumerate(steps):
+        run(layer, _with_amaxes(sp, 32, x_amax, seed), sp, rec, False,
+            dy=_with_amaxes(sp, n, dy_amax, 100 + seed))
+    pick = (lambda a, b: max(a, b)) if algo == "max" else (lambda a, b: b)
+    grad_max = 57344.0 if fmt is Format.HYBRID else 448.0
+    want = [448.0 / pick(a, b) for a, b in zip(steps[0][0], steps[1][0])]
+    want += [448.0 / a for a in w_amax]
+    want += [grad_max / pick(a, b) for a, b in zip(steps[0][1], steps[1][1])]
+    want = torch.tensor(want) / 2.0 ** margin
+    assert_bits_equal(layer.fp8_scale, want)
+    assert_bits_equal(layer.fp8_scale_inv, 1 / want)
+
+
 def test_expert_without_tokens_keeps_its_delayed_scales():
     """An expert that receives no tokens for a whole amax window keeps its input and grad-output
     scales (TransformerEngine's rule) instead of falling back to 1; its weight scale still
