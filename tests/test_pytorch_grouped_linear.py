@@ -646,6 +646,24 @@ def test_forwards_ahead_of_their_backwards_keep_every_amax():
     assert torch.all(layer.fp8_amax_history[0:3, 1:] == 0)
 
 
+def test_forwards_ahead_of_their_backwards_keep_every_weight_amax():
+    """The weights' amaxes are max-merged as the inputs' are: weights changed between two
+    forwards (F1, W /= 4, F2, B1) leave the larger amax, F1's, for the scale update."""
+    rec, sp = DelayedScaling(amax_history_len=4), [10, 5, 15]
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    amax_w = torch.stack([w.detach().abs().max() for w in layer.weights()])
+    outs = []
+    with _autocast(rec):
+        outs.append(layer(x, sp))
+        with torch.no_grad():
+            for w in layer.weights():
+                w.div_(4)
+        outs.append(layer(x, sp))
+    outs[0].sum().backward()
+    assert_bits_equal(layer.fp8_amax_history[3:6, 0], amax_w)
+
+
 def test_delayed_scaling_step_issues_no_extra_amax_ops():
     """The pending amax is max-merged by the cast kernel (amax_accumulate) and zeroed by the
     scale update's own launch (reset_amax): a delayed-scaling step runs no aten::maximum and no
