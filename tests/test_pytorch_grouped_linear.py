@@ -313,6 +313,49 @@ def test_is_first_microbatch_caches_fp8_weights():
     assert not torch.equal(y1, y3)
 
 
+def test_cached_fp8_weights_serve_only_their_own_recipe():
+    """``is_first_microbatch=False`` reuses the weights cast by the last True call only under
+    the same recipe: under another one (here current scaling after delayed scaling) they are
+    cast again, as with None."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with torch.no_grad():
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            layer(x, [4, 6], is_first_microbatch=True)
+        with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            y_false = layer(x, [4, 6], is_first_microbatch=False)
+            y_none = layer(x, [4, 6], is_first_microbatch=None)
+    assert_bits_equal(y_false, y_none)
+
+
+def test_module_casts_drop_the_cached_fp8_weights():
+    """``module.bfloat16()`` (any ``_apply``) gives new weights: the next
+    ``is_first_microbatch=False`` call casts them instead of reusing the old copy."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        layer(x, [4, 6], is_first_microbatch=True)
+        layer.bfloat16()
+        y_false = layer(x.bfloat16(), [4, 6], is_first_microbatch=False)
+        y_none = layer(x.bfloat16(), [4, 6], is_first_microbatch=None)
+    assert_bits_equal(y_false, y_none)
+
+
+def test_a_call_without_caching_forgets_the_cached_fp8_weights():
+    """``is_first_microbatch=None`` casts the weights and drops the cached copy: a later False
+    call (after the weights changed, e.g. an optimizer step between) casts them again instead
+    of reusing the copy of the last True call."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        layer(x, [4, 6], is_first_microbatch=True)
+        for w in layer.weights():
+            w.mul_(2)
+        y_none = layer(x, [4, 6], is_first_microbatch=None)
+        y_false = layer(x, [4, 6], is_first_microbatch=False)
+    assert_bits_equal(y_false, y_none)
+
+
 def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
     rec = DelayedScaling(amax_history_len=5, margin=1)
     layer = make_layer(3)
@@ -943,6 +986,25 @@ def test_calibration_records_forward_scales_in_high_precision(grad):
     assert fresh.fp8_state() is None
 
 
+def test_calibration_drops_the_cached_fp8_weights():
+    """Calibration moves the weights' scales: a later ``is_first_microbatch=False`` forward casts
+    the weights with the calibrated scales (as None does) instead of reusing a copy cast with
+    the old ones."""
+    rec, sp = DelayedScaling(amax_history_len=4), [5, 0, 9]
+    layer = make_layer(3)
+    x = torch.randn(14, 32)
+    with torch.no_grad():
+        with fp8_autocast(fp8_recipe=rec):
+            layer(x, sp, is_first_microbatch=True)
+        scale = layer.fp8_scale.clone()
+        with fp8_autocast(enabled=False, fp8_recipe=rec, calibrating=True):
+            layer(x, sp)
+        assert not torch.equal(layer.fp8_scale[3:6], scale[3:6])
+        with fp8_autocast(fp8_recipe=rec):
+            assert_bits_equal(layer(x, sp, is_first_microbatch=False),
+                              layer(x, sp, is_first_microbatch=None))
+
+
 def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
     """TransformerEngine's GroupedLinear has the same parameter names; without FP8 its extra
     state is an empty uint8 tensor: such a checkpoint loads. Its serialized FP8 state does not,
@@ -1218,7 +1280,9 @@ def test_reset_parameters_drops_the_cached_fp8_weights():
         y1 = layer(x, [4, 6], is_first_microbatch=True)
         layer.reset_parameters()
         y2 = layer(x, [4, 6], is_first_microbatch=False)
+        y3 = layer(x, [4, 6], is_first_microbatch=None)
     assert not torch.equal(y1, y2)        # recast, not the stale cached copy
+    assert_bits_equal(y2, y3)             # (the zeroed biases alone would change y2)
     assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
 
 
