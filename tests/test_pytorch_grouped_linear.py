@@ -376,6 +376,41 @@ def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
         make_layer(2).load_state_dict(layer.state_dict())
 
 
+FP8_STATE = ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv")
+
+
+def test_loaded_fp8_state_is_a_copy_of_the_checkpoints_tensors():
+    """load_state_dict copies the FP8 extra state, as torch copies buffers: a layer loaded from
+    another live layer's state_dict (an EMA or evaluation copy) shares none of its tensors, so
+    the source's next scale update (in place) leaves the copy as loaded."""
+    rec, sp = DelayedScaling(amax_history_len=4), [10, 5, 15]
+    src, x = make_layer(3), torch.randn(30, 32)
+    run(src, x, sp, rec, False)
+    dst = make_layer(3, seed=1)
+    dst.load_state_dict(src.state_dict())
+    loaded = {n: getattr(dst, n).clone() for n in FP8_STATE}
+    run(src, x * 64, sp, rec, False)
+    assert not torch.equal(src.fp8_scale, loaded["fp8_scale"])
+    for n in FP8_STATE:
+        assert_bits_equal(getattr(dst, n), loaded[n], n)
+
+
+def test_fp8_state_dict_keeps_the_states_recipe_fields():
+    """The saved state names its recipe's format, margin, history length and amax algorithm;
+    loading and saving again (a checkpoint conversion) keeps all of them."""
+    rec = DelayedScaling(fp8_format=Format.E4M3, margin=2, amax_history_len=3,
+                         amax_compute_algo="most_recent")
+    layer = make_layer(3)
+    run(layer, torch.randn(30, 32), [10, 5, 15], rec, False)
+    once = make_layer(3, seed=1)
+    once.load_state_dict(layer.state_dict())
+    assert once.fp8_state().recipe == rec
+    twice = make_layer(3, seed=2)
+    twice.load_state_dict(once.state_dict())
+    assert twice.fp8_state().recipe == rec
+    assert twice.get_extra_state()["recipe"] == layer.get_extra_state()["recipe"]
+
+
 def _with_amaxes(rows, cols, amaxes, seed):
     """Per expert, a ``(m, cols)`` block of values below ``amaxes[e]`` (a power of two) with one
     entry equal to it: the amaxes are known exactly."""
