@@ -895,6 +895,22 @@ BAD = [
 ]
 
 
+def test_recipe_bounds_are_inclusive():
+    """The documented ranges include their ends: ``margin`` in [0, 64], ``amax_history_len`` in
+    [1, 65536]; one past them is refused, and so is any FP8 dgrad override (only the wgrad GEMM
+    may run in high precision, as in TransformerEngine)."""
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        assert cls(margin=64).margin == 64
+        with pytest.raises(ValueError, match="margin: expected an int in \\[0, 64\\]"):
+            cls(margin=65)
+        with pytest.raises(ValueError, match="override_linear_precision: only the wgrad GEMM"):
+            cls(override_linear_precision=(False, True, False))
+    assert DelayedScaling(amax_history_len=1 << 16).amax_history_len == 65536
+    for bad in (0, (1 << 16) + 1):
+        with pytest.raises(ValueError, match="amax_history_len"):
+            DelayedScaling(amax_history_len=bad)
+
+
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_input_names_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
