@@ -1372,6 +1372,13 @@ def test_return_bias_without_bias_returns_empty_tensors():
     out, biases = layer(torch.randn(5, 32), [2, 3])
     assert out.shape == (5, 48) and len(biases) == 2
     assert all(b.numel() == 0 and b.dtype == torch.float32 for b in biases)
+    # in the activation dtype, also when it is not torch's default dtype
+    layer = make_layer(2, bias=False, return_bias=True, dtype=torch.bfloat16)
+    out, biases = layer(torch.randn(5, 32, dtype=torch.bfloat16), [2, 3])
+    assert all(b.numel() == 0 and b.dtype == torch.bfloat16 for b in biases)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, biases = make_layer(2, bias=False, return_bias=True)(torch.randn(5, 32), [2, 3])
+    assert out.dtype == torch.float16 and all(b.dtype == torch.float16 for b in biases)
 
 
 @pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
