@@ -674,6 +674,28 @@ def test_fused_wgrad_into_16_bit_main_grad(dtype, recipe, g_dtype):
         assert torch.equal(w.main_grad, (o.double() + p).to(g_dtype)), i
 
 
+@pytest.mark.parametrize("dtype, g_dtype", [(torch.float32, torch.bfloat16),
+                                            (torch.float64, torch.float32)])
+def test_fused_wgrad_overwrites_main_grads_the_gemm_cannot_write(dtype, g_dtype):
+    """The pairings the grouped GEMM has no output type for (float32 operands into a 16-bit
+    main_grad; float64 operands) take torch's matmul: there too the first micro-batch overwrites
+    main_grad (an expert without tokens gets zeros) and the next one adds to it."""
+    sp = [6, 0, 11]
+    plain = make_layer(3, dtype=dtype, bias=False)
+    fused = make_layer(3, dtype=dtype, bias=False, fuse_wgrad_accumulation=True)
+    for w in fused.weights():
+        w.main_grad = torch.full_like(w, 1000.0, dtype=g_dtype)
+    x1, x2 = torch.randn(17, 32).to(dtype), torch.randn(17, 32).to(dtype)
+    g1 = run(plain, x1, sp, None, False, is_first_microbatch=True)[2]
+    run(fused, x1, sp, None, False, is_first_microbatch=True)
+    for w, g in zip(fused.weights(), g1):
+        assert_bits_equal(w.main_grad, g.to(g_dtype))
+    g2 = run(plain, x2, sp, None, False, is_first_microbatch=False)[2]
+    run(fused, x2, sp, None, False, is_first_microbatch=False)
+    for w, a, b in zip(fused.weights(), g1, g2):
+        assert_bits_equal(w.main_grad, a.to(g_dtype).add_(b))
+
+
 def test_main_grad_dtypes_are_checked():
     layer = make_layer(3, fuse_wgrad_accumulation=True)
     for w, dt in zip(layer.weights(), (torch.float32, torch.bfloat16, torch.float32)):
