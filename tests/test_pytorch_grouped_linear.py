@@ -95,6 +95,22 @@ def test_list_and_tensor_inputs_identical(recipe, splits):
             assert torch.count_nonzero(ra[2][i]) == 0 and torch.count_nonzero(ra[3][i]) == 0
 
 
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_list_inputs_of_which_only_some_need_grad(recipe):
+    """A list whose first tensor needs no gradient (its producer is frozen): the other experts'
+    inputs still get theirs, the same bits as when every input needs one."""
+    sp = [6, 0, 11]
+    layer = make_layer(3)
+    x, dy = torch.randn(17, 32), torch.randn(17, 48)
+    want = run(layer, x, sp, RECIPES[recipe], True, dy)[1]
+    inp = [t.clone().requires_grad_(i > 0) for i, t in enumerate(x.split(sp))]
+    with _autocast(RECIPES[recipe]):
+        y = layer(inp)
+    torch.cat(y).backward(dy)
+    assert inp[0].grad is None
+    assert_bits_equal(torch.cat([t.grad for t in inp[1:]]), want[6:])
+
+
 def test_list_outputs_are_views_of_one_buffer():
     layer = make_layer(3)
     xs = [torch.randn(m, 32) for m in (4, 0, 6)]
@@ -297,6 +313,49 @@ def test_is_first_microbatch_caches_fp8_weights():
     assert not torch.equal(y1, y3)
 
 
+def test_cached_fp8_weights_serve_only_their_own_recipe():
+    """``is_first_microbatch=False`` reuses the weights cast by the last True call only under
+    the same recipe: under another one (here current scaling after delayed scaling) they are
+    cast again, as with None."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with torch.no_grad():
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            layer(x, [4, 6], is_first_microbatch=True)
+        with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            y_false = layer(x, [4, 6], is_first_microbatch=False)
+            y_none = layer(x, [4, 6], is_first_microbatch=None)
+    assert_bits_equal(y_false, y_none)
+
+
+def test_module_casts_drop_the_cached_fp8_weights():
+    """``module.bfloat16()`` (any ``_apply``) gives new weights: the next
+    ``is_first_microbatch=False`` call casts them instead of reusing the old copy."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        layer(x, [4, 6], is_first_microbatch=True)
+        layer.bfloat16()
+        y_false = layer(x.bfloat16(), [4, 6], is_first_microbatch=False)
+        y_none = layer(x.bfloat16(), [4, 6], is_first_microbatch=None)
+    assert_bits_equal(y_false, y_none)
+
+
+def test_a_call_without_caching_forgets_the_cached_fp8_weights():
+    """``is_first_microbatch=None`` casts the weights and drops the cached copy: a later False
+    call (after the weights changed, e.g. an optimizer step between) casts them again instead
+    of reusing the copy of the last True call."""
+    layer = make_layer(2)
+    x = torch.randn(10, 32)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()), torch.no_grad():
+        layer(x, [4, 6], is_first_microbatch=True)
+        for w in layer.weights():
+            w.mul_(2)
+        y_none = layer(x, [4, 6], is_first_microbatch=None)
+        y_false = layer(x, [4, 6], is_first_microbatch=False)
+    assert_bits_equal(y_false, y_none)
+
+
 def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
     rec = DelayedScaling(amax_history_len=5, margin=1)
     layer = make_layer(3)
@@ -315,6 +374,82 @@ def test_delayed_scaling_state_round_trips_through_state_dict(tmp_path):
     assert_bits_equal(run(fresh, x, [10, 5, 15], rec, False), run(layer, x, [10, 5, 15], rec, False))
     with pytest.raises(ValueError, match="experts"):
         make_layer(2).load_state_dict(layer.state_dict())
+
+
+FP8_STATE = ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv")
+
+
+def test_loaded_fp8_state_is_a_copy_of_the_checkpoints_tensors():
+    """load_state_dict copies the FP8 extra state, as torch copies buffers: a layer loaded from
+    another live layer's state_dict (an EMA or evaluation copy) shares none of its tensors, so
+    the source's next scale update (in place) leaves the copy as loaded."""
+    rec, sp = DelayedScaling(amax_history_len=4), [10, 5, 15]
+    src, x = make_layer(3), torch.randn(30, 32)
+    run(src, x, sp, rec, False)
+    dst = make_layer(3, seed=1)
+    dst.load_state_dict(src.state_dict())
+    loaded = {n: getattr(dst, n).clone() for n in FP8_STATE}
+    run(src, x * 64, sp, rec, False)
+    assert not torch.equal(src.fp8_scale, loaded["fp8_scale"])
+    for n in FP8_STATE:
+        assert_bits_equal(getattr(dst, n), loaded[n], n)
+
+
+def test_fp8_state_dict_keeps_the_states_recipe_fields():
+    """The saved state names its recipe's format, margin, history length and amax algorithm;
+    loading and saving again (a checkpoint conversion) keeps all of them."""
+    rec = DelayedScaling(fp8_format=Format.E4M3, margin=2, amax_history_len=3,
+                         amax_compute_algo="most_recent")
+    layer = make_layer(3)
+    run(layer, torch.randn(30, 32), [10, 5, 15], rec, False)
+    once = make_layer(3, seed=1)
+    once.load_state_dict(layer.state_dict())
+    assert once.fp8_state().recipe == rec
+    twice = make_layer(3, seed=2)
+    twice.load_state_dict(once.state_dict())
+    assert twice.fp8_state().recipe == rec
+    assert twice.get_extra_state()["recipe"] == layer.get_extra_state()["recipe"]
+
+
+def _with_amaxes(rows, cols, amaxes, seed):
+    """Per expert, a ``(m, cols)`` block of values below ``amaxes[e]`` (a power of two) with one
+    entry equal to it: the amaxes are known exactly."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for m, a in zip(rows, amaxes):
+        t = (torch.rand(m, cols, generator=g) - 0.5) * a
+        t[0, 0] = -a
+        parts.append(t)
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scales_follow_the_documented_rule(fmt, margin, algo):
+    """DelayedScaling's rule, tensor by tensor (rows ``which·E + e``): ``scale = fp8_max /
+    reduce(history) / 2^margin``, where fp8_max is E4M3's 448 for inputs and weights and, for
+    grad outputs, E5M2's 57344 under HYBRID (448 under E4M3); ``reduce`` is the max over the
+    window or the most recent amax. Amaxes are powers of two, so every scale is exact."""
+    E, sp, n = 3, [4, 6, 2], 48
+    rec = DelayedScaling(fp8_format=fmt, margin=margin, amax_history_len=2, amax_compute_algo=algo)
+    layer = make_layer(E, bias=False)
+    w_amax = [1.0, 0.5, 0.25]
+    with torch.no_grad():
+        for w, a, i in zip(layer.weights(), w_amax, range(E)):
+            w.copy_(_with_amaxes([n], 32, [a], 10 + i))
+    steps = [([2.0, 4.0, 8.0], [0.5, 1.0, 0.25]), ([1.0, 16.0, 2.0], [2.0, 0.5, 4.0])]
+    for seed, (x_amax, dy_amax) in enumerate(steps):
+        run(layer, _with_amaxes(sp, 32, x_amax, seed), sp, rec, False,
+            dy=_with_amaxes(sp, n, dy_amax, 100 + seed))
+    pick = (lambda a, b: max(a, b)) if algo == "max" else (lambda a, b: b)
+    grad_max = 57344.0 if fmt is Format.HYBRID else 448.0
+    want = [448.0 / pick(a, b) for a, b in zip(steps[0][0], steps[1][0])]
+    want += [448.0 / a for a in w_amax]
+    want += [grad_max / pick(a, b) for a, b in zip(steps[0][1], steps[1][1])]
+    want = torch.tensor(want) / 2.0 ** margin
+    assert_bits_equal(layer.fp8_scale, want)
+    assert_bits_equal(layer.fp8_scale_inv, 1 / want)
 
 
 def test_expert_without_tokens_keeps_its_delayed_scales():
@@ -539,6 +674,28 @@ def test_fused_wgrad_into_16_bit_main_grad(dtype, recipe, g_dtype):
         assert torch.equal(w.main_grad, (o.double() + p).to(g_dtype)), i
 
 
+@pytest.mark.parametrize("dtype, g_dtype", [(torch.float32, torch.bfloat16),
+                                            (torch.float64, torch.float32)])
+def test_fused_wgrad_overwrites_main_grads_the_gemm_cannot_write(dtype, g_dtype):
+    """The pairings the grouped GEMM has no output type for (float32 operands into a 16-bit
+    main_grad; float64 operands) take torch's matmul: there too the first micro-batch overwrites
+    main_grad (an expert without tokens gets zeros) and the next one adds to it."""
+    sp = [6, 0, 11]
+    plain = make_layer(3, dtype=dtype, bias=False)
+    fused = make_layer(3, dtype=dtype, bias=False, fuse_wgrad_accumulation=True)
+    for w in fused.weights():
+        w.main_grad = torch.full_like(w, 1000.0, dtype=g_dtype)
+    x1, x2 = torch.randn(17, 32).to(dtype), torch.randn(17, 32).to(dtype)
+    g1 = run(plain, x1, sp, None, False, is_first_microbatch=True)[2]
+    run(fused, x1, sp, None, False, is_first_microbatch=True)
+    for w, g in zip(fused.weights(), g1):
+        assert_bits_equal(w.main_grad, g.to(g_dtype))
+    g2 = run(plain, x2, sp, None, False, is_first_microbatch=False)[2]
+    run(fused, x2, sp, None, False, is_first_microbatch=False)
+    for w, a, b in zip(fused.weights(), g1, g2):
+        assert_bits_equal(w.main_grad, a.to(g_dtype).add_(b))
+
+
 def test_main_grad_dtypes_are_checked():
     layer = make_layer(3, fuse_wgrad_accumulation=True)
     for w, dt in zip(layer.weights(), (torch.float32, torch.bfloat16, torch.float32)):
@@ -587,6 +744,24 @@ def test_forwards_ahead_of_their_backwards_keep_every_amax():
     torch.testing.assert_close(layer.fp8_amax_history[0:3, 0], amax_big, rtol=0, atol=0)
     # B2: no forward since B1's update, so its input amaxes are 0 and leave the window alone
     assert torch.all(layer.fp8_amax_history[0:3, 1:] == 0)
+
+
+def test_forwards_ahead_of_their_backwards_keep_every_weight_amax():
+    """The weights' amaxes are max-merged as the inputs' are: weights changed between two
+    forwards (F1, W /= 4, F2, B1) leave the larger amax, F1's, for the scale update."""
+    rec, sp = DelayedScaling(amax_history_len=4), [10, 5, 15]
+    layer = make_layer(3)
+    x = torch.randn(30, 32)
+    amax_w = torch.stack([w.detach().abs().max() for w in layer.weights()])
+    outs = []
+    with _autocast(rec):
+        outs.append(layer(x, sp))
+        with torch.no_grad():
+            for w in layer.weights():
+                w.div_(4)
+        outs.append(layer(x, sp))
+    outs[0].sum().backward()
+    assert_bits_equal(layer.fp8_amax_history[3:6, 0], amax_w)
 
 
 def test_delayed_scaling_step_issues_no_extra_amax_ops():
@@ -728,10 +903,13 @@ BAD = [
     (lambda L: L(torch.randn(10, 32), [5, 4, 0]), ValueError, "m_splits: counts sum"),
     (lambda L: L(torch.randn(10, 32), [5, 6, -1]), ValueError, "m_splits: counts must be non-negative"),
     (lambda L: L(torch.randn(10, 32), [5, 5]), ValueError, "m_splits: expected 3 counts"),
+    (lambda L: L(torch.randn(10, 32), [5, 5, 0, 0]), ValueError, "m_splits: expected 3 counts"),
     (lambda L: L(torch.randn(10, 32)), ValueError, "m_splits: required"),
     (lambda L: L(torch.randn(10, 32), [5.0, 5, 0]), TypeError, "m_splits: expected ints"),
     (lambda L: L(torch.randn(10, 32), torch.tensor([5.0, 5, 0])), TypeError, "m_splits"),
     (lambda L: L([torch.randn(3, 32)] * 2), ValueError, "inp: expected a list of 3"),
+    (lambda L: L([torch.randn(3, 32), torch.randn(3, 32), torch.randn(1, 32)], [3, 1, 3]),
+     ValueError, "m_splits: must be None"),
     (lambda L: L([torch.randn(3, 32), torch.randn(3, 32).double(), torch.randn(1, 32)]),
      TypeError, r"inp\[1\]: dtype"),
     (lambda L: L([torch.randn(3, 32), torch.randn(3, 32, device="meta"), torch.randn(1, 32)]),
@@ -740,6 +918,22 @@ BAD = [
     (lambda L: L(torch.randn(10, 32).double(), [5, 5, 0]), TypeError, "inp: dtype"),
     (lambda L: L("x", [1]), TypeError, "inp"),
 ]
+
+
+def test_recipe_bounds_are_inclusive():
+    """The documented ranges include their ends: ``margin`` in [0, 64], ``amax_history_len`` in
+    [1, 65536]; one past them is refused, and so is any FP8 dgrad override (only the wgrad GEMM
+    may run in high precision, as in TransformerEngine)."""
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        assert cls(margin=64).margin == 64
+        with pytest.raises(ValueError, match="margin: expected an int in \\[0, 64\\]"):
+            cls(margin=65)
+        with pytest.raises(ValueError, match="override_linear_precision: only the wgrad GEMM"):
+            cls(override_linear_precision=(False, True, False))
+    assert DelayedScaling(amax_history_len=1 << 16).amax_history_len == 65536
+    for bad in (0, (1 << 16) + 1):
+        with pytest.raises(ValueError, match="amax_history_len"):
+            DelayedScaling(amax_history_len=bad)
 
 
 @pytest.mark.parametrize("call, exc, match", BAD)
@@ -866,6 +1060,25 @@ def test_calibration_records_forward_scales_in_high_precision(grad):
     with fp8_autocast(enabled=False, fp8_recipe=Float8CurrentScaling(), calibrating=True):
         assert_bits_equal(fresh(x, sp), plain(x, sp))
     assert fresh.fp8_state() is None
+
+
+def test_calibration_drops_the_cached_fp8_weights():
+    """Calibration moves the weights' scales: a later ``is_first_microbatch=False`` forward casts
+    the weights with the calibrated scales (as None does) instead of reusing a copy cast with
+    the old ones."""
+    rec, sp = DelayedScaling(amax_history_len=4), [5, 0, 9]
+    layer = make_layer(3)
+    x = torch.randn(14, 32)
+    with torch.no_grad():
+        with fp8_autocast(fp8_recipe=rec):
+            layer(x, sp, is_first_microbatch=True)
+        scale = layer.fp8_scale.clone()
+        with fp8_autocast(enabled=False, fp8_recipe=rec, calibrating=True):
+            layer(x, sp)
+        assert not torch.equal(layer.fp8_scale[3:6], scale[3:6])
+        with fp8_autocast(fp8_recipe=rec):
+            assert_bits_equal(layer(x, sp, is_first_microbatch=False),
+                              layer(x, sp, is_first_microbatch=None))
 
 
 def test_loads_a_transformer_engine_checkpoint_without_fp8_state():
@@ -1143,7 +1356,9 @@ def test_reset_parameters_drops_the_cached_fp8_weights():
         y1 = layer(x, [4, 6], is_first_microbatch=True)
         layer.reset_parameters()
         y2 = layer(x, [4, 6], is_first_microbatch=False)
+        y3 = layer(x, [4, 6], is_first_microbatch=None)
     assert not torch.equal(y1, y2)        # recast, not the stale cached copy
+    assert_bits_equal(y2, y3)             # (the zeroed biases alone would change y2)
     assert all(torch.count_nonzero(b) == 0 for b in layer.biases())
 
 
@@ -1179,6 +1394,13 @@ def test_return_bias_without_bias_returns_empty_tensors():
     out, biases = layer(torch.randn(5, 32), [2, 3])
     assert out.shape == (5, 48) and len(biases) == 2
     assert all(b.numel() == 0 and b.dtype == torch.float32 for b in biases)
+    # in the activation dtype, also when it is not torch's default dtype
+    layer = make_layer(2, bias=False, return_bias=True, dtype=torch.bfloat16)
+    out, biases = layer(torch.randn(5, 32, dtype=torch.bfloat16), [2, 3])
+    assert all(b.numel() == 0 and b.dtype == torch.bfloat16 for b in biases)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, biases = make_layer(2, bias=False, return_bias=True)(torch.randn(5, 32), [2, 3])
+    assert out.dtype == torch.float16 and all(b.dtype == torch.float16 for b in biases)
 
 
 @pytest.mark.parametrize("recipe", ["none", "current", "delayed"])
