@@ -17,7 +17,7 @@ import cugrouped
 from cugrouped import reference
 from cugrouped.ops import block_cast_transpose as bct
 from test_pad_cast_transpose import (DTYPES, ORDERS, assert_gpu_nan_column_sums, make_inputs,
-                                     nan_case)
+                                     nan_case, rows_far_apart)
 
 pytest.register_assert_rewrite("_block_common")
 from _block_common import (BLOCK_CAST, BLOCK_SPLITS, FP8, assert_same_bits,  # noqa: E402
@@ -370,19 +370,12 @@ def test_row_offsets_past_2_31_elements(form):
     bfloat16 buffer, of which only the pages of the rows read are touched), so that from row 32
     on a row's element offset exceeds 2^31: an offset computed in 32 bits (the device splits'
     per-expert input offset, or a row's offset inside an expert) reads elsewhere or faults."""
-    ld, k, m_splits = 1 << 26, 32, [33, 1]
-    try:
-        base = np.zeros((sum(m_splits), ld), ml_dtypes.bfloat16)
-    except MemoryError:
-        pytest.skip("no 4 GiB of address space")
-    small = make_inputs([sum(m_splits)], k, "bfloat16", 31)[0]
-    view = base[:, 16:16 + k]
-    view[...] = small
-    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    view, small, m_splits, splits = rows_far_apart(form)
     got = cugrouped.multi_block_cast_transpose(view, splits, splits_on_device=form == "device",
                                                column_sums=True, backend="emulate")
     want = reference.multi_block_cast_transpose(small, m_splits, column_sums=True)
     assert_same_bits(got, want, form)
+
 
 def test_two_d_blocks_give_w_and_w_transposed_with_the_same_scales():
     w = make_inputs([300], 260, "bfloat16", seed=9)[0]

@@ -1373,13 +1373,11 @@ def test_a_nan_after_the_largest_value_does_not_hide_it_from_the_amax(dtype, giv
     assert got.amax.tolist() == [1000.0, 500.0, 700.0]
 
 
-@pytest.mark.parametrize("form", ["tensor", "device"])
-def test_row_offsets_past_2_31_elements(form):
-    """Rows 2^26 elements apart (a strided view of a 4 GiB bfloat16 buffer, of which only the
-    pages of the rows read are ever touched): from row 32 on, a row's element offset exceeds
-    2^31, so an offset computed in 32 bits (the device splits' per-expert input offset, or a
-    row's offset inside an expert) reads elsewhere or faults. The GPU test of a case over 2^31
-    elements needs a GPU; this one needs only address space."""
+def rows_far_apart(form):
+    """34 bfloat16 rows of 32 elements, 2^26 elements apart (a strided view of a 4 GiB buffer of
+    which only the pages of those rows are touched), split [33, 1]: ``(view, the same rows
+    contiguous, m_splits, the splits as the form passes them)``; skips without the address
+    space."""
     ld, k, m_splits = 1 << 26, 32, [33, 1]
     try:
         base = np.zeros((sum(m_splits), ld), ml_dtypes.bfloat16)
@@ -1388,7 +1386,17 @@ def test_row_offsets_past_2_31_elements(form):
     small = make_inputs([sum(m_splits)], k, "bfloat16", 31)[0]
     view = base[:, 16:16 + k]
     view[...] = small
-    splits = np.array(m_splits, np.int64) if form == "device" else m_splits
+    return view, small, m_splits, np.array(m_splits, np.int64) if form == "device" else m_splits
+
+
+@pytest.mark.parametrize("form", ["tensor", "device"])
+def test_row_offsets_past_2_31_elements(form):
+    """Rows 2^26 elements apart (a strided view of a 4 GiB bfloat16 buffer, of which only the
+    pages of the rows read are ever touched): from row 32 on, a row's element offset exceeds
+    2^31, so an offset computed in 32 bits (the device splits' per-expert input offset, or a
+    row's offset inside an expert) reads elsewhere or faults. The GPU test of a case over 2^31
+    elements needs a GPU; this one needs only address space."""
+    view, small, m_splits, splits = rows_far_apart(form)
     got = cugrouped.multi_pad_cast_transpose(view, splits, splits_on_device=form == "device",
                                              column_sums=True, backend="emulate")
     want = reference.multi_pad_cast_transpose(small, m_splits, column_sums=True)
