@@ -180,6 +180,7 @@ def test_two_d_amax_in_the_last_warps_rows(p2):
                          power_2_scale=p2)
     assert_same_bits(got, want, f"p2={p2}")
 
+
 def test_more_experts_than_one_launch_and_device_counts_over_several_chunks():
     # ceil(150 / 64) chunks, one launch each
     check_over_several_chunks(BLOCK_CAST, (3, 4), 136, block_scaling_dim=1)
@@ -288,6 +289,7 @@ def test_negative_device_counts_count_as_zero(dims):
     want = reference.multi_block_cast_transpose(x, [10, 0, 6, 0, 17], block_scaling_dim=dims,
                                                 column_sums=True)
     assert_same_bits(got, want, f"{dims}D")
+
 
 def test_launch_counts_and_no_launch_without_rows():
     xs = make_inputs([0, 33, 0], 64, "bfloat16", seed=1)

@@ -156,7 +156,6 @@ def test_library_loads_with_every_prototype():
     assert "cublasLt" in os.path.basename(cublaslt.library_path())
 
 
-
 @pytest.fixture
 def named_library(monkeypatch):
     """Load through ``CUGROUPED_CUBLASLT`` = the value given, then restore the usual library
@@ -212,6 +211,7 @@ def test_env_var_refuses_what_is_not_libcublaslt(named_library, tmp_path, case):
     with pytest.raises(OSError, match=r"CUGROUPED_CUBLASLT=.*(expected a libcublasLt|holds "
                                       r"none of|is not libcublasLt)"):
         named_library(value)
+
 
 def test_version_query():
     v = cublaslt.version()
