@@ -1,5 +1,6 @@
-"""The README's Python examples, run as they are (in order, in one namespace, as a reader would
-paste them), and checked for what their comments promise."""
+"""The Python examples of the README and of the user's pages in docs/, run as they are (each
+document's blocks in order, in one namespace, as a reader would paste them), and checked for what
+their comments promise."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+# each document, and a name for each of its Python blocks in order (what it shows)
+DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
+             "docs/ops.md": ("ops_preamble", "block", "mx"),
+             "docs/pytorch.md": ("permute",)}
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+def python_blocks(doc: str = "README.md") -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / doc).read_text(), flags=re.S | re.M)
 
 
 def gpu_only(block: str) -> bool:
@@ -21,27 +26,28 @@ def gpu_only(block: str) -> bool:
     return "import cupy" in block
 
 
-def test_readme_has_the_examples():
-    blocks = python_blocks()
-    assert len(blocks) >= 3
-    assert any("multi_pad_cast_transpose" in b for b in blocks)
-    assert any("grouped_fprop" in b for b in blocks)
-    assert any("GroupedLinear" in b for b in blocks)
-    assert sum(gpu_only(b) for b in blocks) == 1       # the CuPy example
+def test_documents_have_the_examples():
+    for doc, names in DOCUMENTS.items():
+        assert len(python_blocks(doc)) == len(names), doc
+    readme = python_blocks()
+    assert "multi_pad_cast_transpose" in readme[0] and "grouped_fprop" in readme[1]
+    assert "GroupedLinear" in readme[3]
+    assert [gpu_only(b) for b in readme] == [False, False, True, False]   # the CuPy example
+    assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[1]
+    assert "row_index" in python_blocks("docs/pytorch.md")[0]
 
 
 def run_blocks(gpu: bool) -> dict:
-    """Execute the README's blocks in order in one namespace (the CuPy one only with ``gpu``);
-    returns each block's namespace after it ran, keyed by a name for what it shows."""
-    names = iter(("ops", "gemms", "cupy", "block", "mx", "layer") if gpu
-                 else ("ops", "gemms", "block", "mx", "layer"))
-    ns: dict = {"__name__": "readme"}
+    """Execute every document's blocks in order, one namespace per document (the CuPy block only
+    with ``gpu``); returns each block's namespace after it ran, keyed by its name."""
     seen = {}
-    for i, block in enumerate(python_blocks()):
-        if gpu_only(block) and not gpu:
-            continue
-        exec(compile(block, f"README.md python block {i}", "exec"), ns)
-        seen[next(names)] = dict(ns)
+    for doc, names in DOCUMENTS.items():
+        ns: dict = {"__name__": "readme"}
+        for name, block in zip(names, python_blocks(doc)):
+            if gpu_only(block) and not gpu:
+                continue
+            exec(compile(block, f"{doc} python block {name!r}", "exec"), ns)
+            seen[name] = dict(ns)
     return seen
 
 
@@ -83,6 +89,7 @@ def test_gpu_readme_examples_run():
 
 def check_examples(seen: dict) -> None:
     ops, gemms, block, mx, layer = (seen[k] for k in ("ops", "gemms", "block", "mx", "layer"))
+    permute = seen["permute"]
     # the cast op: the middle expert is empty, its transposed block (k, 0)
     res, k, n = ops["res"], ops["k"], ops["n"]
     assert res.data.shape == (589, k) and res.columnwise(1).shape == (k, 0)
@@ -107,3 +114,6 @@ def check_examples(seen: dict) -> None:
     # the layer: list in, list out; gradients reached the parameters
     assert [tuple(t.shape) for t in layer["ys"]] == [(96, 128), (0, 128), (33, 128), (7, 128)]
     assert layer["x"].grad is not None and layer["layer"].weight0.grad is not None
+    # the permute folded in: the routed rows' outputs, the gradient summed back onto the tokens
+    assert tuple(permute["y"].shape) == (136, 128)
+    assert tuple(permute["tokens"].grad.shape) == (64, 256)
