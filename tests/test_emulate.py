@@ -47,7 +47,7 @@ def reduce_mod():
 @pytest.fixture(scope="module")
 def bugs_mod():
     names = ("transpose_missing_sync", "divergent_barrier", "shuffle_after_exit", "barrier_vs_shuffle",
-             "early_exit_ok", "traps", "oob_write")
+             "early_exit_ok", "traps", "oob_write", "scan_twice_missing_sync")
     return EmuModule(path="planted_bugs.cu", include_dirs=(KDIR,), name_expressions=names)
 
 
@@ -174,9 +174,30 @@ def test_missing_syncthreads_caught_by_order_variation(bugs_mod):
         report.raise_if_mismatch()
 
 
+def test_race_through_warp_collectives_caught_by_a_warp_running_ahead(bugs_mod):
+    """block_scan.cuh without its second barrier, called twice: warp 0 overwrites its total while
+    the other warps still read the first scan's. The one-step-per-pass orders hide it (every warp
+    reads before warp 0 is through five shuffle rounds, whatever the order or seed); "warps", in
+    which warp 0 runs as far as it can first, shows it."""
+    kern, block = bugs_mod.get_function("scan_twice_missing_sync"), 128
+    out = np.zeros(2 * block, np.int64)
+    step_orders = ("forward", "reverse", "shuffle", 1, 2, 3)
+    hidden = run_all_orders(kern, 1, block, (out,), orders=step_orders)
+    assert hidden.ok
+    assert np.array_equal(out[:block], np.arange(1, block + 1))        # the first scan, right
+    report = run_all_orders(kern, 1, block, (out,))                    # DEFAULT_ORDERS
+    assert report.mismatches == [f"order 'warps': argument 0: {block - 32} of {2 * block} "
+                                 "elements differ from order 'forward'"]
+    kern(1, block, (out,), order="warps")
+    scan2 = np.cumsum(1000 + np.arange(block))
+    assert np.array_equal(out[:32], np.arange(1, 33))                  # warp 0 read in time
+    assert not np.array_equal(out[32:block], np.arange(33, block + 1))  # later warps read its 2nd
+    assert np.array_equal(out[block:], scan2)                          # the second scan is right
+
+
 def test_divergent_syncthreads_reported_with_both_lines(bugs_mod):
     out = np.zeros(1024, np.float32)
-    for order in ("forward", "reverse", "shuffle"):
+    for order in ("forward", "reverse", "shuffle", "warps", "warps-reverse"):
         t0 = time.perf_counter()
         with pytest.raises(EmulationError) as info:
             bugs_mod.get_function("divergent_barrier")(2, 256, (out,), order=order)
@@ -194,10 +215,13 @@ def test_warp_collective_errors(bugs_mod):
         bugs_mod.get_function("shuffle_after_exit")(1, 64, (out,))
     with pytest.raises(EmulationError, match="returned"):
         bugs_mod.get_function("shuffle_after_exit")(1, 64, (out,), order="reverse")
-    with pytest.raises(EmulationError) as info:
-        bugs_mod.get_function("barrier_vs_shuffle")(1, 32, (out,))
-    assert f":{line_of('BUG_BAR_VS_SHFL_A')}" in str(info.value)
-    assert f":{line_of('BUG_BAR_VS_SHFL_B')}" in str(info.value)
+    with pytest.raises(EmulationError, match="returned"):
+        bugs_mod.get_function("shuffle_after_exit")(1, 64, (out,), order="warps-reverse")
+    for order in ("forward", "warps"):
+        with pytest.raises(EmulationError) as info:
+            bugs_mod.get_function("barrier_vs_shuffle")(1, 32, (out,), order=order)
+        assert f":{line_of('BUG_BAR_VS_SHFL_A')}" in str(info.value)
+        assert f":{line_of('BUG_BAR_VS_SHFL_B')}" in str(info.value)
     with pytest.raises(EmulationError, match=f"__trap\\(\\) called at .*planted_bugs.cu:{line_of('BUG_TRAP')}"):
         bugs_mod.get_function("traps")(1, 32, (np.zeros(32, np.int32),))
 
@@ -378,12 +402,12 @@ def test_argument_checks():
         mod.get_function("g")
 
 
-@pytest.mark.parametrize("order", ["random", "Forward", 1.5, True, None])
+@pytest.mark.parametrize("order", ["random", "Forward", 1.5, True, None, "warp", "Warps"])
 def test_emulation_order_refuses_an_unknown_order_on_entry(order):
     """Not at the first emulated launch inside the block, which may be far away (or never)."""
     entered = []
     with pytest.raises(ValueError, match=r"^order: got .*, expected 'forward', 'reverse', "
-                       r"'shuffle' or an int seed$"):
+                       r"'shuffle', an int seed, 'warps' or 'warps-reverse'$"):
         with cugrouped.emulation_order(order):
             entered.append(order)
     assert entered == []

@@ -75,7 +75,7 @@ def test_emulated_matches_reference_host_counts(split, token_align, scales):
     m = SPLITS[split]
     spec = _spec(len(m), token_align, scales=scales)
     want = _run("reference", spec, m_host=m)
-    for order in ("forward", "reverse", 7):
+    for order in ("forward", "reverse", 7, "warps", "warps-reverse"):
         got = _run("emulate", spec, order, m_host=m)
         assert np.array_equal(got, want), (split, order)
 

@@ -33,7 +33,7 @@ SPLITS = {
     "full_tiles": ([0, 200, 64, 130, 77], 384),   # whole 64 x 128 tiles, half last runs
 }
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-ORDERS = ("forward", "reverse", "shuffle", 7)
+ORDERS = ("forward", "reverse", "shuffle", 7, "warps", "warps-reverse")
 
 
 def make_inputs(m_splits, k, dtype, seed, specials=False):
@@ -165,11 +165,13 @@ def test_more_experts_than_one_launch_holds():
         assert len(log) == len(plans) * (1 if given else 2)
 
 
-@pytest.mark.parametrize("given", [True, False])
-def test_device_splits_over_several_chunks(given):
+@pytest.mark.parametrize("given,order", [(True, "forward"), (False, "warps")])
+def test_device_splits_over_several_chunks(given, order):
+    """Each chunk's blocks scan the counts of every expert before it, more than a warp's worth:
+    the "warps" order (one warp runs ahead) shows a scan whose shared totals are reused too early."""
     m_splits = [(i * 5) % 19 for i in range(2 * pct.MAX_EXPERTS_PER_LAUNCH + 3)]
     xs = make_inputs(m_splits, 40, "bfloat16", 6)
-    with cugrouped.record_launches() as log:
+    with cugrouped.record_launches() as log, cugrouped.emulation_order(order):
         got, want = run_both(xs, m_splits, "device", align=32, column_sums=True,
                              scale=scales_for(m_splits, "e4m3", 2) if given else None)
     assert_same_bits(got, want, "device splits, 3 chunks")
@@ -180,7 +182,8 @@ def test_device_splits_with_more_experts_than_one_scan_pass():
     """Experts past the first 256 make each block scan the counts in several passes (carries)."""
     m_splits = [(i * 11) % 7 for i in range(300)]
     xs = make_inputs(m_splits, 16, "float32", 8)
-    got, want = run_both(xs, m_splits, "device", align=16)
+    with cugrouped.emulation_order("warps"):
+        got, want = run_both(xs, m_splits, "device", align=16)
     assert_same_bits(got, want, "300 experts, device splits")
 
 

@@ -95,7 +95,7 @@ def test_reset_amax_emulated_matches_reference(L, algo):
     amaxes = [_amax(T, s) for s in range(3)]
     plain = _run("reference", h, amaxes, fmts, algo, margin=0)
     want = _run_reset("reference", h, amaxes, fmts, algo, "forward")
-    for order in ("forward", "reverse", "shuffle", L):
+    for order in ("forward", "reverse", "shuffle", L, "warps", "warps-reverse"):
         got = _run_reset("emulate", h, amaxes, fmts, algo, order)
         for step, (g, w, p) in enumerate(zip(got, want, plain)):
             for name, gi, wi, pi in zip(("history", "scale", "scale_inv"), g, w, p):

@@ -164,7 +164,7 @@ def test_cuda_nan_sums_have_the_references_bits():
     np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle", 7])
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle", 7, "warps", "warps-reverse"])
 def test_emulated_writes_only_its_own_cells_in_every_order(order):
     """h = 300 leaves the second column chunk of every token partial: its threads past h must
     not write, since their cell would be the next token's column 0 (a race that the block order

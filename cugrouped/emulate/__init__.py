@@ -4,7 +4,8 @@ The same ``.cu`` source is compiled by the system ``g++`` with ``cuda_emu.h`` fo
 built-ins mapped to host code) into a shared library that is loaded with ctypes and launched over
 NumPy buffers. The threads of a block run as cooperative fibers that switch at every barrier and
 warp collective, so a launch is deterministic for a given fiber ``order``; running several orders
-and comparing the bits exposes a missing ``__syncthreads``; a ``__syncthreads`` that only part of a
+(fibers forward, reversed, shuffled, or one warp at a time running ahead of the others) and
+comparing the bits exposes a missing ``__syncthreads``; a ``__syncthreads`` that only part of a
 block reaches is reported as an :class:`EmulationError` naming both source lines. See README.md
 in this folder for what is supported.
 
@@ -42,8 +43,9 @@ __all__ = ["EmuModule", "EmuKernel", "EmulationError", "EmulationCompileError", 
            "OrderReport", "run_all_orders", "DEFAULT_ORDERS", "asan_env", "stats", "cache_dir",
            "check_order"]
 
-#: The orders :func:`run_all_orders` tries: fibers (and blocks) forward, reversed, and shuffled.
-DEFAULT_ORDERS = ("forward", "reverse", "shuffle", 1, 2)
+#: The orders :func:`run_all_orders` tries: fibers (and blocks) forward, reversed, shuffled, and
+#: one warp at a time running ahead of the others (first warp first, last warp first).
+DEFAULT_ORDERS = ("forward", "reverse", "shuffle", 1, 2, "warps", "warps-reverse")
 SHUFFLE_SEED = 0x5EED
 _MAX_BLOCK = (1024, 1024, 64)
 _MAX_GRID = (2**31 - 1, 65535, 65535)
@@ -87,7 +89,8 @@ def _dims(v, what: str, limits) -> tuple[int, int, int]:
 
 
 def check_order(order) -> None:
-    """A fiber order: ``"forward"``, ``"reverse"``, ``"shuffle"`` or an int seed (ValueError)."""
+    """A fiber order: ``"forward"``, ``"reverse"``, ``"shuffle"``, an int seed, ``"warps"`` or
+    ``"warps-reverse"`` (ValueError)."""
     _order(order)
 
 
@@ -100,8 +103,12 @@ def _order(order) -> tuple[int, int]:
         return 2, SHUFFLE_SEED
     if isinstance(order, (int, np.integer)) and not isinstance(order, bool):
         return 2, int(order) & (2**64 - 1)
-    raise ValueError(f"order: got {order!r}, expected 'forward', 'reverse', 'shuffle' or an int "
-                     "seed")
+    if order == "warps":            # each warp as far as it goes before the next (first warp first)
+        return 3, 0
+    if order == "warps-reverse":    # the same, last warp (and last block) first
+        return 4, 0
+    raise ValueError(f"order: got {order!r}, expected 'forward', 'reverse', 'shuffle', an int "
+                     "seed, 'warps' or 'warps-reverse'")
 
 
 class EmuKernel:

@@ -6,8 +6,9 @@
 //
 // Execution model
 //   * Each CUDA thread of a block is a cooperative fiber (64 KiB stack + guard page). Fibers switch
-//     only at __syncthreads* and at warp collectives, so a run is deterministic; the start order of
-//     the fibers (forward / reverse / shuffled) is a launch option, which exposes missing barriers.
+//     only at __syncthreads* and at warp collectives, so a run is deterministic; the order of the
+//     fibers (forward / reverse / shuffled, or one warp at a time as far as it goes) is a launch
+//     option, which exposes missing barriers.
 //   * Blocks are spread over a few worker OS threads; one worker runs one block at a time, so
 //     `__shared__` (a per-worker `static thread_local`) is exactly "static storage per block".
 //   * __syncthreads completes when every thread of the block that has not returned has arrived.

@@ -9,7 +9,10 @@
 // A fiber is created once per launch (makecontext) and reused for every block the worker runs;
 // switches are _setjmp/_longjmp. The scheduler resumes READY fibers in the block's fiber order
 // until every fiber has returned; a pass that finds none READY while some still wait is a
-// deadlock, reported with the source lines involved. An error abandons the launch: the workers
+// deadlock, reported with the source lines involved. The "warps" orders instead run one warp at a
+// time as far as it can go (through its warp collectives, up to a block barrier or its end)
+// before the next warp starts: a warp running ahead of the others, which the one-step-per-pass
+// orders never produce. An error abandons the launch: the workers
 // stop taking blocks, and the fibers (which own nothing) are dropped with their stacks.
 
 namespace emu {
@@ -37,7 +40,7 @@ struct Fiber {
 struct Launch {
     dim3 grid, block;
     size_t smem = 0;
-    int order = 0;                // 0 forward, 1 reverse, 2 shuffle(seed)
+    int order = 0;                // 0 forward, 1 reverse, 2 shuffle(seed), 3 warps, 4 warps reversed
     unsigned long long seed = 0;
     int ftz = 1;
     void (*thunk)(void*) = nullptr;
@@ -62,6 +65,7 @@ struct Worker {
     char* map = nullptr;
     size_t map_size = 0;
     int nthreads = 0, live = 0, at_barrier = 0;
+    unsigned long long releases = 0;   // block barriers released so far (the "warps" orders)
     bool failed = false;
     std::string error;
     unsigned long long rng = 0;
@@ -200,6 +204,7 @@ static void release_barrier(Worker* w) {
         f.state = READY;
     }
     w->at_barrier = 0;
+    ++w->releases;
 }
 
 int barrier(BarrierKind kind, int pred, const char* file, int line) {
@@ -386,6 +391,39 @@ static void shuffle_order(Worker* w) {
     for (int i = w->nthreads - 1; i > 0; --i) std::swap(w->order[i], w->order[splitmix(w->rng) % (i + 1)]);
 }
 
+// The "warps" orders: warp 0 (the last warp, reversed) runs until none of its threads can go on,
+// then the next warp; once a block barrier is released, again from the first warp. A block whose
+// warps wait at a barrier or a collective none of them can complete is a deadlock, as above.
+static bool run_warps(Worker* w) {
+    Launch* L = w->L;
+    const int nwarps = (w->nthreads + 31) / 32;
+    for (;;) {
+        bool progressed = false;
+        const unsigned long long releases = w->releases;
+        for (int i = 0; i < nwarps && w->releases == releases; ++i) {
+            const int warp = L->order == 4 ? nwarps - 1 - i : i;
+            const int end = std::min(w->nthreads, 32 * warp + 32);
+            for (bool again = true; again && w->releases == releases;) {
+                again = false;
+                for (int t = 32 * warp; t < end; ++t) {
+                    Fiber* f = &w->fibers[t];
+                    if (f->state != READY) continue;
+                    resume(w, f);
+                    progressed = again = true;
+                    if (w->failed) return false;
+                }
+            }
+        }
+        if (w->live == 0) return true;
+        if (!progressed) {
+            w->failed = true;
+            w->error = describe_stall(w);
+            return false;
+        }
+        if (L->abort.load(std::memory_order_relaxed)) return false;
+    }
+}
+
 static bool run_block(Worker* w, unsigned long long b) {
     Launch* L = w->L;
     const unsigned long long gx = L->grid.x, gy = L->grid.y;
@@ -399,6 +437,7 @@ static bool run_block(Worker* w, unsigned long long b) {
         w->rng = L->seed ^ (b * 0xd1b54a32d192ed03ull);
         shuffle_order(w);
     }
+    if (L->order >= 3) return run_warps(w);
     for (;;) {
         bool progressed = false;
         for (int k = 0; k < w->nthreads; ++k) {
@@ -470,7 +509,7 @@ static void worker_main(Launch* L) {
         const unsigned long long k = L->next.fetch_add(1);
         if (k >= L->nblocks) break;
         unsigned long long b = k;
-        if (L->order == 1) b = L->nblocks - 1 - k;
+        if (L->order == 1 || L->order == 4) b = L->nblocks - 1 - k;
         if (L->order == 2) b = (unsigned long long)(((unsigned __int128)L->perm_a * k + L->perm_c) % L->nblocks);
         if (!run_block(&w, b)) {
             if (w.failed) L->fail(w.error);

@@ -66,3 +66,29 @@ __global__ void traps(int* p) {
     if (threadIdx.x == 3) __trap();   // BUG_TRAP
     p[threadIdx.x] = 1;
 }
+
+// A block scan (block_scan.cuh's) whose warp totals are reused by the next scan without the
+// barrier that protects them: warp 0 can run through the next scan's shuffles and overwrite its
+// total while later warps still read the old one (a write-after-read race). Every order that
+// advances each thread one step at a time hides it (all warps read before warp 0 is through its
+// five shuffle rounds); an order in which a warp runs ahead shows it.
+__device__ long long scan_missing_sync(long long v, long long* totals) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long up = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += up;
+    }
+    if (lane == 31) totals[warp] = v;
+    __syncthreads();
+    long long before = 0;
+    for (int w = 0; w < warp; ++w) before += totals[w];
+    return before + v;   // BUG_SCAN_WAR: no __syncthreads before `totals` is written again
+}
+
+__global__ void scan_twice_missing_sync(long long* out) {
+    __shared__ long long totals[32];
+    const long long a = scan_missing_sync(1, totals);
+    const long long b = scan_missing_sync(1000 + threadIdx.x, totals);
+    out[threadIdx.x] = a;
+    out[blockDim.x + threadIdx.x] = b;
+}
