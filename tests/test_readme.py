@@ -117,3 +117,23 @@ def check_examples(seen: dict) -> None:
     # the permute folded in: the routed rows' outputs, the gradient summed back onto the tokens
     assert tuple(permute["y"].shape) == (136, 128)
     assert tuple(permute["tokens"].grad.shape) == (64, 256)
+
+
+def test_ops_page_lists_the_signatures_as_they_are():
+    """docs/ops.md's "The calls" block: each public op's signature (annotations left out), as
+    ``inspect`` reads it, so the page cannot drift from the code."""
+    import inspect
+
+    import cugrouped
+
+    text = (ROOT / "docs/ops.md").read_text()
+    block = re.search(r"^## The calls\n\n```text\n(.*?)^```", text, flags=re.S | re.M).group(1)
+    listed = re.findall(r"^(\w+)\((.*?)\)$", " ".join(block.split("\n    ")), flags=re.M)
+    assert [name for name, _ in listed] == [
+        "multi_pad_cast_transpose", "multi_block_cast_transpose", "multi_mxfp8_cast_transpose",
+        "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales"]
+    for name, params in listed:
+        sig = inspect.signature(getattr(cugrouped, name))
+        bare = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+        assert f"({params})" == str(sig.replace(parameters=bare,
+                                                return_annotation=inspect.Signature.empty)), name
