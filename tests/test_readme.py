@@ -119,21 +119,47 @@ def check_examples(seen: dict) -> None:
     assert tuple(permute["tokens"].grad.shape) == (64, 256)
 
 
-def test_ops_page_lists_the_signatures_as_they_are():
-    """docs/ops.md's "The calls" block: each public op's signature (annotations left out), as
-    ``inspect`` reads it, so the page cannot drift from the code."""
+def _listed_signatures(doc: str) -> list[tuple[str, str]]:
+    """(name, parameters) of each line of ``doc``'s "The calls" block (continuation lines
+    indented by four spaces)."""
+    text = (ROOT / doc).read_text()
+    block = re.search(r"^## The calls\n\n```text\n(.*?)^```", text, flags=re.S | re.M).group(1)
+    return re.findall(r"^([\w.]+)\((.*?)\)$", " ".join(block.split("\n    ")), flags=re.M)
+
+
+def _bare_signature(obj) -> str:
+    """``inspect``'s signature without annotations (and without ``self``)."""
     import inspect
 
+    sig = inspect.signature(obj)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    if params and params[0].name == "self":
+        params = params[1:]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def test_ops_page_lists_the_signatures_as_they_are():
+    """docs/ops.md's "The calls" block: each public op's signature as ``inspect`` reads it (no
+    annotations), so the page cannot drift from the code."""
     import cugrouped
 
-    text = (ROOT / "docs/ops.md").read_text()
-    block = re.search(r"^## The calls\n\n```text\n(.*?)^```", text, flags=re.S | re.M).group(1)
-    listed = re.findall(r"^(\w+)\((.*?)\)$", " ".join(block.split("\n    ")), flags=re.M)
+    listed = _listed_signatures("docs/ops.md")
     assert [name for name, _ in listed] == [
         "multi_pad_cast_transpose", "multi_block_cast_transpose", "multi_mxfp8_cast_transpose",
         "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales"]
     for name, params in listed:
-        sig = inspect.signature(getattr(cugrouped, name))
-        bare = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-        assert f"({params})" == str(sig.replace(parameters=bare,
-                                                return_annotation=inspect.Signature.empty)), name
+        assert f"({params})" == _bare_signature(getattr(cugrouped, name)), name
+
+
+def test_pytorch_page_lists_the_signatures_as_they_are():
+    pytest.importorskip("torch")
+    import cugrouped.pytorch as cpt
+
+    listed = _listed_signatures("docs/pytorch.md")
+    objects = {"GroupedLinear": cpt.GroupedLinear.__init__,
+               "GroupedLinear.forward": cpt.GroupedLinear.forward,
+               "fp8_autocast": cpt.fp8_autocast, "checkpoint": cpt.checkpoint,
+               "MoEFeedForward": cpt.MoEFeedForward.__init__}
+    assert [name for name, _ in listed] == list(objects)
+    for name, params in listed:
+        assert f"({params})" == _bare_signature(objects[name]), name
