@@ -547,10 +547,41 @@ def _wgrad_out(out, num: int, n: int, k: int, out_dtype: str, place, xp, accumul
 
 def check_alignment(problem: Problem, out) -> None:
     """FP8 operands and outputs must be 16-byte aligned; plain ones aligned to their element."""
+    operands = (as_blocks(problem.left), as_blocks(problem.right), as_blocks(out))
+    if _surely_aligned(problem, operands):
+        return
+    error = _alignment_error(problem, operands)
+    if error is not None:
+        raise ValueError(error)
+
+
+def _surely_aligned(problem: Problem, operands: tuple[Blocks, Blocks, Blocks]) -> bool:
+    """A cheap screen for :func:`_alignment_error`: True only when it would find nothing.
+
+    Every alignment asked for is a power of two, and a power of two divides every value of an
+    array iff it divides their bitwise OR (and ``(OR of ld) * itemsize`` is the OR of the row
+    strides in bytes: the item sizes are powers of two too), so one OR-reduction per array
+    replaces the per-expert scan: about 2 us instead of 30 for a well-aligned call. It ignores
+    that empty experts and one-row strides are exempt: a False only means "scan to be sure"."""
+    fp8 = problem.fp8
+    for b in operands:
+        need = FP8_MULTIPLE if fp8 else b.itemsize
+        if int(np.bitwise_or.reduce(b.ptr)) % need:
+            return False
+        if fp8 and int(np.bitwise_or.reduce(b.ld)) * b.itemsize % FP8_MULTIPLE:
+            return False
+    if problem.block_scaled:
+        for ptrs in (problem.left_scale, problem.right_scale):
+            if int(np.bitwise_or.reduce(np.asarray(ptrs, dtype=np.int64))) % FP8_MULTIPLE:
+                return False
+    return True
+
+
+def _alignment_error(problem: Problem, operands: tuple[Blocks, Blocks, Blocks]) -> str | None:
+    """The message of the first misaligned pointer or FP8 row stride, in the order the
+    per-expert scan would meet them, or None."""
     bad = []  # (expert, order, message) of the first failure of each operand
-    for order, (name, b) in enumerate((("left operand", as_blocks(problem.left)),
-                                       ("right operand", as_blocks(problem.right)),
-                                       ("out", as_blocks(out)))):
+    for order, (name, b) in enumerate(zip(("left operand", "right operand", "out"), operands)):
         need = FP8_MULTIPLE if problem.fp8 else b.itemsize
         nonempty = (b.rows > 0) & (b.cols > 0)
         mis = np.nonzero(nonempty & (pointer_alignments(b.ptr) < need))[0]
@@ -575,9 +606,8 @@ def check_alignment(problem: Problem, out) -> None:
                 i = int(mis[0])
                 bad.append((i, order, f"{name} of expert {i}: address {int(p[i]):#x} is not "
                             f"{FP8_MULTIPLE}-byte aligned (cuBLASLt's block-scaled GEMMs need it)"))
-    if bad:  # the error the per-expert scan in expert order would meet first
-        raise ValueError(min(bad)[2])
-
+    # the error the per-expert scan in expert order would meet first
+    return min(bad)[2] if bad else None
 
 
 def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:

@@ -1,0 +1,69 @@
+"""The grouped GEMMs' host-side shortcuts against the general code they stand in for: each fast
+path (a cheap screen, a vectorized or scalar form) must give exactly what the general path gives,
+on many random inputs, zero-token experts, first/last empty experts, E=1 and E=257 included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cugrouped.cublaslt import _enums as E
+from cugrouped.ops import _gemm_checks as C
+from cugrouped.ops import grouped_gemm as gg
+
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+EXPERT_COUNTS = (1, 2, 3, 8, 64, 257)
+
+
+def _random_blocks(rng, num: int, dtype: str, misalign: float) -> gg.Blocks:
+    """Blocks at 256-aligned addresses and 16-multiple strides, a fraction ``misalign`` of
+    pointers and strides knocked off by 1..15, with zero-, one- and many-row experts."""
+    ptr = rng.integers(1, 1 << 30, num) * 256
+    ld = rng.integers(1, 64, num) * 16
+    rows = rng.choice([0, 1, 2, 17, 64], num)
+    cols = rng.choice([0, 1, 16, 48], num)
+    ptr = np.where(rng.random(num) < misalign, ptr + rng.integers(1, 16, num), ptr)
+    ld = np.where(rng.random(num) < misalign, ld + rng.integers(1, 16, num), ld)
+    return gg.Blocks(ptr, rows, cols, ld, dtype)
+
+
+def _random_problem(rng, num: int, misalign: float) -> tuple[gg.Problem, gg.Blocks]:
+    fp8 = bool(rng.random() < 0.7)
+    in_dtype = str(rng.choice(FP8 if fp8 else ("bfloat16", "float16", "float32")))
+    out_dtype = str(rng.choice(("bfloat16", "float16", "float32")))
+    left, right, out = (_random_blocks(rng, num, d, misalign)
+                        for d in (in_dtype, in_dtype, out_dtype))
+    modes = (0, 0)
+    scales = (None, None)
+    if fp8:
+        scales = tuple(np.where(rng.random(num) < misalign, s + rng.integers(1, 16, num), s)
+                       for s in (rng.integers(1, 1 << 30, num) * 16 for _ in range(2)))
+        if rng.random() < 0.5:
+            modes = (E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+                     E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F)
+    p = gg.Problem("fprop", fp8, left, False, right, True, (16,) * num, scales[0], scales[1],
+                   None, None, False, False, out_dtype, (True, 0, "cupy"), *modes)
+    return p, out
+
+
+@pytest.mark.parametrize("num", EXPERT_COUNTS)
+def test_alignment_screen_passes_only_what_the_scan_passes(num):
+    """``_surely_aligned`` (OR-reductions) never lets through what the per-expert scan refuses,
+    and lets through most well-aligned calls (it is what makes the check cheap)."""
+    rng = np.random.default_rng(num)
+    passed = 0
+    for trial in range(300):
+        misalign = (0.0, 0.002, 0.05, 0.5)[trial % 4]
+        p, out = _random_problem(rng, num, misalign)
+        operands = (gg.as_blocks(p.left), gg.as_blocks(p.right), out)
+        error = C._alignment_error(p, operands)
+        if C._surely_aligned(p, operands):
+            passed += 1
+            assert error is None
+        if error is None:
+            gg.check_alignment(p, out)
+        else:
+            with pytest.raises(ValueError) as info:
+                gg.check_alignment(p, out)
+            assert str(info.value) == error
+    assert passed >= 75          # every trial without misalignment passes the screen
