@@ -67,3 +67,65 @@ def test_alignment_screen_passes_only_what_the_scan_passes(num):
                 gg.check_alignment(p, out)
             assert str(info.value) == error
     assert passed >= 75          # every trial without misalignment passes the screen
+
+
+def _wgrad_out_per_expert(out, num, n, k, out_dtype, place):
+    """The dW output checked the general way: every expert's own view, one Block each."""
+    import dataclasses
+
+    if isinstance(out, list):
+        if len(out) != num:
+            raise ValueError(f"out: expected {num} per-expert arrays, got {len(out)}")
+        views = [C._tagged_view(a, out_dtype, f"out[{i}]") for i, a in enumerate(out)]
+        names = [f"out[{i}]" for i in range(num)]
+    else:
+        v = C._tagged_view(out, out_dtype, "out")
+        if v.shape != (num, n, k):
+            raise ValueError(f"out: expected shape ({num}, {n}, {k}) or a list of {num} "
+                             f"({n}, {k}) arrays, got {v.shape}")
+        views = [dataclasses.replace(v, ptr=v.ptr + e * v.strides[0] * v.itemsize,
+                                     shape=v.shape[1:], strides=v.strides[1:])
+                 for e in range(num)]
+        names = ["out"] * num
+    blocks = []
+    for ev, name in zip(views, names):
+        C._check_grad_view(ev, name, n, k, out_dtype, place)
+        blocks.append(gg.Block(ev.ptr, n, k, ev.strides[0] if n > 1 else k, out_dtype))
+    return gg.as_blocks(blocks)
+
+
+def _outcome(f):
+    try:
+        return f()
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize("num", EXPERT_COUNTS)
+def test_wgrad_outputs_give_what_checking_every_expert_view_gives(num):
+    """A stacked dW output is checked once and its pointers stepped by its leading stride, a
+    list's views checked and their blocks made in one go: the same blocks, or the same error,
+    as checking each expert's view and making its Block."""
+    place = (False, -1, "numpy")
+    for n, k in ((16, 32), (1, 16), (16, 1), (1, 1)):
+        base = np.zeros((2 * num, n + 1, 2 * k), np.float32)
+        cases = [base[:num, :n, :k], base[::2, :n, :k], base[:num, :n, ::2][:, :, :k],
+                 base[:num, :n, :k].astype(np.float16), base[:num, :n, :k].transpose(0, 2, 1),
+                 base[:num, :n, :k + 1], np.zeros((num, n, k), np.float32)]
+        lists = [list(c) for c in cases[:3]]
+        for bad in (np.zeros((n, k), np.float16), np.zeros((n, k + 1), np.float32),
+                    np.zeros((k, n), np.float32).T, np.zeros((n, k), np.float32)):
+            lists.append(list(cases[0][:-1]) + [bad])
+        cases += lists + [list(cases[0][:-1])]
+        for out in cases:
+            for out_dtype in ("float32", "float16"):
+                want = _outcome(lambda: _wgrad_out_per_expert(out, num, n, k, out_dtype, place))
+                got = _outcome(lambda: C._wgrad_out(out, num, n, k, out_dtype, place, np,
+                                                    False)[1])
+                assert type(got) is type(want) and got == want
+                if isinstance(got, gg.Blocks):
+                    assert got.dtype == want.dtype
+        wrong_place = (True, 0, "cupy")
+        want = _outcome(lambda: _wgrad_out_per_expert(cases[0], num, n, k, "float32", wrong_place))
+        assert _outcome(lambda: C._wgrad_out(cases[0], num, n, k, "float32", wrong_place, np,
+                                             False)) == want

@@ -522,27 +522,36 @@ def _wgrad_out(out, num: int, n: int, k: int, out_dtype: str, place, xp, accumul
         if len(out) != num:
             raise ValueError(f"out: expected {num} per-expert arrays, got {len(out)}")
         views = [_tagged_view(a, out_dtype, f"out[{i}]") for i, a in enumerate(out)]
-        names = [f"out[{i}]" for i in range(num)]
-    else:
-        v = _tagged_view(out, out_dtype, "out")
-        if v.shape != (num, n, k):
-            raise ValueError(f"out: expected shape ({num}, {n}, {k}) or a list of {num} ({n}, {k}) "
-                             f"arrays, got {v.shape}")
-        views = _stacked(v)
-        names = ["out"] * num
-    blocks = []
-    for v, name in zip(views, names):
-        if v.dtype != out_dtype:
-            raise TypeError(f"{name}: dtype {v.dtype} differs from out_dtype={out_dtype!r}")
-        if v.shape != (n, k):
-            raise ValueError(f"{name}: expected shape ({n}, {k}), got {v.shape}")
-        if not v.is_row_major_rows():
-            raise ValueError(f"{name}: expected rows with unit column stride, got {v.strides}")
-        if (v.on_device, v.device, v.kind) != place:
-            raise ValueError(f"{name}: must be a {place[2]} array on the operands' device "
-                             f"({place[1]}), got {v.kind}@{v.device}")
-        blocks.append(Block(v.ptr, n, k, v.strides[0] if n > 1 else k, out_dtype))
-    return out, as_blocks(blocks)
+        for i, v in enumerate(views):
+            _check_grad_view(v, f"out[{i}]", n, k, out_dtype, place)
+        ld = [v.strides[0] if n > 1 else k for v in views]
+        return out, Blocks([v.ptr for v in views], n, k, ld, out_dtype)
+    v = _tagged_view(out, out_dtype, "out")
+    if v.shape != (num, n, k):
+        raise ValueError(f"out: expected shape ({num}, {n}, {k}) or a list of {num} ({n}, {k}) "
+                         f"arrays, got {v.shape}")
+    # Every expert's (n, k) view of the stacked array has its dtype, place and trailing strides:
+    # checking the first one checks them all (one view, not E), and the experts' pointers step by
+    # the leading stride.
+    if num:
+        _check_grad_view(dataclasses.replace(v, shape=v.shape[1:], strides=v.strides[1:]), "out",
+                         n, k, out_dtype, place)
+    step = v.strides[0] * v.itemsize
+    ptrs = v.ptr + step * np.arange(num, dtype=np.int64)
+    return out, Blocks(ptrs, n, k, v.strides[1] if n > 1 else k, out_dtype)
+
+
+def _check_grad_view(v: ArrayView, name: str, n: int, k: int, out_dtype: str, place) -> None:
+    """One expert's ``(n, k)`` gradient output."""
+    if v.dtype != out_dtype:
+        raise TypeError(f"{name}: dtype {v.dtype} differs from out_dtype={out_dtype!r}")
+    if v.shape != (n, k):
+        raise ValueError(f"{name}: expected shape ({n}, {k}), got {v.shape}")
+    if not v.is_row_major_rows():
+        raise ValueError(f"{name}: expected rows with unit column stride, got {v.strides}")
+    if (v.on_device, v.device, v.kind) != place:
+        raise ValueError(f"{name}: must be a {place[2]} array on the operands' device "
+                         f"({place[1]}), got {v.kind}@{v.device}")
 
 
 def check_alignment(problem: Problem, out) -> None:
