@@ -129,3 +129,43 @@ def test_wgrad_outputs_give_what_checking_every_expert_view_gives(num):
         want = _outcome(lambda: _wgrad_out_per_expert(cases[0], num, n, k, "float32", wrong_place))
         assert _outcome(lambda: C._wgrad_out(cases[0], num, n, k, "float32", wrong_place, np,
                                              False)) == want
+
+
+def _random_splits(rng, num: int) -> list[int]:
+    """Token counts with zeros, an empty first or last expert now and then."""
+    m = [int(v) for v in rng.integers(0, 40, num)]
+    m = [0 if rng.random() < 0.2 else v for v in m]
+    if num > 1 and rng.random() < 0.5:
+        m[0 if rng.random() < 0.5 else -1] = 0
+    return m
+
+
+@pytest.mark.parametrize("num", EXPERT_COUNTS)
+def test_fp8_operand_blocks_and_scales_are_the_per_expert_addresses(num):
+    """The vectorized FP8 operand: each expert's rows start at data + (tokens before it) * k
+    (row-wise copy) or at data_t + k * (padded tokens before it) (transposed copy), and its
+    scale pointer is scale_inv's address + 4 * expert."""
+    from cugrouped.ops.pad_cast_transpose import multi_pad_cast_transpose
+
+    rng = np.random.default_rng(200 + num)
+    k = 32
+    for _ in range(3):
+        m = _random_splits(rng, num)
+        g = multi_pad_cast_transpose([np.ones((v, k), np.float32) for v in m])
+        scale = g.scale_inv.ctypes.data
+        for copy in ("rowwise", "columnwise"):
+            op = C._fp8_operand(g, copy, "x", "test")
+            assert op.scale_inv.tolist() == [scale + 4 * e for e in range(num)]
+            assert op.m_splits == tuple(m)
+            want = []
+            if copy == "rowwise":
+                start = g.data.ctypes.data
+                for v in m:
+                    want.append(gg.Block(start, v, k, k, "float8_e4m3fn"))
+                    start += v * k
+            else:
+                start = g.data_t.ctypes.data
+                for v in g.m_pad_splits:
+                    want.append(gg.Block(start, k, v, v, "float8_e4m3fn"))
+                    start += v * k
+            assert tuple(op.blocks) == tuple(want)
