@@ -169,3 +169,87 @@ def test_fp8_operand_blocks_and_scales_are_the_per_expert_addresses(num):
                     want.append(gg.Block(start, k, v, v, "float8_e4m3fn"))
                     start += v * k
             assert tuple(op.blocks) == tuple(want)
+
+
+def _random_plan_problem(rng, num: int):
+    """A problem of any pass layout (left/right stored transposed or not) with random sizes
+    (zeros included), pointers of random alignment, scales, bias and accumulation."""
+    lt, rt, fp8, accumulate = (bool(v) for v in rng.integers(0, 2, 4))
+    dt, out_dt = ("float8_e4m3fn", "bfloat16") if fp8 else ("float16", "float32")
+
+    def ptrs():
+        return rng.integers(1, 1 << 36, num) << rng.integers(0, 10, num)
+
+    p = _random_splits(rng, num)
+    q = [int(rng.choice([0, 16, 48]))] * num if rng.random() < 0.8 else _random_splits(rng, num)
+    r = [int(rng.choice([0, 16, 32]))] * num if rng.random() < 0.5 else _random_splits(rng, num)
+    ldl, ldr, ldo = (rng.integers(1, 100, num) for _ in range(3))
+    left = gg.Blocks(ptrs(), *((r, p) if lt else (p, r)), ldl, dt)
+    right = gg.Blocks(ptrs(), *((q, r) if rt else (r, q)), ldr, dt)
+    out = gg.Blocks(ptrs(), p, q, ldo, out_dt)
+    scales = (ptrs(), ptrs()) if fp8 else (None, None)
+    bias = ptrs() if rng.random() < 0.3 else None
+    problem = gg.Problem("wgrad" if lt else "fprop", fp8, left, lt, right, rt, tuple(r), *scales,
+                         bias, out_dt if bias is not None else None, fp8, accumulate, out_dt)
+    return problem, out
+
+
+def _plan_per_expert(problem, out):
+    """plan_problem's answer made the general way: one plan_expert per non-empty expert."""
+    calls, zero, skipped = [], [], []
+    for i, (left, right, o, r) in enumerate(zip(problem.left, problem.right, out,
+                                                problem.reduction)):
+        if o.rows == 0 or o.cols == 0 or r == 0:
+            skipped.append(i)
+            if r == 0 and o.rows * o.cols and not problem.accumulate:
+                zero.append(i)
+            continue
+        pick = lambda ptrs: 0 if ptrs is None else int(ptrs[i])  # noqa: E731
+        calls.append(gg.plan_expert(
+            i, left, problem.left_t, right, problem.right_t, o, r,
+            beta=1.0 if problem.accumulate else 0.0, a_scale_ptr=pick(problem.right_scale),
+            b_scale_ptr=pick(problem.left_scale), bias_ptr=pick(problem.bias)))
+    return tuple(calls), tuple(zero), tuple(skipped)
+
+
+@pytest.mark.parametrize("num", EXPERT_COUNTS)
+def test_vectorized_plan_equals_plan_expert_on_random_problems(num):
+    """plan_arrays (one table, alignments computed in place) against plan_expert per expert:
+    the same calls, keys (alignments, the bias pointer's last), sizes, launch rows, zeroed and
+    skipped experts, or the same error for a block of the wrong shape."""
+    rng = np.random.default_rng(300 + num)
+    for trial in range(40):
+        problem, out = _random_plan_problem(rng, num)
+        if trial % 5 == 4:      # one expert's left block of the wrong shape
+            e = int(rng.integers(num))
+            L = problem.left
+            problem = gg.Problem(**{**problem.__dict__, "left": L.replace(
+                rows=np.where(np.arange(num) == e, L.rows + 1, L.rows))})
+        want = _outcome(lambda: _plan_per_expert(problem, out))
+        got = _outcome(lambda: gg.plan_arrays(problem, out))
+        if not isinstance(got, gg.VecPlan):
+            assert got == want
+            continue
+        calls, zero, skipped = want
+        vp = got
+        assert (vp.calls(), vp.zero, vp.skipped) == want
+        assert vp.keys[:, 12:16].tolist() == [list(c.alignments) for c in calls]
+        assert vp.keys[:, 16].tolist() == [0 if problem.bias is None else
+                                           gg.pointer_alignment(c.bias_ptr) for c in calls]
+        assert vp.mnk.tolist() == [[c.m, c.n, c.k] for c in calls]
+        assert vp.launch_rows == [
+            (c.expert, c.a_ptr, c.b_ptr, c.d_ptr, c.a_scale_ptr, c.b_scale_ptr, c.bias_ptr,
+             tuple(vp.keys[j].tolist())) for j, c in enumerate(calls)]
+        assert vp.config == gg.gemm_config(problem, vp.config.transa, vp.config.transb)
+
+
+def test_in_place_pointer_alignments_are_the_scalar_rule():
+    from cugrouped.ops._gemm_plan import _pointer_alignments_in_place
+
+    rng = np.random.default_rng(7)
+    ptrs = np.concatenate([[0, 1, 256, 512, 0x7F0000001010],
+                           rng.integers(0, 1 << 40, 500) << rng.integers(0, 12, 500)])
+    for cap in (256, 32, 1):
+        a = ptrs.reshape(-1, 5).copy()
+        _pointer_alignments_in_place(a, cap)
+        assert a.reshape(-1).tolist() == [gg.pointer_alignment(int(v), cap) for v in ptrs]

@@ -228,15 +228,27 @@ def bias_dtype_for(out_dtype: str, fp8: bool) -> str:
 
 def gemm_config(problem: Problem, transa: int, transb: int):
     """The :class:`~cugrouped.cublaslt.GemmConfig` (descriptor cache key) of a problem."""
-    from ..cublaslt.descriptors import GemmConfig
-
     ct = E.DTYPE_TO_CUDA
-    return GemmConfig(
-        a_type=ct[problem.right[0].dtype], b_type=ct[problem.left[0].dtype],
+    return _gemm_config(
+        a_type=ct[_first_dtype(problem.right)], b_type=ct[_first_dtype(problem.left)],
         d_type=ct[problem.out_dtype], transa=transa, transb=transb,
         bias_type=ct[problem.bias_dtype] if problem.bias is not None else None,
         fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8,
         a_scale_mode=problem.right_scale_mode, b_scale_mode=problem.left_scale_mode)
+
+
+def _first_dtype(blocks) -> str:
+    """The dtype of the first expert's block (``Blocks`` hold it once: no Block is made)."""
+    return blocks.dtype if type(blocks) is Blocks and len(blocks) else blocks[0].dtype
+
+
+# One GemmConfig per combination of types and options, made once (a frozen dataclass: equal
+# either way, and a few us less per call); typed, so that 1 and True stay apart as they would.
+@functools.lru_cache(maxsize=None, typed=True)
+def _gemm_config(**fields):
+    from ..cublaslt.descriptors import GemmConfig
+
+    return GemmConfig(**fields)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -297,36 +309,48 @@ def plan_arrays(problem: Problem, out) -> VecPlan:
                          f"expected {int(want[0][i])}x{int(want[1][i])}")
     num = r.shape[0]
     ct = E.DTYPE_TO_CUDA
-    K = np.empty((num, 17), np.int64)
+    # One table holds keys, pointers and sizes side by side: dropping the empty experts is one
+    # fancy-index, and VecPlan's arrays are views of it.
+    T = np.empty((num, _PLAN_COLUMNS), np.int64)
+    K, P = T[:, _KEYS], T[:, _PTRS]
     K[:, 0], K[:, 3] = ct[R.dtype], R.ld
     K[:, 1], K[:, 2] = (r, q) if rt else (q, r)
     K[:, 4], K[:, 7] = ct[L.dtype], L.ld
     K[:, 5], K[:, 6] = (p, r) if lt else (r, p)
     K[:, 8], K[:, 9], K[:, 10], K[:, 11] = ct[O.dtype], q, p, O.ld
-    P = np.zeros((num, 7), np.int64)
     P[:, 0], P[:, 1], P[:, 2], P[:, 3] = np.arange(num), R.ptr, L.ptr, O.ptr
-    if problem.right_scale is not None:
-        P[:, 4] = problem.right_scale
-    if problem.left_scale is not None:
-        P[:, 5] = problem.left_scale
-    if problem.bias is not None:
-        P[:, 6] = problem.bias
-    al = pointer_alignments(P[:, 1:7])
-    K[:, 12], K[:, 13], K[:, 14], K[:, 15] = al[:, 0], al[:, 1], al[:, 2], al[:, 2]
-    K[:, 16] = al[:, 5] if problem.bias is not None else 0
-    mnk = np.stack([q, p, r], axis=1)
-    skipped = np.nonzero(empty)[0]
+    for col, ptrs in ((4, problem.right_scale), (5, problem.left_scale), (6, problem.bias)):
+        P[:, col] = 0 if ptrs is None else ptrs
+    # the alignments of A, B, C (= D), D and the bias pointer (0 without a bias), in place
+    K[:, 12:15] = P[:, 1:4]
+    K[:, 15], K[:, 16] = O.ptr, P[:, 6]
+    _pointer_alignments_in_place(K[:, 12:17] if problem.bias is not None else K[:, 12:16])
+    M = T[:, _MNK]
+    M[:, 0], M[:, 1], M[:, 2] = q, p, r
+    skipped = np.flatnonzero(empty)
     if skipped.shape[0]:
-        keep = ~empty
-        K, P, mnk = K[keep], P[keep], mnk[keep]
+        T = T[~empty]
         zero = () if problem.accumulate else tuple(
-            np.nonzero((r == 0) & (p * q > 0))[0].tolist())
+            np.flatnonzero((r == 0) & (p * q > 0)).tolist())
     else:
         zero = ()
     transa = E.CUBLAS_OP_T if rt else E.CUBLAS_OP_N
     transb = E.CUBLAS_OP_T if lt else E.CUBLAS_OP_N
-    return VecPlan(gemm_config(problem, transa, transb), K, P, mnk,
+    return VecPlan(gemm_config(problem, transa, transb), T[:, _KEYS], T[:, _PTRS], T[:, _MNK],
                    1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()))
+
+
+# plan_arrays' table: the 17 key columns, the 7 pointer columns and m, n, k.
+_KEYS, _PTRS, _MNK = slice(0, 17), slice(17, 24), slice(24, 27)
+_PLAN_COLUMNS = 27
+
+
+def _pointer_alignments_in_place(a: np.ndarray, cap: int = 256) -> None:
+    """:func:`pointer_alignments` of the pointers in ``a``, written over them: with ``cap`` a
+    power of two, the lowest set bit of ``ptr | cap`` is ``min(ptr & -ptr, cap)``, and ``cap``
+    for a null pointer (two array operations instead of five)."""
+    np.bitwise_or(a, cap, out=a)
+    np.bitwise_and(a, -a, out=a)
 
 
 def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
