@@ -10,6 +10,7 @@ import pytest
 from cugrouped.cublaslt import _enums as E
 from cugrouped.ops import _gemm_checks as C
 from cugrouped.ops import grouped_gemm as gg
+from cugrouped.ops._gemm_plan import shape_signature
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 EXPERT_COUNTS = (1, 2, 3, 8, 64, 257)
@@ -237,9 +238,15 @@ def test_vectorized_plan_equals_plan_expert_on_random_problems(num):
         assert vp.keys[:, 16].tolist() == [0 if problem.bias is None else
                                            gg.pointer_alignment(c.bias_ptr) for c in calls]
         assert vp.mnk.tolist() == [[c.m, c.n, c.k] for c in calls]
-        assert vp.launch_rows == [
-            (c.expert, c.a_ptr, c.b_ptr, c.d_ptr, c.a_scale_ptr, c.b_scale_ptr, c.bias_ptr,
-             tuple(vp.keys[j].tolist())) for j, c in enumerate(calls)]
+        assert [row[:7] for row in vp.launch_rows] == [
+            (c.expert, c.a_ptr, c.b_ptr, c.d_ptr, c.a_scale_ptr, c.b_scale_ptr, c.bias_ptr)
+            for c in calls]
+        assert [shape_signature(row[7]) for row in vp.launch_rows] == [
+            (*c.a_layout, *c.b_layout, *c.d_layout, *c.alignments,
+             0 if problem.bias is None else gg.pointer_alignment(c.bias_ptr)) for c in calls]
+        # one key per distinct signature: equal rows give equal keys, different ones differ
+        keys = vp.keys.tolist()
+        assert len({row[7] for row in vp.launch_rows}) == len({tuple(k) for k in keys})
         assert vp.config == gg.gemm_config(problem, vp.config.transa, vp.config.transb)
 
 

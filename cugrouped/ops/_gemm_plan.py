@@ -275,9 +275,13 @@ class VecPlan:
 
     @functools.cached_property
     def launch_rows(self) -> list[tuple]:
-        """Per call, as Python ints: ``(expert, A, B, D, A scale, B scale, bias, key)`` with
-        ``key`` the shape signature tuple (what the launch loop reads; made once per plan)."""
-        return [(*p, tuple(k)) for p, k in zip(self.ptrs.tolist(), self.keys.tolist())]
+        """Per call: ``(expert, A, B, D, A scale, B scale, bias, key)``, the first seven as Python
+        ints, ``key`` the shape signature (the call's row of ``keys``) as its bytes (what the
+        launch loop reads; made once per plan). Bytes, not a tuple of 17 ints: half the time to
+        make, and a bytes object keeps its hash where a tuple is hashed again on every lookup of
+        its template (:func:`shape_signature` gives the tuple back)."""
+        keys, n = self.keys.tobytes(), 8 * self.keys.shape[1]
+        return [(*p, keys[i * n:i * n + n]) for i, p in enumerate(self.ptrs.tolist())]
 
     def calls(self) -> tuple[ExpertGemm, ...]:
         t = self.config.transa, self.config.transb
@@ -285,6 +289,11 @@ class VecPlan:
                                 tuple(key[8:12]), self.beta, sa, sb, bias)
                      for key, (e, a, b, d, sa, sb, bias), (m, n, k)
                      in zip(self.keys.tolist(), self.ptrs.tolist(), self.mnk.tolist()))
+
+
+def shape_signature(key: bytes) -> tuple[int, ...]:
+    """A :attr:`VecPlan.launch_rows` key as the tuple of its 17 ints (a row of ``keys``)."""
+    return tuple(np.frombuffer(key, dtype=np.int64).tolist())
 
 
 def plan_arrays(problem: Problem, out) -> VecPlan:
