@@ -419,11 +419,12 @@ def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) ->
         if pads != tuple(dyo.blocks.cols.tolist()):
             raise ValueError(f"x, dy: padded token counts differ ({pads} vs "
                              f"{tuple(dyo.blocks.cols.tolist())}): cast both with the same align")
-        for i, mp in enumerate(pads):
-            if mp % FP8_MULTIPLE:
-                raise ValueError(f"x, dy: FP8 wgrad reduces over the padded token count, which must "
-                                 f"be a multiple of {FP8_MULTIPLE}; expert {i} has m_pad={mp} "
-                                 f"(cast with align=16)")
+        unaligned = np.flatnonzero(xo.blocks.cols % FP8_MULTIPLE)   # the pads, as an array
+        if unaligned.size:
+            i = int(unaligned[0])
+            raise ValueError(f"x, dy: FP8 wgrad reduces over the padded token count, which must "
+                             f"be a multiple of {FP8_MULTIPLE}; expert {i} has m_pad={pads[i]} "
+                             f"(cast with align=16)")
         _check_fp8_dim(k, "k (x.k)")
         _check_fp8_dim(n, "n (dy.k)")
         reduction = pads
