@@ -260,3 +260,17 @@ def test_in_place_pointer_alignments_are_the_scalar_rule():
         a = ptrs.reshape(-1, 5).copy()
         _pointer_alignments_in_place(a, cap)
         assert a.reshape(-1).tolist() == [gg.pointer_alignment(int(v), cap) for v in ptrs]
+
+
+def test_first_reads_the_first_block_without_making_it():
+    from cugrouped.ops._gemm_plan import first
+
+    rng = np.random.default_rng(9)
+    for num in EXPERT_COUNTS:
+        b = _random_blocks(rng, num, "bfloat16", 0.5)
+        for field in ("ptr", "rows", "cols", "ld"):
+            assert first(b, field) == getattr(b[0], field) == first(tuple(b), field)
+            assert type(first(b, field)) is int
+    for empty in (gg.as_blocks(()), ()):
+        with pytest.raises(IndexError):
+            first(empty, "rows")

@@ -15,7 +15,8 @@ from .._array import ArrayView, array_is_device, as_view
 from ..cublaslt import _enums as E
 from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, scale_dtype
 from ..grouped_fp8 import GroupedFP8
-from ._gemm_plan import Block, Blocks, Problem, as_blocks, bias_dtype_for, pointer_alignments
+from ._gemm_plan import (Block, Blocks, Problem, as_blocks, bias_dtype_for, first,
+                         pointer_alignments)
 from ._launch import check_bool
 
 # cuBLASLt FP8 GEMMs need the reduction and output dims, leading dims and pointers in multiples of
@@ -348,7 +349,8 @@ def check_fprop(x, w, bias=None, *, out_dtype=None, fast_accum=True) -> Problem:
     wo = _operand(w, "w", "rowwise", "fprop", expect_3d=True)
     _check_pair(wo, "w", xo, "x")
     out_dtype = _check_out_dtype(out_dtype, xo)
-    k = _uniform(xo.blocks, "cols", "x", "k (columns)") if xo.fmt is None else xo.blocks[0].cols
+    k = (_uniform(xo.blocks, "cols", "x", "k (columns)") if xo.fmt is None
+         else first(xo.blocks, "cols"))
     n = _uniform(wo.blocks, "rows", "w", "n (rows)", (xo, "x"))
     wk = _uniform(wo.blocks, "cols", "w", "k (columns)")
     if wk != k:
@@ -375,7 +377,7 @@ def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
     wo = _operand(w, "w", "columnwise", "dgrad (the transposed weight)", expect_3d=True)
     _check_pair(wo, "w", dyo, "dy")
     out_dtype = _check_out_dtype(out_dtype, dyo)
-    n = dyo.blocks[0].cols if dyo.fmt else _uniform(dyo.blocks, "cols", "dy", "n (columns)")
+    n = first(dyo.blocks, "cols") if dyo.fmt else _uniform(dyo.blocks, "cols", "dy", "n (columns)")
     if wo.fmt:
         # w's transposed blocks are (k, n_pad) with the true n = w.m_splits[i] columns
         w_n = set(wo.m_splits)
@@ -383,7 +385,7 @@ def check_dgrad(dy, w, *, out_dtype=None, fast_accum=False) -> Problem:
             raise ValueError(f"w: every expert must have the same n (rows), got {sorted(w_n)}"
                              f"{_swap_hint('w', dyo, 'dy')}")
         wn = w_n.pop()
-        k = wo.blocks[0].rows
+        k = first(wo.blocks, "rows")
         right = wo.blocks.replace(cols=wn)
     else:
         wn = _uniform(wo.blocks, "rows", "w", "n (rows)", (dyo, "dy"))
@@ -414,7 +416,7 @@ def check_wgrad(x, dy, *, out_dtype=None, fast_accum=False, accumulate=False) ->
     if xo.m_splits != dyo.m_splits:
         raise ValueError(f"x, dy: token counts per expert differ: {xo.m_splits} vs {dyo.m_splits}")
     if xo.fmt:
-        k, n = xo.blocks[0].rows, dyo.blocks[0].rows
+        k, n = first(xo.blocks, "rows"), first(dyo.blocks, "rows")
         pads = tuple(xo.blocks.cols.tolist())
         if pads != tuple(dyo.blocks.cols.tolist()):
             raise ValueError(f"x, dy: padded token counts differ ({pads} vs "
@@ -641,10 +643,10 @@ def outputs(problem: Problem, out, xp) -> tuple[Any, tuple[Block, ...]]:
 def _out_shape(problem: Problem) -> tuple[int, ...]:
     """``(Σ m_i, cols)`` for fprop/dgrad, ``(E, n, k)`` for wgrad."""
     if problem.pass_name == "wgrad":
-        n = problem.left[0].rows if problem.fp8 else problem.left[0].cols
-        k = problem.right[0].rows if problem.right_t else problem.right[0].cols
+        n = first(problem.left, "rows" if problem.fp8 else "cols")
+        k = first(problem.right, "rows" if problem.right_t else "cols")
         return (len(problem.left), n, k)
-    cols = problem.right[0].rows if problem.right_t else problem.right[0].cols
+    cols = first(problem.right, "rows" if problem.right_t else "cols")
     return (int(as_blocks(problem.left).rows.sum()), cols)
 
 

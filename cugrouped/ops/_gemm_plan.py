@@ -242,6 +242,14 @@ def _first_dtype(blocks) -> str:
     return blocks.dtype if type(blocks) is Blocks and len(blocks) else blocks[0].dtype
 
 
+def first(blocks, field: str) -> int:
+    """``blocks[0].<field>`` (``rows``, ``cols``, ``ld`` or ``ptr``) without making the Block:
+    :class:`Blocks` hold each field as an array (an empty one raises IndexError all the same)."""
+    if type(blocks) is Blocks:
+        return int(getattr(blocks, field)[0])
+    return getattr(blocks[0], field)
+
+
 # One GemmConfig per combination of types and options, made once (a frozen dataclass: equal
 # either way, and a few us less per call); typed, so that 1 and True stay apart as they would.
 @functools.lru_cache(maxsize=None, typed=True)
