@@ -282,7 +282,11 @@ def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: 
     hit = vp.__dict__.get(key)
     if hit is not None:
         return hit
-    discrete = problem.pass_name == "wgrad" and _affine(as_blocks(out).ptr, np.zeros(len(out), np.int64)) is None
+    # whether wgrad writes per-expert buffers: choose_path reads it for the cuBLAS versions that
+    # corrupt them only, so it is worked out (a few array operations) for those alone
+    discrete = (problem.pass_name == "wgrad"
+                and GROUPED_BAD_VERSIONS[0] <= st.cublas_version < GROUPED_BAD_VERSIONS[1]
+                and _affine(as_blocks(out).ptr, np.zeros(len(out), np.int64)) is None)
     path, reason = choose_path(problem, vp, version=st.cublas_version,
                                compute_capability=st.compute_capability,
                                has_symbol=st.has_grouped_symbol, discrete_out=discrete,

@@ -16,7 +16,7 @@ from . import _launch
 from ._gemm_grouped import _launch_grouped, path_for
 from ._gemm_memo import Checked, prepared_out
 from ._gemm_plan import (ExpertGemm, Problem, VecPlan, as_blocks, block_scaling_unsupported,
-                         workspace_bytes_for)
+                         shape_signature, workspace_bytes_for)
 
 # Side streams the per-expert loop is spread over (TransformerEngine uses 4).
 NUM_STREAMS = 4
@@ -220,7 +220,7 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
                 desc.set_pointers(sa, sb, bias)
             t = templates.get(key)
             if t is None:
-                t = templates[key] = _template(st, config, key, desc)
+                t = templates[key] = _template(st, config, shape_signature(key), desc)
             for log in recorders:
                 log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
             s = j % nstreams

@@ -35,6 +35,18 @@ class Block:
         return _ITEMSIZE[self.dtype]
 
 
+def _int64_column(v, n: int) -> np.ndarray:
+    """One field of :class:`Blocks`: an int64 array as it is, a scalar for every expert (``empty``
+    and ``fill``: half the time of ``np.full``), or anything else converted."""
+    if type(v) is np.ndarray and v.dtype == np.int64:
+        return v
+    if isinstance(v, (int, np.integer)):
+        a = np.empty(n, np.int64)
+        a.fill(v)
+        return a
+    return np.asarray(v, dtype=np.int64).reshape(-1)
+
+
 class Blocks(Sequence):
     """The per-expert blocks of one operand (or output) as int64 arrays: what the hot path plans
     with, vectorized over experts. Indexing gives a :class:`Block`; a tuple of blocks converts with
@@ -45,10 +57,7 @@ class Blocks(Sequence):
     def __init__(self, ptr, rows, cols, ld, dtype: str):
         self.ptr = np.asarray(ptr, dtype=np.int64).reshape(-1)
         n = self.ptr.shape[0]
-        self.rows, self.cols, self.ld = (v if type(v) is np.ndarray and v.dtype == np.int64
-                                         else np.full(n, v, np.int64) if isinstance(v, (int, np.integer))
-                                         else np.asarray(v, dtype=np.int64).reshape(-1)
-                                         for v in (rows, cols, ld))
+        self.rows, self.cols, self.ld = (_int64_column(v, n) for v in (rows, cols, ld))
         self.dtype = dtype
 
     @property
@@ -219,15 +228,35 @@ def bias_dtype_for(out_dtype: str, fp8: bool) -> str:
 
 def gemm_config(problem: Problem, transa: int, transb: int):
     """The :class:`~cugrouped.cublaslt.GemmConfig` (descriptor cache key) of a problem."""
-    from ..cublaslt.descriptors import GemmConfig
-
     ct = E.DTYPE_TO_CUDA
-    return GemmConfig(
-        a_type=ct[problem.right[0].dtype], b_type=ct[problem.left[0].dtype],
+    return _gemm_config(
+        a_type=ct[_first_dtype(problem.right)], b_type=ct[_first_dtype(problem.left)],
         d_type=ct[problem.out_dtype], transa=transa, transb=transb,
         bias_type=ct[problem.bias_dtype] if problem.bias is not None else None,
         fast_accum=bool(problem.fast_accum) and problem.fp8, scaled=problem.fp8,
         a_scale_mode=problem.right_scale_mode, b_scale_mode=problem.left_scale_mode)
+
+
+def _first_dtype(blocks) -> str:
+    """The dtype of the first expert's block (``Blocks`` hold it once: no Block is made)."""
+    return blocks.dtype if type(blocks) is Blocks and len(blocks) else blocks[0].dtype
+
+
+def first(blocks, field: str) -> int:
+    """``blocks[0].<field>`` (``rows``, ``cols``, ``ld`` or ``ptr``) without making the Block:
+    :class:`Blocks` hold each field as an array (an empty one raises IndexError all the same)."""
+    if type(blocks) is Blocks:
+        return int(getattr(blocks, field)[0])
+    return getattr(blocks[0], field)
+
+
+# One GemmConfig per combination of types and options, made once (a frozen dataclass: equal
+# either way, and a few us less per call); typed, so that 1 and True stay apart as they would.
+@functools.lru_cache(maxsize=None, typed=True)
+def _gemm_config(**fields):
+    from ..cublaslt.descriptors import GemmConfig
+
+    return GemmConfig(**fields)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -254,9 +283,13 @@ class VecPlan:
 
     @functools.cached_property
     def launch_rows(self) -> list[tuple]:
-        """Per call, as Python ints: ``(expert, A, B, D, A scale, B scale, bias, key)`` with
-        ``key`` the shape signature tuple (what the launch loop reads; made once per plan)."""
-        return [(*p, tuple(k)) for p, k in zip(self.ptrs.tolist(), self.keys.tolist())]
+        """Per call: ``(expert, A, B, D, A scale, B scale, bias, key)``, the first seven as Python
+        ints, ``key`` the shape signature (the call's row of ``keys``) as its bytes (what the
+        launch loop reads; made once per plan). Bytes, not a tuple of 17 ints: half the time to
+        make, and a bytes object keeps its hash where a tuple is hashed again on every lookup of
+        its template (:func:`shape_signature` gives the tuple back)."""
+        keys, n = self.keys.tobytes(), 8 * self.keys.shape[1]
+        return [(*p, keys[i * n:i * n + n]) for i, p in enumerate(self.ptrs.tolist())]
 
     def calls(self) -> tuple[ExpertGemm, ...]:
         t = self.config.transa, self.config.transb
@@ -264,6 +297,11 @@ class VecPlan:
                                 tuple(key[8:12]), self.beta, sa, sb, bias)
                      for key, (e, a, b, d, sa, sb, bias), (m, n, k)
                      in zip(self.keys.tolist(), self.ptrs.tolist(), self.mnk.tolist()))
+
+
+def shape_signature(key: bytes) -> tuple[int, ...]:
+    """A :attr:`VecPlan.launch_rows` key as the tuple of its 17 ints (a row of ``keys``)."""
+    return tuple(np.frombuffer(key, dtype=np.int64).tolist())
 
 
 def plan_arrays(problem: Problem, out) -> VecPlan:
@@ -288,36 +326,48 @@ def plan_arrays(problem: Problem, out) -> VecPlan:
                          f"expected {int(want[0][i])}x{int(want[1][i])}")
     num = r.shape[0]
     ct = E.DTYPE_TO_CUDA
-    K = np.empty((num, 17), np.int64)
+    # One table holds keys, pointers and sizes side by side: dropping the empty experts is one
+    # fancy-index, and VecPlan's arrays are views of it.
+    T = np.empty((num, _PLAN_COLUMNS), np.int64)
+    K, P = T[:, _KEYS], T[:, _PTRS]
     K[:, 0], K[:, 3] = ct[R.dtype], R.ld
     K[:, 1], K[:, 2] = (r, q) if rt else (q, r)
     K[:, 4], K[:, 7] = ct[L.dtype], L.ld
     K[:, 5], K[:, 6] = (p, r) if lt else (r, p)
     K[:, 8], K[:, 9], K[:, 10], K[:, 11] = ct[O.dtype], q, p, O.ld
-    P = np.zeros((num, 7), np.int64)
     P[:, 0], P[:, 1], P[:, 2], P[:, 3] = np.arange(num), R.ptr, L.ptr, O.ptr
-    if problem.right_scale is not None:
-        P[:, 4] = problem.right_scale
-    if problem.left_scale is not None:
-        P[:, 5] = problem.left_scale
-    if problem.bias is not None:
-        P[:, 6] = problem.bias
-    al = pointer_alignments(P[:, 1:7])
-    K[:, 12], K[:, 13], K[:, 14], K[:, 15] = al[:, 0], al[:, 1], al[:, 2], al[:, 2]
-    K[:, 16] = al[:, 5] if problem.bias is not None else 0
-    mnk = np.stack([q, p, r], axis=1)
-    skipped = np.nonzero(empty)[0]
+    for col, ptrs in ((4, problem.right_scale), (5, problem.left_scale), (6, problem.bias)):
+        P[:, col] = 0 if ptrs is None else ptrs
+    # the alignments of A, B, C (= D), D and the bias pointer (0 without a bias), in place
+    K[:, 12:15] = P[:, 1:4]
+    K[:, 15], K[:, 16] = O.ptr, P[:, 6]
+    _pointer_alignments_in_place(K[:, 12:17] if problem.bias is not None else K[:, 12:16])
+    M = T[:, _MNK]
+    M[:, 0], M[:, 1], M[:, 2] = q, p, r
+    skipped = np.flatnonzero(empty)
     if skipped.shape[0]:
-        keep = ~empty
-        K, P, mnk = K[keep], P[keep], mnk[keep]
+        T = T[~empty]
         zero = () if problem.accumulate else tuple(
-            np.nonzero((r == 0) & (p * q > 0))[0].tolist())
+            np.flatnonzero((r == 0) & (p * q > 0)).tolist())
     else:
         zero = ()
     transa = E.CUBLAS_OP_T if rt else E.CUBLAS_OP_N
     transb = E.CUBLAS_OP_T if lt else E.CUBLAS_OP_N
-    return VecPlan(gemm_config(problem, transa, transb), K, P, mnk,
+    return VecPlan(gemm_config(problem, transa, transb), T[:, _KEYS], T[:, _PTRS], T[:, _MNK],
                    1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()))
+
+
+# plan_arrays' table: the 17 key columns, the 7 pointer columns and m, n, k.
+_KEYS, _PTRS, _MNK = slice(0, 17), slice(17, 24), slice(24, 27)
+_PLAN_COLUMNS = 27
+
+
+def _pointer_alignments_in_place(a: np.ndarray, cap: int = 256) -> None:
+    """:func:`pointer_alignments` of the pointers in ``a``, written over them: with ``cap`` a
+    power of two, the lowest set bit of ``ptr | cap`` is ``min(ptr & -ptr, cap)``, and ``cap``
+    for a null pointer (two array operations instead of five)."""
+    np.bitwise_or(a, cap, out=a)
+    np.bitwise_and(a, -a, out=a)
 
 
 def plan_problem(problem: Problem, out: Sequence[Block]) -> GemmPlan:
