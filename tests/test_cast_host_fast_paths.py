@@ -138,3 +138,195 @@ def test_list_fast_path_reads_uniform_lists(kind):
     first = _cast_inputs.as_view(xs[0], arg="inputs[0]")
     assert _cast_inputs._uniform_rows(xs, first) is not None
     _same(_cast_inputs.normalize_inputs(xs), _cast_inputs._normalize_list(xs, None, None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch planning and argument packing against their earlier code, kept here verbatim (as of
+# 89f95d0, before the host path was made cheaper): the same plans (values and int types) and
+# the same argument bytes on random split patterns.
+
+from cugrouped.grouped_block_fp8 import block_scale_sizes  # noqa: E402
+from cugrouped.ops import _launch  # noqa: E402
+from cugrouped.ops import block_cast_transpose as bct  # noqa: E402
+from cugrouped.ops import pad_cast_transpose as pct  # noqa: E402
+
+
+def _old_padded(m_splits, align):
+    return tuple(-(-int(m) // align) * align for m in m_splits)
+
+
+def _old_tile_counts(m_splits, k, align):
+    tiles_k = -(-k // pct.TILE_K)
+    return tuple(max(1, -(-mp // pct.TILE_M)) * tiles_k for mp in _old_padded(m_splits, align))
+
+
+def _old_chunks_of_tiles(tiles, max_experts):
+    plans = []
+    for first in range(0, len(tiles), max_experts):
+        chunk = tiles[first:first + max_experts]
+        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
+        if start[-1] >= 2**31:
+            raise ValueError(f"too many tiles ({start[-1]}) for one launch")
+        plans.append(_launch.ChunkLaunch(first, len(chunk), start, start[-1]))
+    return tuple(plans)
+
+
+def _old_plan(m_splits, k, align, max_experts):
+    m = tuple(int(v) for v in m_splits)
+    return list(_old_chunks_of_tiles(_old_tile_counts(m, k, align), max_experts))
+
+
+def _old_block_plan(m_splits, k, max_experts):
+    tiles_k = -(-k // 128)
+    tiles = tuple(-(-int(m) // 128) * tiles_k for m in m_splits)
+    return list(_old_chunks_of_tiles(tiles, max_experts))
+
+
+def _old_pointer_offsets(base, sizes, itemsize, like):
+    if not base:
+        return np.zeros_like(like)
+    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
+    return np.uint64(base) + (first * itemsize).astype(np.uint64)
+
+
+def _old_split_pointers(splits, ptr, ld, itemsize):
+    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
+    ptrs = np.uint64(ptr) + (first_rows * (ld * itemsize)).astype(np.uint64)
+    return ptrs, np.full(len(splits), ld, dtype=np.int64)
+
+
+def _old_pack_groups(g, row_ptr, col_ptr, plans, align):
+    m = np.asarray(g.m_splits, dtype=np.int64)
+    out_row = _old_pointer_offsets(row_ptr, m * g.k, 1, g.ptrs)
+    out_col = _old_pointer_offsets(col_ptr, (m + (align - 1)) // align * align * g.k, 1, g.ptrs)
+    fields = {"in": g.ptrs, "ld": g.lds, "m": m, "out_row": out_row, "out_col": out_col}
+    if g.row_index is None:
+        return _launch.pack_chunks(pct.group_dtype(), plans, fields)
+    row_first = np.concatenate([[0], np.cumsum(m[:-1])])
+    return _launch.pack_chunks(pct.group_dtype(), plans, {**fields, "row_first": row_first},
+                               lambda chunk: {"row_index": g.row_index.ptr,
+                                              "src_rows": g.src_rows})
+
+
+def _old_block_pack(g, bufs, plans, align, dims):
+    data, data_t, sinv, sinv_t = bufs
+    m = np.asarray(g.m_splits, dtype=np.int64)
+    mp = np.asarray(_old_padded(g.m_splits, align), dtype=np.int64)
+    srow, scol = block_scale_sizes(g.m_splits, mp, g.k, dims)
+    si = 1 if dims == 3 else 4
+    fields = {"in": g.ptrs, "ld": g.lds, "m": m,
+              "out_row": _old_pointer_offsets(data, m * g.k, 1, g.ptrs),
+              "out_col": _old_pointer_offsets(data_t, mp * g.k, 1, g.ptrs),
+              "sinv_row": _old_pointer_offsets(sinv, srow, si, g.ptrs),
+              "sinv_col": _old_pointer_offsets(sinv_t, scol, si, g.ptrs)}
+
+    def gather(chunk):
+        if g.row_index is None:
+            return {}
+        return {"row_index": g.row_index.ptr, "src_rows": g.src_rows,
+                "row_first0": int(m[: chunk.first].sum())}
+
+    return _launch.pack_chunks(bct.group_dtype(), plans, fields, gather)
+
+
+def _random_splits(rng):
+    E = int(rng.choice([1, 2, 3, 8, 63, 64, 65, 128, 129, 200, 256]))
+    shape = rng.integers(0, 7)
+    if shape == 0:
+        m = rng.integers(0, 3000, E)
+    elif shape == 1:                          # many empty experts, first and last among them
+        m = rng.integers(0, 200, E) * (rng.random(E) < 0.3)
+        m[0] = m[-1] = 0
+    elif shape == 2:
+        m = np.zeros(E, np.int64)
+    elif shape == 3:                          # offsets past 2^31 bytes
+        m = rng.integers(2**20, 2**22, E)
+    elif shape == 4:                          # with k = 4096, grids past 2^31 blocks
+        m = rng.integers(2**24, 2**27, E)
+    else:
+        m = rng.integers(0, 130, E)
+    return [int(v) for v in m]
+
+
+class _Handle:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _same_plans(got, want):
+    assert got == want
+    for c in got:
+        assert all(type(v) is int for v in c.tile_start) and type(c.grid) is int
+        assert type(c.first) is int and type(c.count) is int
+
+
+def _same_args(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert type(a) is np.ndarray and a.shape == () and a.dtype == b.dtype
+        assert a.tobytes() == b.tobytes()
+
+
+def test_plans_and_argument_blocks_are_the_earlier_codes():
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        m = _random_splits(rng)
+        E = len(m)
+        k = int(rng.choice([1, 100, 128, 129, 4096]))
+        align = int(rng.choice([1, 16, 32, 128]))
+        max_experts = int(rng.choice([64, 64, 3]))
+        form = rng.integers(0, 3)           # tensor, list (any pointers), gather
+        base = int(rng.choice([0x7F00_0000_0000, 2**63 - 2**40, 2**64 - 2**44]))
+        if form == 1:
+            ptrs = np.array(rng.integers(0, 2**62, E), dtype=np.uint64) + np.uint64(base)
+            lds = np.array(rng.integers(k, 2 * k + 1, E), dtype=np.int64)
+        else:
+            ptrs, lds = _cast_inputs._split_pointers(tuple(m), base, k + 3, 2)
+            old_ptrs, old_lds = _old_split_pointers(tuple(m), base, k + 3, 2)
+            assert ptrs.tobytes() == old_ptrs.tobytes() and lds.tobytes() == old_lds.tobytes()
+        g = _cast_inputs.GroupedInput(
+            None, tuple(m), k, "bfloat16", True, "torch", 0, sum(m), E, ptrs, lds,
+            row_index=_Handle(base + 4096) if form == 2 else None,
+            src_rows=int(rng.integers(1, 10**6)) if form == 2 else 0)
+
+        assert pct.padded_splits(m, align) == _old_padded(m, align)
+        assert pct.tile_counts(m, k, align) == _old_tile_counts(m, k, align)
+        try:
+            plans = pct.plan_launches(m, k, align, max_experts)
+        except ValueError as err:
+            with pytest.raises(ValueError, match=str(err).replace("(", r"\(").replace(")", r"\)")):
+                _old_plan(m, k, align, max_experts)
+            continue
+        _same_plans(plans, _old_plan(m, k, align, max_experts))
+        out = (int(rng.choice([0, base + 2**33])), int(rng.choice([0, 2**64 - 2**43])))
+        _same_args(pct._pack_groups(g, out, plans, align),
+                   _old_pack_groups(g, *out, plans, align))
+
+        if form == 2 and trial % 2:
+            continue
+        for dims in (1, 2, 3):
+            balign = int(rng.choice([1, 16, 32, 128]))
+            bplans = bct.plan_block_launches(m, k, max_experts)
+            _same_plans(bplans, _old_block_plan(m, k, max_experts))
+            bufs = tuple(int(rng.choice([0, base + 2**34 * (i + 1)])) for i in range(4))
+            _same_args(bct._pack_groups(g, bufs, bplans, balign, dims),
+                       _old_block_pack(g, bufs, bplans, balign, dims))
+
+
+@pytest.mark.parametrize("m", [[3, 5], (3, 5), np.array([3, 5]), (np.int64(3), 5), [True, 5.9],
+                               [-64, -1, 0, 65]])
+@pytest.mark.parametrize("align", [16, np.int64(16), 1])
+def test_planning_takes_any_int_likes_as_before(m, align):
+    """Splits that are not a tuple of ints (the public functions take any sequence) are
+    converted as before; a NumPy ``align`` gives the same types as before."""
+    for f in (pct._padded, pct._plan_cached, bct._plan_cached):
+        f.cache_clear()
+    got = pct.padded_splits(m, align)
+    want = _old_padded(m, align)
+    assert got == want and [type(v) for v in got] == [type(v) for v in want]
+    got = pct.tile_counts(m, 130, align)
+    want = _old_tile_counts(m, 130, align)
+    assert got == want and [type(v) for v in got] == [type(v) for v in want]
+    if min(int(v) for v in m) >= 0:
+        _same_plans(pct.plan_launches(m, 130, align, 1), _old_plan(m, 130, align, 1))
+        _same_plans(bct.plan_block_launches(m, 130, 1), _old_block_plan(m, 130, 1))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_is_device, as_view
+from ._launch import exclusive_cumsum
 
 __all__ = ["GroupedInput", "normalize_inputs", "row_stride", "check_scale_options",
            "check_count_array", "rows_readable"]
@@ -263,7 +264,7 @@ def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> G
 @functools.lru_cache(maxsize=64)   # same splits, same buffer: same pointers (arrays read-only)
 def _split_pointers(splits: tuple[int, ...], ptr: int, ld: int, itemsize: int):
     """First-element pointers and row strides of the experts of one ``(sum(splits), k)`` array."""
-    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
+    first_rows = exclusive_cumsum(splits)
     ptrs = np.uint64(ptr) + (first_rows * (ld * itemsize)).astype(np.uint64)
     lds = np.full(len(splits), ld, dtype=np.int64)
     ptrs.flags.writeable = lds.flags.writeable = False
