@@ -276,8 +276,10 @@ def pack_chunks(dtype: np.dtype, plans: Sequence[ChunkLaunch], per_expert: dict,
 def exclusive_cumsum(sizes) -> np.ndarray:
     """int64 ``[0, s0, s0 + s1, ...]``: where each item starts (``[0]`` for no items). Into one
     buffer: ``np.concatenate([[0], np.cumsum(...)])`` costs twice as much on small arrays."""
+    if not isinstance(sizes, np.ndarray):     # np.cumsum converts a tuple ~10x slower
+        sizes = np.array(sizes, dtype=np.int64)
     first = np.zeros(max(len(sizes), 1), dtype=np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=first[1:])
+    sizes[:-1].cumsum(dtype=np.int64, out=first[1:])
     return first
 
 
@@ -286,7 +288,8 @@ def pointer_offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarra
     nulls shaped like ``like`` when ``base`` is 0 (a buffer that is not written)."""
     if not base:
         return np.zeros_like(like)
-    return np.uint64(base) + (exclusive_cumsum(sizes) * itemsize).astype(np.uint64)
+    first = exclusive_cumsum(sizes)
+    return np.uint64(base) + (first if itemsize == 1 else first * itemsize).astype(np.uint64)
 
 
 def device_scope(backend: str, device: int):

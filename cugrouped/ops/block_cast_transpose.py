@@ -43,6 +43,7 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
+@functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False,
                 column_sums: bool = False) -> str:
     """The instantiation for one launch (``block_scaling_dim`` 1, 2 or ``MX_DIMS``: MXFP8); the

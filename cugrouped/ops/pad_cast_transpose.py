@@ -41,6 +41,7 @@ _MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
 _COLSUM_MODES = ("AMAX_ONLY", "CAST_AMAX")
 
 
+@functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
                 gather: bool = False) -> str:
     """The instantiation for one launch. Column sums and the gather (``row_index``) are template
