@@ -72,6 +72,8 @@ def _random_list(rng, kind):
             t = t.to(dt) if t.dtype.is_floating_point and dt.is_floating_point and i != odd else t
             if rng.random() < 0.2 and t.dim() == 2:          # a column stride, rows apart
                 t = torch.zeros((t.shape[0], 2 * t.shape[1]), dtype=t.dtype)[:, ::2]
+            if i == odd and rng.random() < 0.3 and t.dim() == 2:   # rows that overlap
+                t = torch.zeros(rows * k + k, dtype=t.dtype).as_strided((rows, k), (k // 2, 1))
             if i == odd and rng.random() < 0.2:               # another device
                 t = torch.zeros(t.shape, dtype=t.dtype, device="meta")
             xs.append(t if i != odd or rng.random() < 0.7 else np.zeros((rows, k), np.float32))

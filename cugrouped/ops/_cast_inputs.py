@@ -193,10 +193,10 @@ def _uniform_rows(inputs, first: ArrayView):
     if kind == "torch":
         dev = owner.device
         for x in inputs:
-            if type(x) is not cls or x.dtype is not dt or x.device != dev or x.dim() != 2:
+            if type(x) is not cls or x.dtype is not dt or x.device != dev or x.ndim != 2:
                 return None
             (m, kx), (s0, s1) = x.shape, x.stride()
-            if kx != k or not _readable(m, k, s0, s1):
+            if kx != k or not (s1 == 1 and s0 >= k or _readable(m, k, s0, s1)):  # dense first
                 return None
             splits.append(m)
             ptrs.append(x.data_ptr())
@@ -207,7 +207,8 @@ def _uniform_rows(inputs, first: ArrayView):
         if type(x) is not cls or x.dtype is not dt or x.ndim != 2:
             return None
         (m, kx), (b0, b1) = x.shape, x.strides
-        if kx != k or b0 % isz or b1 % isz or not _readable(m, k, b0 // isz, b1 // isz):
+        if kx != k or b0 % isz or b1 % isz or \
+                not (b1 == isz and b0 >= k * isz or _readable(m, k, b0 // isz, b1 // isz)):
             return None
         splits.append(m)
         ptrs.append(x.ctypes.data)
