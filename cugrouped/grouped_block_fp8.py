@@ -109,8 +109,17 @@ def block_scale_entries(m, m_pad, k, dims: int) -> tuple:
 def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-expert entries of the row-wise and column-wise ``scale_inv`` buffers (read-only int64
     arrays; :func:`block_scale_shapes` vectorised over the experts, remembered per splits)."""
-    return _scale_sizes(tuple(int(v) for v in m_splits), tuple(int(v) for v in m_pad_splits),
+    return _scale_sizes(_int_tuple(m_splits), _int_tuple(m_pad_splits),
                         int(k), int(dims))
+
+
+def _int_tuple(values) -> tuple[int, ...]:
+    """``tuple(int(v) for v in values)``, a tuple of ints (the ops' splits) as it is: the cast
+    calls this twice per call with new splits (:func:`cugrouped.ops._launch.int_tuple`, which
+    this module cannot import: the ops import it)."""
+    if type(values) is tuple and set(map(type, values)) <= {int}:
+        return values
+    return tuple(int(v) for v in values)
 
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._array import FLOAT_INPUT_DTYPES, ArrayView, array_is_device, as_view
+from ._launch import exclusive_cumsum
 
 __all__ = ["GroupedInput", "normalize_inputs", "row_stride", "check_scale_options",
            "check_count_array", "rows_readable"]
@@ -122,17 +123,15 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
             raise ValueError("m_splits: device-side counts go with a single inputs array, not a list")
         if len(inputs) == 0:
             raise ValueError("inputs: expected at least one expert, got an empty sequence")
-        views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
-        _check_views(views, True)
-        splits = tuple([v.shape[0] for v in views])
-        if m_splits is not None and _host_splits(m_splits, sum(splits)) != splits:
-            raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
-                             f"a list; got {m_splits}")
-        first = views[0]
+        first = as_view(inputs[0], dtype=dtype, arg="inputs[0]")
+        rows = _uniform_rows(inputs, first)
+        if rows is None:            # something to refuse, or a mix: the general path says what
+            return _normalize_list(inputs, m_splits, dtype)
+        splits, ptrs, lds = rows
+        _check_list_splits(m_splits, splits)
         return GroupedInput(first, splits, first.shape[1], first.dtype, first.on_device, first.kind,
                             first.device, sum(splits), len(splits),
-                            np.array([v.ptr for v in views], dtype=np.uint64),
-                            np.array([row_stride(v) for v in views], dtype=np.int64))
+                            np.array(ptrs, dtype=np.uint64), np.array(lds, dtype=np.int64))
     view = as_view(inputs, dtype=dtype, arg="inputs")
     if len(view.shape) != 2:
         raise ValueError(f"inputs: expected a 2-D (sum(m_splits), k) array or a list of 2-D "
@@ -151,6 +150,85 @@ def normalize_inputs(inputs: Any, m_splits: Any = None, dtype: str | None = None
     ptrs, lds = _split_pointers(splits, view.ptr, ld, view.itemsize)
     return GroupedInput(view, splits, view.shape[1], view.dtype, view.on_device, view.kind,
                         view.device, view.shape[0], len(splits), ptrs, lds)
+
+
+def _normalize_list(inputs, m_splits, dtype) -> GroupedInput:
+    """A list of experts, every array viewed and checked (:func:`_check_views` raises naming the
+    first one that is refused)."""
+    views = [as_view(x, dtype=dtype, arg=f"inputs[{i}]") for i, x in enumerate(inputs)]
+    _check_views(views, True)
+    splits = tuple([v.shape[0] for v in views])
+    _check_list_splits(m_splits, splits)
+    first = views[0]
+    return GroupedInput(first, splits, first.shape[1], first.dtype, first.on_device, first.kind,
+                        first.device, sum(splits), len(splits),
+                        np.array([v.ptr for v in views], dtype=np.uint64),
+                        np.array([row_stride(v) for v in views], dtype=np.int64))
+
+
+def _check_list_splits(m_splits, splits: tuple[int, ...]) -> None:
+    if m_splits is not None and _host_splits(m_splits, sum(splits)) != splits:
+        raise ValueError("m_splits: must be None (or equal the row counts) when inputs is "
+                         f"a list; got {m_splits}")
+
+
+def _uniform_rows(inputs, first: ArrayView):
+    """``(splits, pointers, row strides)`` of a list of NumPy arrays or torch tensors that are all
+    of ``inputs[0]``'s Python type, dtype object (and device), 2-D with its ``k`` columns, and
+    laid out as the kernels read them; None when any is not, or ``inputs[0]`` itself would be
+    refused (then :func:`_normalize_list` views and checks each one and says what is wrong).
+
+    Per array this is what :func:`~cugrouped._array.as_view` and :func:`_check_views` would
+    find, read straight from the array (no view object, no per-array name for an error that
+    cannot happen): the list form costs per expert, and as_view's generality (any kind, dtype
+    tags, NumPy's byte strides checked and divided) costs ~1 us of it. NumPy's pointer
+    (``ctypes.data``, ~1 us) has no cheaper reader."""
+    kind, shape, owner = first.kind, first.shape, first.owner
+    if kind not in ("numpy", "torch") or len(shape) != 2 or shape[1] < 1 or \
+            first.dtype not in FLOAT_INPUT_DTYPES or first.device != _own_device(owner, kind):
+        return None
+    k = shape[1]
+    cls, dt = type(owner), owner.dtype
+    splits, ptrs, lds = [], [], []
+    if kind == "torch":
+        dev = owner.device
+        for x in inputs:
+            if type(x) is not cls or x.dtype is not dt or x.device != dev or x.ndim != 2:
+                return None
+            (m, kx), (s0, s1) = x.shape, x.stride()
+            if kx != k or not (s1 == 1 and s0 >= k or _readable(m, k, s0, s1)):  # dense first
+                return None
+            splits.append(m)
+            ptrs.append(x.data_ptr())
+            lds.append(s0 if m > 1 else k)
+        return tuple(splits), ptrs, lds
+    isz = dt.itemsize
+    for x in inputs:
+        if type(x) is not cls or x.dtype is not dt or x.ndim != 2:
+            return None
+        (m, kx), (b0, b1) = x.shape, x.strides
+        if kx != k or b0 % isz or b1 % isz or \
+                not (b1 == isz and b0 >= k * isz or _readable(m, k, b0 // isz, b1 // isz)):
+            return None
+        splits.append(m)
+        ptrs.append(x.ctypes.data)
+        lds.append(b0 // isz if m > 1 else k)
+    return tuple(splits), ptrs, lds
+
+
+def _own_device(x, kind: str) -> int:
+    """The device ordinal an array's own attributes give (-1: host). The arrays after ``inputs[0]``
+    are read directly, so ``inputs[0]``'s view must say the same; one that does not (a test's
+    host array standing in for a device array) takes the general path."""
+    if kind == "numpy":
+        return -1
+    d = x.device
+    return -1 if d.type == "cpu" else d.index or 0
+
+
+def _readable(m: int, k: int, s0: int, s1: int) -> bool:
+    """:func:`rows_readable` of ``(m, k)`` with strides ``(s0, s1)``, unpacked."""
+    return m == 0 or ((k <= 1 or s1 == 1) and (m <= 1 or s0 >= k))
 
 
 def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> GroupedInput:
@@ -187,7 +265,7 @@ def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> G
 @functools.lru_cache(maxsize=64)   # same splits, same buffer: same pointers (arrays read-only)
 def _split_pointers(splits: tuple[int, ...], ptr: int, ld: int, itemsize: int):
     """First-element pointers and row strides of the experts of one ``(sum(splits), k)`` array."""
-    first_rows = np.concatenate([[0], np.cumsum(splits[:-1], dtype=np.int64)])
+    first_rows = exclusive_cumsum(splits)
     ptrs = np.uint64(ptr) + (first_rows * (ld * itemsize)).astype(np.uint64)
     lds = np.full(len(splits), ld, dtype=np.int64)
     ptrs.flags.writeable = lds.flags.writeable = False
@@ -239,8 +317,11 @@ def check_scale_options(amax_epsilon, power_2_scale, scale) -> float:
     if isinstance(amax_epsilon, (bool, np.bool_)) or \
             not isinstance(amax_epsilon, (int, float, np.integer, np.floating)):
         raise TypeError(f"amax_epsilon: expected a float, got {amax_epsilon!r}")
-    with np.errstate(over="ignore"):
-        eps = float(np.float32(amax_epsilon))
+    if type(amax_epsilon) is float and amax_epsilon == 0.0:
+        eps = amax_epsilon          # the default: its float32 value is itself (-0.0 too)
+    else:
+        with np.errstate(over="ignore"):      # ~3 us, on every call
+            eps = float(np.float32(amax_epsilon))
     if not (eps == 0.0 or _FLT_MIN <= eps < float("inf")):
         raise ValueError(f"amax_epsilon: expected 0 or a finite float32 >= {_FLT_MIN:.9g} (the "
                          f"smallest normal), got {amax_epsilon!r}")

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ __all__ = ["BACKENDS", "resolve_backend", "check_bool", "record_launches", "note
            "emulation_order",
            "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture",
            "ChunkLaunch", "chunks_of_tiles", "device_chunks", "ArgMemo", "pack_chunks",
-           "pointer_offsets", "device_scope"]
+           "pointer_offsets", "exclusive_cumsum", "int_tuple", "device_scope"]
 
 BACKENDS = ("cuda", "emulate", "reference")
 
@@ -195,13 +196,23 @@ class ChunkLaunch:
     grid: int
 
 
+def int_tuple(values) -> tuple[int, ...]:
+    """``tuple(int(v) for v in values)``; a tuple of ints already (the ops' own splits, made by
+    :func:`._cast_inputs.normalize_inputs`) comes back as it is, not converted item by item
+    (~40 ns an item, on every call with new splits)."""
+    if type(values) is tuple and set(map(type, values)) <= {int}:
+        return values
+    return tuple(int(v) for v in values)
+
+
 def chunks_of_tiles(tiles: Sequence[int], max_experts: int) -> tuple[ChunkLaunch, ...]:
     """Chunks of at most ``max_experts`` experts with the exclusive prefix sums of their
-    ``tiles`` (tiles per expert) as tile offsets; a grid must stay below 2^31 blocks."""
-    plans = []
+    ``tiles`` (tiles per expert) as tile offsets; a grid must stay below 2^31 blocks. The
+    sums are Python ints, summed in Python (NumPy costs ~6 us a chunk for 65 offsets)."""
+    plans, tiles = [], int_tuple(tiles)
     for first in range(0, len(tiles), max_experts):
         chunk = tiles[first:first + max_experts]
-        start = tuple(int(v) for v in np.concatenate([[0], np.cumsum(chunk, dtype=np.int64)]))
+        start = tuple(itertools.accumulate(chunk, initial=0))
         if start[-1] >= 2**31:
             raise ValueError(f"too many tiles ({start[-1]}) for one launch")
         plans.append(ChunkLaunch(first, len(chunk), start, start[-1]))
@@ -262,13 +273,23 @@ def pack_chunks(dtype: np.dtype, plans: Sequence[ChunkLaunch], per_expert: dict,
     return args
 
 
+def exclusive_cumsum(sizes) -> np.ndarray:
+    """int64 ``[0, s0, s0 + s1, ...]``: where each item starts (``[0]`` for no items). Into one
+    buffer: ``np.concatenate([[0], np.cumsum(...)])`` costs twice as much on small arrays."""
+    if not isinstance(sizes, np.ndarray):     # np.cumsum converts a tuple ~10x slower
+        sizes = np.array(sizes, dtype=np.int64)
+    first = np.zeros(max(len(sizes), 1), dtype=np.int64)
+    sizes[:-1].cumsum(dtype=np.int64, out=first[1:])
+    return first
+
+
 def pointer_offsets(base: int, sizes: np.ndarray, itemsize: int, like: np.ndarray) -> np.ndarray:
     """Per-expert addresses ``base + itemsize * (exclusive prefix sum of sizes)`` as uint64, or
     nulls shaped like ``like`` when ``base`` is 0 (a buffer that is not written)."""
     if not base:
         return np.zeros_like(like)
-    first = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)])
-    return np.uint64(base) + (first * itemsize).astype(np.uint64)
+    first = exclusive_cumsum(sizes)
+    return np.uint64(base) + (first if itemsize == 1 else first * itemsize).astype(np.uint64)
 
 
 def device_scope(backend: str, device: int):

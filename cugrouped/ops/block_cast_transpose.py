@@ -43,6 +43,7 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
+@functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False,
                 column_sums: bool = False) -> str:
     """The instantiation for one launch (``block_scaling_dim`` 1, 2 or ``MX_DIMS``: MXFP8); the
@@ -86,7 +87,7 @@ def group_dtype(max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> np.dtype:
 def block_tile_counts(m_splits: Sequence[int], k: int) -> tuple[int, ...]:
     """128 x 128 tiles per expert; an empty expert has none (it has no bytes and no scales)."""
     tiles_k = -(-k // BLOCK)
-    return tuple(-(-int(m) // BLOCK) * tiles_k for m in m_splits)
+    return tuple([-(-m // BLOCK) * tiles_k for m in _launch.int_tuple(m_splits)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ def plan_block_launches(m_splits: Sequence[int], k: int,
                         max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
     """Chunks of at most ``max_experts`` experts with their tile offsets; a chunk without tiles
     (only empty experts) has ``grid == 0`` and is not launched."""
-    return list(_plan_cached(tuple(int(v) for v in m_splits), k, max_experts))
+    return list(_plan_cached(_launch.int_tuple(m_splits), k, max_experts))
 
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass

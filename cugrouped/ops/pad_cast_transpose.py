@@ -41,6 +41,7 @@ _MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
 _COLSUM_MODES = ("AMAX_ONLY", "CAST_AMAX")
 
 
+@functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
                 gather: bool = False) -> str:
     """The instantiation for one launch. Column sums and the gather (``row_index``) are template
@@ -93,20 +94,21 @@ def padded_splits(m_splits: Sequence[int], align: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
 def _padded(m_splits: tuple[int, ...], align: int) -> tuple[int, ...]:
-    return tuple(-(-int(m) // align) * align for m in m_splits)
+    return tuple([-(-m // align) * align for m in _launch.int_tuple(m_splits)])
 
 
 def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
     """Tiles (64 x 128) per expert: at least one tile row, so that an empty expert still writes
     its amax, scale_inv and (zero) column sums."""
     tiles_k = -(-k // TILE_K)
-    return tuple(max(1, -(-mp // TILE_M)) * tiles_k for mp in padded_splits(m_splits, align))
+    rows = [-(-mp // TILE_M) for mp in padded_splits(m_splits, align)]
+    return tuple([(r if r > 1 else 1) * tiles_k for r in rows])     # max(1, r), inlined
 
 
 def plan_launches(m_splits: Sequence[int], k: int, align: int,
                   max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
     """Split the experts into chunks that fit one argument block, with each chunk's tile offsets."""
-    return list(_plan_cached(tuple(int(v) for v in m_splits), k, align, max_experts))
+    return list(_plan_cached(_launch.int_tuple(m_splits), k, align, max_experts))
 
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
@@ -408,20 +410,21 @@ def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], a
     """:func:`_pack_groups`, remembered per argument values (:class:`._launch.ArgMemo`); the key
     holds every value written into them (splits, k, align, every pointer and row stride)."""
     gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
+    out = (data_ptr(res.data), data_ptr(res.data_t))
     if g.m_dev is not None:
         key = ("dev", g.num_experts, g.k, align, g.base.ptr, row_stride(g.base), g.m_dev.ptr,
-               g.total_rows, data_ptr(res.data), data_ptr(res.data_t), gather)
+               g.total_rows, *out, gather)
     else:
-        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), data_ptr(res.data),
-               data_ptr(res.data_t), gather)
-    return _PACKED.get(key, lambda: _pack_groups(g, res, plans, align))
+        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), *out, gather)
+    return _PACKED.get(key, lambda: _pack_groups(g, out, plans, align))
 
 
-def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
-    """The by-value argument block of every chunk (pointers, sizes, tile offsets), vectorised."""
+def _pack_groups(g: GroupedInput, out: tuple[int, int], plans: list[ChunkLaunch],
+                 align: int) -> list:
+    """The by-value argument block of every chunk (pointers, sizes, tile offsets), vectorised;
+    ``out``: the pointers of ``data`` and ``data_t`` (0: not written)."""
     dt = group_dtype()
-    row_ptr = data_ptr(res.data)
-    col_ptr = data_ptr(res.data_t)
+    row_ptr, col_ptr = out
     args = []
     if g.m_dev is not None:    # the blocks derive the per-expert fields from the device counts
         for chunk in plans:
@@ -440,7 +443,7 @@ def _pack_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], ali
     fields = {"in": g.ptrs, "ld": g.lds, "m": m, "out_row": out_row, "out_col": out_col}
     if g.row_index is None:
         return _launch.pack_chunks(dt, plans, fields)
-    row_first = np.concatenate([[0], np.cumsum(m[:-1])])
+    row_first = _launch.exclusive_cumsum(m)
     return _launch.pack_chunks(dt, plans, {**fields, "row_first": row_first},
                                lambda chunk: {"row_index": g.row_index.ptr, "src_rows": g.src_rows})
 
