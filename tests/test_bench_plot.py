@@ -46,6 +46,24 @@ def test_no_rows_of_a_kind_no_png(tmp_path):
     assert plot.plot_host([dict(op="cast", config="E8")]) is None
 
 
+def test_host_plot_shows_the_new_splits_cast_rows_when_there_are_some():
+    """The cast rows timed with new token counts every call are what training pays: when a CSV
+    has them, the host plot draws those (labelled so) and leaves the memo-hit rows out; older
+    CSVs without the column are drawn as they are."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [dict(op="cast-host", config=f"E{e}-torch-list", splits=s, host_us_per_expert=v)
+            for e in (8, 64) for s, v in (("same", 2.0), ("new", 5.0))]
+    rows.append(dict(op="gemm-host", config="E8", host_us_per_expert=3.0))
+    fig = plot.plot_host(rows)
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
+    assert lines == {"cast op, torch list input, new splits": [5.0, 5.0],
+                     "grouped_fprop launch loop, numpy input (device calls faked)": [3.0]}
+    old = plot.plot_host([dict(op="cast-host", config="E8-torch-list", host_us_per_expert=2.0)])
+    assert [ln.get_label() for ln in old.axes[0].get_lines()] == ["cast op, torch list input"]
+
+
 def test_legend_columns_fit_the_longest_name():
     names = ["index_select+cugrouped-fp8-delayed"] * 11            # 34 characters at 8 pt
     assert plot.legend_columns(names, 7.2) == 2                    # ~2.9 in each: 2 fit in 7.2

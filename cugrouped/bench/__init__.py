@@ -21,40 +21,55 @@ from .common import cpu_loop_us, environment, is_sticky_cuda_error
 __all__ = ["run_bench"]
 
 
-def bench_planning(rows: list[dict]) -> None:
+def bench_planning(rows: list[dict], patterns: int = 300) -> None:
     """Host cost per call that needs no GPU: checking the inputs and ``scale``, allocating the
     outputs (NumPy here, CuPy's pool or torch's allocator on a GPU), planning the launches and
-    packing the by-value argument blocks of the cast op (remembered when splits and buffers
-    repeat), for a list of E arrays and for one array plus its splits; everything but the launch
-    itself. NumPy arrays, and torch CPU tensors, whose views are read the way CUDA tensors' are."""
+    packing the by-value argument blocks of the cast op, for a list of E arrays and for one array
+    plus its splits; everything but the launch itself. NumPy arrays, and torch CPU tensors, whose
+    views are read the way CUDA tensors' are. Two rows per form: ``splits="same"``, the same
+    arrays every call (the plans and argument blocks are remembered), and ``splits="new"``,
+    ``patterns`` different token counts in turn (more than the memos keep), as in MoE training,
+    where the router changes the counts every step."""
     import numpy as np
 
     try:
         import torch
     except ImportError:
         torch = None
+    k = 128
     for experts in (8, 64, 256):
-        xs = [np.empty((1000 + 17 * i, 128), np.float32) for i in range(experts)]
-        x = np.empty((sum(a.shape[0] for a in xs), 128), np.float32)
-        m = [a.shape[0] for a in xs]
+        # pattern j: expert i gets 1000 + 17 i + (7 j + 13 i) % 97 rows, views of one buffer
+        counts = [[1000 + 17 * i + (7 * j + 13 * i) % 97 for i in range(experts)]
+                  for j in range(patterns)]
+        buf = np.empty((max(map(sum, counts)), k), np.float32)
         scale = np.ones(experts, np.float32)
-        forms = [("numpy", "list", (xs, None)), ("numpy", "tensor", (x, m))]
+        wrap = {"numpy": lambda a: a}
         if torch is not None:
-            forms += [("torch", "list", ([torch.from_numpy(a) for a in xs], None)),
-                      ("torch", "tensor", (torch.from_numpy(x), m))]
-        for kind, form, args in forms:
-            def once():
-                g = _cast_inputs.normalize_inputs(*args)
-                pct.check_scale_and_out(g, 16, True, True, False, scale, None)
-                res = pct._outputs(g, np, "e4m3", 16, True, True, False, scale, None)
-                plans = pct.plan_launches(g.m_splits, g.k, 16)
-                pct._packed_groups(g, res, plans, 16)
+            wrap["torch"] = torch.from_numpy
+        for kind, to_kind in wrap.items():
+            x = to_kind(buf)
+            calls = {"list": [([x[sum(m[:i]):sum(m[:i + 1])] for i in range(experts)], None)
+                              for m in counts],
+                     "tensor": [(x[:sum(m)], m) for m in counts]}
+            for form, args_per_pattern in calls.items():
+                for splits, pool in (("same", args_per_pattern[:1]), ("new", args_per_pattern)):
+                    turn = iter(range(1 << 62))
 
-            us = cpu_loop_us(once)
-            rows.append(dict(op="cast-host", config=f"E{experts}-{kind}-{form}", impl="cugrouped",
-                             host_us=us, host_us_per_expert=us / experts))
-            print(f"cast op host path, {experts:>3} experts, {kind:<5} {form:<6}: {us:8.1f} us per "
-                  f"call ({us / experts:.2f} us per expert)")
+                    def once(pool=pool, turn=turn):
+                        args = pool[next(turn) % len(pool)]
+                        g = _cast_inputs.normalize_inputs(*args)
+                        pct.check_scale_and_out(g, 16, True, True, False, scale, None)
+                        res = pct._outputs(g, np, "e4m3", 16, True, True, False, scale, None)
+                        plans = pct.plan_launches(g.m_splits, g.k, 16)
+                        pct._packed_groups(g, res, plans, 16)
+
+                    us = cpu_loop_us(once, n=patterns if splits == "new" else 200)
+                    rows.append(dict(op="cast-host", config=f"E{experts}-{kind}-{form}",
+                                     splits=splits, impl="cugrouped", host_us=us,
+                                     host_us_per_expert=us / experts))
+                    print(f"cast op host path, {experts:>3} experts, {kind:<5} {form:<6}, "
+                          f"{splits} splits: {us:8.1f} us per call "
+                          f"({us / experts:.2f} us per expert)")
 
 
 def _write_csv(rows: list[dict], env: dict, out: Path) -> None:

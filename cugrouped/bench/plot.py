@@ -151,11 +151,17 @@ def plot_host(rows):
     from matplotlib.ticker import FuncFormatter
 
     series = defaultdict(list)
+    # cast rows timed with new token counts every call, when the CSV has them (what training
+    # pays; the "same splits" rows time the memos' hits)
+    new_splits = any(r.get("splits") == "new" for r in rows if r["op"] == "cast-host")
     for r in rows:
+        if r["op"] == "cast-host" and new_splits and r.get("splits") != "new":
+            continue
         if r["op"] == "cast-host":
             # "E8-torch-list" (array kind, input form); older CSVs: "E8-list"
             parts = str(r["config"]).split("-")[1:]
-            label = f"cast op, {' '.join(parts[:-1]) + ' ' if len(parts) > 1 else ''}{parts[-1]} input"
+            label = (f"cast op, {' '.join(parts[:-1]) + ' ' if len(parts) > 1 else ''}{parts[-1]} "
+                     f"input{', new splits' if new_splits else ''}")
             series[label].append((experts_of(r), r["host_us_per_expert"]))
         elif r["op"] in ("gemm-host", "gemm-host-torch"):
             kind = "torch" if r["op"] == "gemm-host-torch" else "numpy"
