@@ -122,9 +122,14 @@ def as_view(x: Any, *, dtype: str | None = None, arg: str = "array") -> ArrayVie
         if name not in DTYPE_ITEMSIZE:
             raise TypeError(f"{arg}: unsupported dtype {x.dtype}")
         isz, st = x.itemsize, x.strides
-        if any(b % isz for b in st):
+        if len(st) == 2:        # the common case, without a generator (on every array of a call)
+            if st[0] % isz or st[1] % isz:
+                raise ValueError(f"{arg}: strides {st} are not a multiple of the item size")
+            strides = (st[0] // isz, st[1] // isz)
+        elif any(b % isz for b in st):
             raise ValueError(f"{arg}: strides {st} are not a multiple of the item size")
-        strides = (st[0] // isz, st[1] // isz) if len(st) == 2 else tuple(b // isz for b in st)
+        else:
+            strides = tuple(b // isz for b in st)
         return ArrayView(x.ctypes.data, x.shape, strides, name, -1, kind, x)
     if kind == "torch":
         name = _TORCH_NAMES.get(x.dtype)

@@ -91,3 +91,18 @@ def test_as_bytes_views_numpy_fp8_as_uint8_and_leaves_uint8_alone():
     assert b.tolist() == q.view(np.uint8).tolist()
     u = np.zeros(4, np.uint8)
     assert as_bytes(u) is u
+
+
+@pytest.mark.parametrize("shape,strides", [((3, 4), (10, 4)), ((3, 4), (16, 2)), ((5,), (6,)),
+                                           ((2, 2, 2), (16, 8, 2))])
+def test_numpy_strides_must_be_whole_items(shape, strides):
+    """A NumPy view whose byte strides are not whole items cannot be described in elements (what
+    the kernels take): refused, naming the argument, for 2-D arrays and any other rank."""
+    buf = np.zeros(64, np.float32)
+    x = np.lib.stride_tricks.as_strided(buf, shape=shape, strides=strides)
+    with pytest.raises(ValueError, match=r"^inputs\[2\]: strides .* are not a multiple of the "
+                                         r"item size$"):
+        as_view(x, arg="inputs[2]")
+    good = np.lib.stride_tricks.as_strided(buf, shape=shape, strides=tuple(4 * (s // 4 or 1)
+                                                                           for s in strides))
+    assert as_view(good).strides == tuple(s // 4 for s in good.strides)
