@@ -195,6 +195,21 @@ def test_race_through_warp_collectives_caught_by_a_warp_running_ahead(bugs_mod):
     assert np.array_equal(out[block:], scan2)                          # the second scan is right
 
 
+@pytest.mark.parametrize("order", ["warps", "warps-reverse"])
+def test_warp_orders_run_one_warp_as_far_as_it_goes(order):
+    """The "warps" orders as documented: each warp runs until it waits at a block barrier (or
+    ends), warp after warp, through its warp collectives; after the barrier is released, again
+    from the first warp (the last one for "warps-reverse")."""
+    mod = EmuModule(path="schedule.cu", include_dirs=(KDIR,),
+                    name_expressions=("warp_schedule_log",))
+    log, nxt = np.full(3 * 128, -1, np.int32), np.zeros(1, np.int32)
+    mod.get_function("warp_schedule_log")(1, 128, (log, nxt), order=order, workers=1)
+    warps = [0, 1, 2, 3] if order == "warps" else [3, 2, 1, 0]
+    before = [w for w in warps for _ in range(32)]
+    after = [v for w in warps for v in [w] * 32 + [100 + w] * 32]   # shuffles stay in a warp
+    assert log.tolist() == before + after
+
+
 def test_divergent_syncthreads_reported_with_both_lines(bugs_mod):
     out = np.zeros(1024, np.float32)
     for order in ("forward", "reverse", "shuffle", "warps", "warps-reverse"):
