@@ -108,7 +108,9 @@ def test_problem_carries_the_scale_modes_and_byte_scale_pointers():
 def test_bad_mx_operands_are_refused_clearly():
     ones = lambda m, k: [np.ones((m, k), np.float32)]  # noqa: E731
     W = cugrouped.multi_mxfp8_cast_transpose(ones(64, 128), align=1)
-    with pytest.raises(ValueError, match=r"multiples of 32 .* expert 0 is \(16, 128\)"):
+    with pytest.raises(ValueError, match=r"multiples of 32 .* expert 0 is \(16, 128\)\. Pad each "
+                       r"expert's tokens to a multiple of 32 before the cast .*align pads only "
+                       r"the transposed copy"):
         gg.check_fprop(cugrouped.multi_mxfp8_cast_transpose(ones(16, 128), align=16), W)
     with pytest.raises(ValueError, match=r"w: MXFP8 GEMMs need .* \(48, 128\)"):
         gg.check_fprop(cugrouped.multi_mxfp8_cast_transpose(ones(32, 128)),

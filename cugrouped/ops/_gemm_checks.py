@@ -470,8 +470,10 @@ def _check_mx_dims(op: _Operand, arg: str) -> None:
         if b.rows % MX_BLOCK or b.cols % MX_BLOCK:
             raise ValueError(f"{arg}: MXFP8 GEMMs need every expert's dimensions to be multiples "
                              f"of {MX_BLOCK} (a whole E8M0 scale block); expert {i} is "
-                             f"({b.rows}, {b.cols}). Pad the tokens to 32 (align=32 and "
-                             "TransformerEngine's Fp8Padding) and use features in multiples of 32")
+                             f"({b.rows}, {b.cols}). Pad each expert's tokens to a multiple "
+                             "of 32 before the cast (as TransformerEngine's Fp8Padding does; "
+                             "align pads only the transposed copy) and use features in "
+                             "multiples of 32")
 
 
 def _place(op: _Operand) -> tuple[bool, int, str]:

@@ -85,6 +85,9 @@ def _backend(backend: str | None, on_device: bool) -> str:
         raise ValueError("backend='emulate' is not available for the grouped GEMMs: they run in "
                          "cuBLASLt, which has no CPU emulation; use backend='reference' (NumPy) "
                          "for host arrays or 'cuda' for device arrays")
+    if backend == "cuda" and not on_device:   # not resolve_backend's hint: no 'emulate' here
+        raise ValueError("backend='cuda' needs device arrays (CuPy or CUDA torch); got host arrays "
+                         "(use backend='reference' to run the NumPy twin on the CPU)")
     return _launch.resolve_backend(backend, on_device)
 
 
