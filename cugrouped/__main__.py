@@ -53,6 +53,10 @@ def _cmd_info(args) -> int:
         v = _lib.version()
         named = f", named by {_lib.ENV_VAR}" if os.environ.get(_lib.ENV_VAR) else ""
         print(f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} ({_lib.library_path()}{named})")
+        print("cuBLASLt grouped GEMM: " + (
+            "exported (one call for all experts on sm_90 from 13.4, FP8 13.5, block scales 13.6; "
+            "sm_100+ from 13.3)" if _lib.has_grouped_gemm() else
+            "not in this library (the GEMMs take the per-expert loop)"))
     except Exception as exc:                      # no cuBLAS wheel or toolkit
         print(f"cuBLASLt: not loadable ({type(exc).__name__}: {exc}); the GEMMs run on the "
               f"NumPy reference only")

@@ -31,6 +31,8 @@ def test_info_lists_kernels(capsys):
     from cugrouped.cublaslt import _lib
     v = _lib.version()
     assert f"cuBLASLt {v // 10000}.{v // 100 % 100}.{v % 100} (" in out
+    grouped = "exported (one call" if _lib.has_grouped_gemm() else "not in this library"
+    assert f"cuBLASLt grouped GEMM: {grouped}" in out
     import torch
     from cupy.cuda import nvrtc
     assert f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))};" in out
