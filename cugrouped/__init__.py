@@ -22,8 +22,9 @@ Public API::
 PyTorch users: ``cugrouped.pytorch`` (``GroupedLinear``, ``fp8_autocast``, recipes); importing
 ``cugrouped`` itself never imports torch.
 
-The casts, ``update_scales`` and ``scatter_rows_sum`` take ``backend="cuda" | "emulate" |
-"reference"``; the GEMMs ``"cuda" | "reference"`` (cuBLASLt has no CPU emulation); see the README.
+The casts, ``update_scales`` and ``cugrouped.ops.scatter_rows.scatter_rows`` take
+``backend="cuda" | "emulate" | "reference"``; the GEMMs ``"cuda" | "reference"`` (cuBLASLt has no
+CPU emulation); see docs/ops.md.
 """
 
 from ._jit import warmup
