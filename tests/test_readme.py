@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # each document, and a name for each of its Python blocks in order (what it shows)
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
-             "docs/ops.md": ("ops_preamble", "block", "mx"),
-             "docs/pytorch.md": ("permute",)}
+             "docs/ops.md": ("ops_preamble", "delayed", "block", "mx"),
+             "docs/pytorch.md": ("permute",),
+             "cugrouped/emulate/README.md": ("emulator",)}
 
 
 def python_blocks(doc: str = "README.md") -> list[str]:
@@ -33,7 +34,8 @@ def test_documents_have_the_examples():
     assert "multi_pad_cast_transpose" in readme[0] and "grouped_fprop" in readme[1]
     assert "GroupedLinear" in readme[3]
     assert [gpu_only(b) for b in readme] == [False, False, True, False]   # the CuPy example
-    assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[1]
+    assert "update_scales" in python_blocks("docs/ops.md")[1]
+    assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[2]
     assert "row_index" in python_blocks("docs/pytorch.md")[0]
 
 
@@ -89,7 +91,14 @@ def test_gpu_readme_examples_run():
 
 def check_examples(seen: dict) -> None:
     ops, gemms, block, mx, layer = (seen[k] for k in ("ops", "gemms", "block", "mx", "layer"))
-    permute = seen["permute"]
+    permute, delayed, emu = seen["permute"], seen["delayed"], seen["emulator"]
+    # the emulator's example: one launch, then every order from the same start (+1 each time)
+    assert emu["report"].ok and np.array_equal(emu["x"], np.full(100, 2, np.float32))
+    # delayed scaling: every expert with tokens gets 448 / its window's max; the empty one keeps 1
+    hist, sc = delayed["history"], delayed["scale"]
+    assert hist[1].max() == 0 and sc[1] == 1 and (hist[[0, 2], :3] > 0).all()
+    assert np.array_equal(sc[[0, 2]], np.float32(448) / hist[[0, 2]].max(axis=1))
+    assert np.array_equal(delayed["scale_inv"], np.float32(1) / sc)
     # the cast op: the middle expert is empty, its transposed block (k, 0)
     res, k, n = ops["res"], ops["k"], ops["n"]
     assert res.data.shape == (589, k) and res.columnwise(1).shape == (k, 0)
