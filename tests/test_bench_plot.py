@@ -55,11 +55,15 @@ def test_host_plot_shows_the_new_splits_cast_rows_when_there_are_some():
     matplotlib.use("Agg")
     rows = [dict(op="cast-host", config=f"E{e}-torch-list", splits=s, host_us_per_expert=v)
             for e in (8, 64) for s, v in (("same", 2.0), ("new", 5.0))]
-    rows.append(dict(op="gemm-host", config="E8", host_us_per_expert=3.0))
+    rows.append(dict(op="gemm-host", config="E8", host_us_per_expert=3.0, cold_us=80.0))
     fig = plot.plot_host(rows)
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
-    assert lines == {"cast op, torch list input, new splits": [5.0, 5.0],
-                     "grouped_fprop launch loop, numpy input (device calls faked)": [3.0]}
+    assert lines == {"cast op, torch list input, new splits": [5.0, 5.0],      # the GEMM's too:
+                     "grouped_fprop, numpy input, new splits (device calls faked)": [10.0]}
+    same = plot.plot_host([r for r in rows if r.get("splits") != "new"])
+    assert {ln.get_label(): list(ln.get_ydata()) for ln in same.axes[0].get_lines()} == {
+        "cast op, torch list input": [2.0, 2.0],
+        "grouped_fprop launch loop, numpy input (device calls faked)": [3.0]}
     old = plot.plot_host([dict(op="cast-host", config="E8-torch-list", host_us_per_expert=2.0)])
     assert [ln.get_label() for ln in old.axes[0].get_lines()] == ["cast op, torch list input"]
 

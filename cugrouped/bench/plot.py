@@ -165,8 +165,12 @@ def plot_host(rows):
             series[label].append((experts_of(r), r["host_us_per_expert"]))
         elif r["op"] in ("gemm-host", "gemm-host-torch"):
             kind = "torch" if r["op"] == "gemm-host-torch" else "numpy"
-            series[f"grouped_fprop launch loop, {kind} input (device calls faked)"].append(
-                (experts_of(r), r["host_us_per_expert"]))
+            if new_splits and r.get("cold_us") not in (None, ""):   # like for like: new counts
+                series[f"grouped_fprop, {kind} input, new splits (device calls faked)"].append(
+                    (experts_of(r), float(r["cold_us"]) / experts_of(r)))
+            else:
+                series[f"grouped_fprop launch loop, {kind} input (device calls faked)"].append(
+                    (experts_of(r), r["host_us_per_expert"]))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
