@@ -391,37 +391,41 @@ static void shuffle_order(Worker* w) {
     for (int i = w->nthreads - 1; i > 0; --i) std::swap(w->order[i], w->order[splitmix(w->rng) % (i + 1)]);
 }
 
-// The "warps" orders: warp 0 (the last warp, reversed) runs until none of its threads can go on,
-// then the next warp; once a block barrier is released, again from the first warp. A block whose
-// warps wait at a barrier or a collective none of them can complete is a deadlock, as above.
-static bool run_warps(Worker* w) {
-    Launch* L = w->L;
-    const int nwarps = (w->nthreads + 31) / 32;
-    for (;;) {
-        bool progressed = false;
-        const unsigned long long releases = w->releases;
-        for (int i = 0; i < nwarps && w->releases == releases; ++i) {
-            const int warp = L->order == 4 ? nwarps - 1 - i : i;
-            const int end = std::min(w->nthreads, 32 * warp + 32);
-            for (bool again = true; again && w->releases == releases;) {
-                again = false;
-                for (int t = 32 * warp; t < end; ++t) {
-                    Fiber* f = &w->fibers[t];
-                    if (f->state != READY) continue;
-                    resume(w, f);
-                    progressed = again = true;
-                    if (w->failed) return false;
-                }
-            }
-        }
-        if (w->live == 0) return true;
-        if (!progressed) {
-            w->failed = true;
-            w->error = describe_stall(w);
-            return false;
-        }
-        if (L->abort.load(std::memory_order_relaxed)) return false;
+// One scheduling pass of the forward / reverse / shuffle orders: every READY fiber, in the block's
+// order, runs to its next barrier or collective. Returns whether any ran (stops at a failure).
+static bool pass_in_order(Worker* w) {
+    bool progressed = false;
+    for (int k = 0; k < w->nthreads && !w->failed; ++k) {
+        Fiber* f = &w->fibers[w->order[k]];
+        if (f->state != READY) continue;
+        resume(w, f);
+        progressed = true;
     }
+    return progressed;
+}
+
+// One pass of the "warps" orders: warp 0 (the last warp, reversed) runs until none of its threads
+// can go on (all wait at a block barrier or have returned), then the next warp; a released block
+// barrier ends the pass, so that the next one starts from the first warp again.
+static bool pass_by_warps(Worker* w) {
+    const int nwarps = (w->nthreads + 31) / 32;
+    const unsigned long long releases = w->releases;
+    bool progressed = false;
+    for (int i = 0; i < nwarps && w->releases == releases; ++i) {
+        const int warp = w->L->order == 4 ? nwarps - 1 - i : i;
+        const int end = std::min(w->nthreads, 32 * warp + 32);
+        for (bool again = true; again && w->releases == releases;) {
+            again = false;
+            for (int t = 32 * warp; t < end && !w->failed; ++t) {
+                Fiber* f = &w->fibers[t];
+                if (f->state != READY) continue;
+                resume(w, f);
+                progressed = again = true;
+            }
+            if (w->failed) return progressed;
+        }
+    }
+    return progressed;
 }
 
 static bool run_block(Worker* w, unsigned long long b) {
@@ -437,18 +441,11 @@ static bool run_block(Worker* w, unsigned long long b) {
         w->rng = L->seed ^ (b * 0xd1b54a32d192ed03ull);
         shuffle_order(w);
     }
-    if (L->order >= 3) return run_warps(w);
     for (;;) {
-        bool progressed = false;
-        for (int k = 0; k < w->nthreads; ++k) {
-            Fiber* f = &w->fibers[w->order[k]];
-            if (f->state != READY) continue;
-            resume(w, f);
-            progressed = true;
-            if (w->failed) return false;
-        }
+        const bool progressed = L->order >= 3 ? pass_by_warps(w) : pass_in_order(w);
+        if (w->failed) return false;
         if (w->live == 0) return true;
-        if (!progressed) {
+        if (!progressed) {   // fibers wait, and none can go on
             w->failed = true;
             w->error = describe_stall(w);
             return false;
