@@ -47,7 +47,8 @@ def reduce_mod():
 @pytest.fixture(scope="module")
 def bugs_mod():
     names = ("transpose_missing_sync", "divergent_barrier", "shuffle_after_exit", "barrier_vs_shuffle",
-             "early_exit_ok", "traps", "oob_write", "scan_twice_missing_sync")
+             "early_exit_ok", "traps", "oob_write", "scan_twice_missing_sync",
+             "sum_unwritten_shared")
     return EmuModule(path="planted_bugs.cu", include_dirs=(KDIR,), name_expressions=names)
 
 
@@ -208,6 +209,16 @@ def test_warp_orders_run_one_warp_as_far_as_it_goes(order):
     before = [w for w in warps for _ in range(32)]
     after = [v for w in warps for v in [w] * 32 + [100 + w] * 32]   # shuffles stay in a warp
     assert log.tolist() == before + after
+
+
+def test_shared_memory_read_before_written_is_not_zero(bugs_mod):
+    """Static __shared__ arrays start as all-ones bytes in every launch (NaN floats, -1 ints), as
+    dynamic shared memory does: a kernel that reads slots it never wrote gets NaN, not the zeros
+    a fresh thread's storage would hold (which would make this sum look right)."""
+    x = np.arange(1, 33, dtype=np.float32)
+    out = np.zeros(3, np.float32)
+    bugs_mod.get_function("sum_unwritten_shared")(3, 32, (x, out), workers=2)
+    assert np.isnan(out).all()
 
 
 def test_divergent_syncthreads_reported_with_both_lines(bugs_mod):

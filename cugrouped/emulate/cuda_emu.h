@@ -10,7 +10,9 @@
 //     fibers (forward / reverse / shuffled, or one warp at a time as far as it goes) is a launch
 //     option, which exposes missing barriers.
 //   * Blocks are spread over a few worker OS threads; one worker runs one block at a time, so
-//     `__shared__` (a per-worker `static thread_local`) is exactly "static storage per block".
+//     `__shared__` (a per-worker `static thread_local`) is exactly "static storage per block". It
+//     starts as all-ones bytes in each launch (NaN floats), as on a GPU it starts as garbage: so
+//     no other `thread_local` of this library may have an initializer (emu_runtime.cpp).
 //   * __syncthreads completes when every thread of the block that has not returned has arrived.
 //     Threads waiting at different __syncthreads, or a barrier against a warp collective, are a
 //     deadlock: the launch fails with an error naming both source lines (never a hang).
@@ -67,6 +69,7 @@
 #include <string.h>
 #include <setjmp.h>
 #include <ucontext.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <algorithm>

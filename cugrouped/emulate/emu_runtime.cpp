@@ -465,8 +465,46 @@ static void set_ftz(bool on) {
 #endif
 }
 
+// A GPU block's shared memory starts with whatever was there; here static __shared__ arrays are
+// this library's thread_local storage, which a fresh worker thread would see zeroed, so a kernel
+// that reads shared memory it never wrote would pass by luck. Fill the calling thread's block of
+// this library's thread-local storage (every static __shared__ array, and the emulator's own
+// thread_locals, which are all set afterwards and have no initializers) with all-ones bytes: NaN
+// floats, -1 integers, as dynamic shared memory gets.
+struct TlsBlock {
+    uintptr_t inside;   // an address of this library's code
+    void* data = nullptr;
+    size_t size = 0;
+};
+
+static int find_own_tls(struct dl_phdr_info* info, size_t, void* arg) {
+    TlsBlock* tls = static_cast<TlsBlock*>(arg);
+    bool own = false;
+    size_t tls_size = 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+        const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+        if (ph.p_type == PT_LOAD && tls->inside >= lo && tls->inside < lo + ph.p_memsz) own = true;
+        if (ph.p_type == PT_TLS) tls_size = ph.p_memsz;
+    }
+    if (!own) return 0;
+    tls->data = info->dlpi_tls_data;
+    tls->size = tls_size;
+    return 1;
+}
+
+static void poison_static_shared() {
+    // touch this library's thread-local storage first, so that the thread's block of it exists
+    *static_cast<Fiber* volatile*>(&t_fiber) = nullptr;
+    TlsBlock tls{reinterpret_cast<uintptr_t>(&find_own_tls)};
+    dl_iterate_phdr(find_own_tls, &tls);
+    if (tls.data && tls.size) memset(tls.data, 0xff, tls.size);
+    t_fiber = nullptr;
+}
+
 static void worker_main(Launch* L) {
     set_ftz(L->ftz != 0);
+    poison_static_shared();
     Worker w;
     w.L = L;
     w.nthreads = (int)(L->block.x * L->block.y * L->block.z);

@@ -92,3 +92,17 @@ __global__ void scan_twice_missing_sync(long long* out) {
     out[threadIdx.x] = a;
     out[blockDim.x + threadIdx.x] = b;
 }
+
+// Shared memory read before it is written: the partial sums of the first half of the block are
+// stored, then thread 0 adds up all 32 slots. On a GPU the other 16 hold whatever was there; a
+// zero-filled emulator would hide it (the sum of the 16 written ones).
+__global__ void sum_unwritten_shared(const float* x, float* out) {
+    __shared__ float part[32];
+    if (threadIdx.x < 16) part[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.f;
+        for (int i = 0; i < 32; ++i) s += part[i];   // BUG_UNWRITTEN_SHARED: 16 never written
+        out[blockIdx.x] = s;
+    }
+}
