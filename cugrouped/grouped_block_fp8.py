@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .grouped_fp8 import FP8_FORMATS, GroupedSplits, decode_table
+from .grouped_fp8 import FP8_FORMATS, GroupedSplits, decode_table, int_tuple
 
 __all__ = ["GroupedBlockFP8", "GroupedMXFP8", "BLOCK", "MX_BLOCK", "MX_DIMS", "block_scale_shapes",
            "block_scale_sizes", "scale_dtype", "result_type", "mx_swizzle", "mx_unswizzle",
@@ -109,17 +109,7 @@ def block_scale_entries(m, m_pad, k, dims: int) -> tuple:
 def block_scale_sizes(m_splits, m_pad_splits, k: int, dims: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-expert entries of the row-wise and column-wise ``scale_inv`` buffers (read-only int64
     arrays; :func:`block_scale_shapes` vectorised over the experts, remembered per splits)."""
-    return _scale_sizes(_int_tuple(m_splits), _int_tuple(m_pad_splits),
-                        int(k), int(dims))
-
-
-def _int_tuple(values) -> tuple[int, ...]:
-    """``tuple(int(v) for v in values)``, a tuple of ints (the ops' splits) as it is: the cast
-    calls this twice per call with new splits (:func:`cugrouped.ops._launch.int_tuple`, which
-    this module cannot import: the ops import it)."""
-    if type(values) is tuple and set(map(type, values)) <= {int}:
-        return values
-    return tuple(int(v) for v in values)
+    return _scale_sizes(int_tuple(m_splits), int_tuple(m_pad_splits), int(k), int(dims))
 
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass

@@ -10,6 +10,7 @@ call) and says what it skipped. One module per op: ``cast``, ``gemm``, ``layer``
 from __future__ import annotations
 
 import csv
+import itertools
 import time
 import traceback
 from pathlib import Path
@@ -48,12 +49,12 @@ def bench_planning(rows: list[dict], patterns: int = 300) -> None:
             wrap["torch"] = torch.from_numpy
         for kind, to_kind in wrap.items():
             x = to_kind(buf)
-            calls = {"list": [([x[sum(m[:i]):sum(m[:i + 1])] for i in range(experts)], None)
-                              for m in counts],
-                     "tensor": [(x[:sum(m)], m) for m in counts]}
+            starts = [list(itertools.accumulate(m, initial=0)) for m in counts]
+            calls = {"list": [([x[a:b] for a, b in zip(s, s[1:])], None) for s in starts],
+                     "tensor": [(x[:s[-1]], m) for s, m in zip(starts, counts)]}
             for form, args_per_pattern in calls.items():
                 for splits, pool in (("same", args_per_pattern[:1]), ("new", args_per_pattern)):
-                    turn = iter(range(1 << 62))
+                    turn = itertools.count()
 
                     def once(pool=pool, turn=turn):
                         args = pool[next(turn) % len(pool)]

@@ -196,7 +196,7 @@ def _uniform_rows(inputs, first: ArrayView):
             if type(x) is not cls or x.dtype is not dt or x.device != dev or x.ndim != 2:
                 return None
             (m, kx), (s0, s1) = x.shape, x.stride()
-            if kx != k or not (s1 == 1 and s0 >= k or _readable(m, k, s0, s1)):  # dense first
+            if kx != k or not (s1 == 1 and s0 >= k or rows_readable((m, k), (s0, s1))):
                 return None
             splits.append(m)
             ptrs.append(x.data_ptr())
@@ -208,7 +208,8 @@ def _uniform_rows(inputs, first: ArrayView):
             return None
         (m, kx), (b0, b1) = x.shape, x.strides
         if kx != k or b0 % isz or b1 % isz or \
-                not (b1 == isz and b0 >= k * isz or _readable(m, k, b0 // isz, b1 // isz)):
+                not (b1 == isz and b0 >= k * isz or
+                     rows_readable((m, k), (b0 // isz, b1 // isz))):
             return None
         splits.append(m)
         ptrs.append(x.ctypes.data)
@@ -224,11 +225,6 @@ def _own_device(x, kind: str) -> int:
         return -1
     d = x.device
     return -1 if d.type == "cpu" else d.index or 0
-
-
-def _readable(m: int, k: int, s0: int, s1: int) -> bool:
-    """:func:`rows_readable` of ``(m, k)`` with strides ``(s0, s1)``, unpacked."""
-    return m == 0 or ((k <= 1 or s1 == 1) and (m <= 1 or s0 >= k))
 
 
 def _normalize_gather(inputs, m_splits, dtype, splits_on_device, row_index) -> GroupedInput:

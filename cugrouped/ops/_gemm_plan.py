@@ -110,9 +110,10 @@ def pointer_alignment(ptr: int, cap: int = 256) -> int:
 
 
 def pointer_alignments(ptrs, cap: int = 256) -> np.ndarray:
-    """:func:`pointer_alignment` of every pointer of an int64 array."""
-    p = np.asarray(ptrs, dtype=np.int64)
-    return np.where(p == 0, cap, np.minimum(p & -p, cap))
+    """:func:`pointer_alignment` of every pointer of an int64 array (``cap`` a power of two)."""
+    p = np.array(ptrs, dtype=np.int64)          # a copy: the in-place rule writes over it
+    _pointer_alignments_in_place(p, cap)
+    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,9 +364,9 @@ _PLAN_COLUMNS = 27
 
 
 def _pointer_alignments_in_place(a: np.ndarray, cap: int = 256) -> None:
-    """:func:`pointer_alignments` of the pointers in ``a``, written over them: with ``cap`` a
+    """:func:`pointer_alignment` of every pointer in ``a``, written over them: with ``cap`` a
     power of two, the lowest set bit of ``ptr | cap`` is ``min(ptr & -ptr, cap)``, and ``cap``
-    for a null pointer (two array operations instead of five)."""
+    for a null pointer (two array operations)."""
     np.bitwise_or(a, cap, out=a)
     np.bitwise_and(a, -a, out=a)
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from ..grouped_fp8 import int_tuple
+
 __all__ = ["BACKENDS", "resolve_backend", "check_bool", "record_launches", "note_launch",
            "emulation_order",
            "current_emulation_order", "device_workspace", "device_scratch", "refuse_capture",
@@ -194,15 +196,6 @@ class ChunkLaunch:
     count: int
     tile_start: tuple[int, ...]
     grid: int
-
-
-def int_tuple(values) -> tuple[int, ...]:
-    """``tuple(int(v) for v in values)``; a tuple of ints already (the ops' own splits, made by
-    :func:`._cast_inputs.normalize_inputs`) comes back as it is, not converted item by item
-    (~40 ns an item, on every call with new splits)."""
-    if type(values) is tuple and set(map(type, values)) <= {int}:
-        return values
-    return tuple(int(v) for v in values)
 
 
 def chunks_of_tiles(tiles: Sequence[int], max_experts: int) -> tuple[ChunkLaunch, ...]:
