@@ -1,4 +1,4 @@
-"""Command line: ``python -m cugrouped {demo,compile-check,bench,info}``."""
+"""Command line: ``python -m cugrouped {demo,compile-check,bench,access,info}``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,22 @@ def _cmd_bench(args) -> int:
     from .bench import run_bench
 
     return run_bench(args.what, out_dir=args.out, quick=args.quick)
+
+
+def _cmd_access(args) -> int:
+    from ._access_report import run_access_report
+
+    return run_access_report(args.what, dtype=args.dtype, k=args.k, splits=args.splits)
+
+
+def _splits(text: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        v = ()
+    if not v or min(v) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts >= 0, got {text!r}")
+    return v
 
 
 def _cmd_info(args) -> int:
@@ -137,6 +153,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for the CSV, plots and targets table (without it nothing is written)")
     b.add_argument("--quick", action="store_true", help="short configs (the GPU check uses this)")
     b.set_defaults(func=_cmd_bench)
+
+    a = sub.add_parser("access", help="the cast kernels' memory accesses, emulated on the CPU: "
+                                      "sectors per request, bank conflicts, DRAM floor")
+    a.add_argument("what", nargs="?", default="all", choices=("cast", "block", "mxfp8", "all"))
+    a.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    a.add_argument("--k", type=_multiple_of_16, default=256, help="hidden size (default: 256)")
+    a.add_argument("--splits", type=_splits, default=(128, 0, 161, 64),
+                   help="rows per expert, comma-separated (default: 128,0,161,64)")
+    a.set_defaults(func=_cmd_access)
 
     i = sub.add_parser("info", help="versions, kernel sources, registered kernels, GPU presence")
     i.set_defaults(func=_cmd_info)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["ArrayView", "as_view", "array_kind", "array_is_device", "data_ptr", "is_contiguous",
-           "as_bytes", "DTYPE_ITEMSIZE", "FLOAT_INPUT_DTYPES"]
+           "as_bytes", "DeviceLikeHost", "DTYPE_ITEMSIZE", "FLOAT_INPUT_DTYPES"]
 
 # Names we use for dtypes, and their size in bytes.
 DTYPE_ITEMSIZE = {
@@ -219,3 +219,22 @@ def as_bytes(a: Any) -> Any:
     if array_kind(a) in ("numpy", "cupy") and a.dtype != np.uint8:
         return a.view(np.uint8)
     return a
+
+
+class DeviceLikeHost:
+    """``empty`` as the emulate backend's ``xp``: NumPy arrays whose data starts on a 256-byte
+    boundary, as ``cudaMalloc``'s (and CuPy's, torch's) do, so that an emulated kernel takes the
+    GPU's alignment-dependent paths and its traced sectors (cugrouped.emulate.access) are the
+    GPU's; NumPy itself aligns to 16 bytes only."""
+
+    ALIGN = 256
+
+    @staticmethod
+    def empty(shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = np.empty(nbytes + DeviceLikeHost.ALIGN, np.uint8)
+        off = -raw.ctypes.data % DeviceLikeHost.ALIGN
+        return raw[off:off + nbytes].view(dtype).reshape(shape)
+

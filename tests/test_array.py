@@ -106,3 +106,14 @@ def test_numpy_strides_must_be_whole_items(shape, strides):
     good = np.lib.stride_tricks.as_strided(buf, shape=shape, strides=tuple(4 * (s // 4 or 1)
                                                                            for s in strides))
     assert as_view(good).strides == tuple(s // 4 for s in good.strides)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), (7, np.uint8), ((0, 4), np.int64)])
+def test_device_like_host_empty_is_256_byte_aligned(shape, dtype):
+    from cugrouped._array import DeviceLikeHost
+
+    for _ in range(4):
+        a = DeviceLikeHost.empty(shape, dtype)
+        assert a.shape == ((shape,) if isinstance(shape, int) else shape)
+        assert a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert a.ctypes.data % 256 == 0 or a.size == 0

@@ -131,3 +131,19 @@ def test_bad_command_lines_are_usage_errors(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_access_reports_sectors_and_bank_conflicts(capsys):
+    assert main(["access", "block", "--k", "128", "--splits", "64,0,40"]) == 0
+    out = capsys.readouterr().out
+    assert "== block 1 x 128" in out and "== block 128 x 128" in out and "mxfp8" not in out
+    # every input sector read once (104 rows of 128 bf16 = 832 sectors); no bank conflict
+    assert out.count("read 832 sectors over 1 launch(es) (the inputs are 832)") == 2, out
+    assert out.count(", 0 from bank conflicts") == 2, out
+
+
+@pytest.mark.parametrize("bad", ["", "3,-1", "a,b"])
+def test_access_refuses_bad_splits(bad, capsys):
+    with pytest.raises(SystemExit):
+        main(["access", "--splits", bad])
+    assert "--splits" in capsys.readouterr().err

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
              "docs/ops.md": ("ops_preamble", "delayed", "block", "mx"),
              "docs/pytorch.md": ("permute",),
-             "cugrouped/emulate/README.md": ("emulator",)}
+             "cugrouped/emulate/README.md": ("emulator", "access")}
 
 
 def python_blocks(doc: str = "README.md") -> list[str]:

@@ -150,6 +150,12 @@ class EmuKernel:
         return argv, keep
 
     def __call__(self, grid, block, args, shared_mem: int = 0, order="forward", workers: int | None = None):
+        from . import access
+
+        tracer = access.current()
+        if tracer is not None and not self.module.trace:   # inside trace_accesses(): the twin
+            return self.module.traced(self.name).get_function(self.name)(
+                grid, block, args, shared_mem, order, workers)
         g = _dims(grid, "grid", _MAX_GRID)
         b = _dims(block, "block", _MAX_BLOCK)
         if b[0] * b[1] * b[2] > 1024:
@@ -159,12 +165,20 @@ class EmuKernel:
         mode, seed = _order(order)
         argv, keep = self._marshal(args)
         err = ctypes.create_string_buffer(2048)
-        rc = self.module._lib.cg_emu_launch(
-            self._info, argv, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), ctypes.c_size_t(int(shared_mem)),
-            mode, ctypes.c_ulonglong(seed), int(workers or self.module.workers), int(self.module.ftz),
-            err, ctypes.c_size_t(len(err)))
+        rc = [0]
+
+        def launch(nworkers):
+            rc[0] = self.module._lib.cg_emu_launch(
+                self._info, argv, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b),
+                ctypes.c_size_t(int(shared_mem)), mode, ctypes.c_ulonglong(seed), nworkers,
+                int(self.module.ftz), err, ctypes.c_size_t(len(err)))
+
+        if self.module.trace and tracer is not None:   # one worker: records in one buffer, in order
+            tracer.run(self, lambda: launch(1), g, b)
+        else:
+            launch(int(workers or self.module.workers))
         del keep
-        if rc != 0:
+        if rc[0] != 0:
             raise EmulationError(f"{self.name}: {err.value.decode(errors='replace')}")
 
     def __repr__(self):
@@ -179,12 +193,13 @@ class EmuModule:
     ``options`` are extra g++ flags (e.g. ``-DFOO=1``). ``sanitize=True`` builds with
     AddressSanitizer: such a library loads only in a process started with ``asan_env()``.
     ``ftz`` flushes float denormals like CuPy's ``-ftz=true``; ``workers`` is the number of OS
-    threads the blocks are spread over.
+    threads the blocks are spread over. ``trace=True`` builds the memory access tracing variant
+    (:mod:`cugrouped.emulate.access`; :meth:`traced` gives a module's twin).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, code: str | None = None,
                  name_expressions=(), include_dirs=(), options=(), sanitize: bool = False,
-                 workers: int | None = None, ftz: bool = True):
+                 workers: int | None = None, ftz: bool = True, trace: bool = False):
         if (path is None) == (code is None):
             raise ValueError("EmuModule needs exactly one of path= or code=")
         if isinstance(name_expressions, str):
@@ -207,6 +222,8 @@ class EmuModule:
         self.source = Path(source)
         self.options = tuple(options)
         self.sanitize = bool(sanitize)
+        self.trace = bool(trace)
+        self._traced: dict[str, EmuModule] = {}
         self.workers = workers or default_workers()
         self.ftz = bool(ftz)
         if self.sanitize and not _asan_loaded():
@@ -214,9 +231,25 @@ class EmuModule:
                 "sanitize=True libraries load only when AddressSanitizer's runtime is preloaded: run "
                 "Python with LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 "
                 "(cugrouped.emulate.asan_env() builds that environment)")
-        self.library = _build(self.source, self.name_expressions, self.include_dirs, self.options, self.sanitize)
-        self._lib = _load(self.library)
+        self.library = _build(self.source, self.name_expressions, self.include_dirs, self.options,
+                              self.sanitize, self.trace)
+        self._lib = _load(self.library, self.trace)
         self._kernels: dict[str, EmuKernel] = {}
+
+    def traced(self, name: str) -> "EmuModule":
+        """Kernel ``name`` of this module built alone for memory access tracing (built once, then
+        kept; alone, so that tracing one kernel compiles one)."""
+        if self.trace:
+            return self
+        mod = self._traced.get(name)
+        if mod is None:
+            if name not in self.name_expressions:
+                raise KeyError(f"{name!r} is not among this module's name_expressions "
+                               f"{self.name_expressions}")
+            mod = self._traced[name] = EmuModule(
+                path=self.source, name_expressions=(name,), include_dirs=self.include_dirs,
+                options=self.options, workers=1, ftz=self.ftz, trace=True)
+        return mod
 
     def get_function(self, name: str) -> EmuKernel:
         if name not in self._kernels:
@@ -231,11 +264,18 @@ class EmuModule:
         return f"<EmuModule {self.source.name} {self.name_expressions}>"
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _load(path: Path, trace: bool = False) -> ctypes.CDLL:
     key = str(path)
     lib = _loaded.get(key)
     if lib is None:
         lib = ctypes.CDLL(key, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        if trace:
+            lib.cg_emu_trace_begin.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+            lib.cg_emu_trace_begin.restype = None
+            lib.cg_emu_trace_end.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
+            lib.cg_emu_trace_end.restype = ctypes.c_ulonglong
+            lib.cg_emu_trace_base.argtypes = []
+            lib.cg_emu_trace_base.restype = ctypes.c_ulonglong
         lib.cg_emu_nparams.restype = ctypes.c_int
         lib.cg_emu_nparams.argtypes = [ctypes.c_void_p]
         lib.cg_emu_param_size.restype = ctypes.c_size_t

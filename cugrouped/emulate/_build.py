@@ -24,6 +24,7 @@ from .. import _sources
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "cuda_emu.h"
 RUNTIME = HERE / "emu_runtime.cpp"
+TRACE = HERE / "emu_trace.cpp"
 CXX = os.environ.get("CUGROUPED_EMULATE_CXX", "g++")
 
 BASE_FLAGS = (
@@ -35,6 +36,16 @@ BASE_FLAGS = (
     "-Wno-unused-function", "-Wno-unused-variable",
 )
 ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-O1")
+# Memory access tracing (access.py): ThreadSanitizer's compile-time instrumentation, whose calls
+# emu_trace.cpp answers; linked without its runtime (compile and link are separate steps).
+# -fno-tree-sra keeps an access of a struct (a 16-byte uint4 store) one access: scalar
+# replacement would split it into four 4-byte stores, which the GPU does not do.
+# -fno-optimize-sibling-calls: a kernel's last access as a tail call (jmp) would return to the
+# emulator, and its call site be lost. -gdwarf-4: binutils' addr2line named the wrong file for
+# lines of an included source in g++ 12's DWARF 5 tables.
+TRACE_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-tree-sra",
+               "-fno-optimize-sibling-calls", "-gdwarf-4", "-DCUGROUPED_EMULATE_TRACE=1")
+TRACE_LINK_FLAGS = ("-shared", "-pthread", "-Wl,--no-undefined")
 
 #: Counters for tests and curious users: libraries compiled / loaded from disk in this process.
 stats = {"builds": 0, "disk_hits": 0}
@@ -90,19 +101,23 @@ def wrapper_source(source: Path, name_expressions: tuple[str, ...]) -> str:
 
 
 def build(source: Path, name_expressions: tuple[str, ...], include_dirs: tuple[Path, ...],
-          options: tuple[str, ...], sanitize: bool) -> Path:
-    """Return the path of the compiled library, building it unless the cache has it."""
+          options: tuple[str, ...], sanitize: bool, trace: bool = False) -> Path:
+    """Return the path of the compiled library, building it unless the cache has it (``trace``:
+    the memory access tracing variant, see access.py)."""
+    if sanitize and trace:
+        raise ValueError("sanitize and trace: a library is built with one of them, not both")
     search = tuple(dict.fromkeys(tuple(include_dirs) + (_sources.kernels_dir(),)))
     wrapper = wrapper_source(source, name_expressions)
-    flags = BASE_FLAGS + (ASAN_FLAGS if sanitize else ()) + ("-include", str(HEADER))
+    flags = BASE_FLAGS + (ASAN_FLAGS if sanitize else ()) + (TRACE_FLAGS if trace else ())
+    flags += ("-include", str(HEADER))
     flags += tuple(f"-I{d}" for d in search) + tuple(options)
     h = hashlib.sha256()
     for part in (_sources.source_digest(str(source), search), HEADER.read_bytes(), RUNTIME.read_bytes(),
-                 wrapper, compiler_version(), "\0".join(flags)):
+                 TRACE.read_bytes(), wrapper, compiler_version(), "\0".join(flags)):
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     key = h.hexdigest()
-    out = cache_dir() / f"{key}{'-asan' if sanitize else ''}.so"
+    out = cache_dir() / f"{key}{'-asan' if sanitize else '-trace' if trace else ''}.so"
     with _lock:
         if out.is_file():
             stats["disk_hits"] += 1
@@ -113,9 +128,15 @@ def build(source: Path, name_expressions: tuple[str, ...], include_dirs: tuple[P
             cpp.write_text(wrapper)
             tmp_so = Path(tmp) / "lib.so"
             cmd = [CXX, *flags, str(cpp), "-o", str(tmp_so)]
+            if trace:   # -fsanitize=thread at link time would make the library need libtsan
+                obj = Path(tmp) / "lib.o"
+                cmd = [CXX, *[f for f in flags if f != "-shared"], "-c", str(cpp), "-o", str(obj)]
             if verbose():
                 print("cugrouped.emulate:", shlex.join(cmd), file=sys.stderr)
             res = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
+            if trace and res.returncode == 0:
+                cmd = [CXX, *TRACE_LINK_FLAGS, str(obj), "-o", str(tmp_so)]
+                res = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
             if res.returncode != 0:
                 raise EmulationCompileError(
                     f"g++ failed to compile {source} for emulation ({', '.join(name_expressions)}):\n"

@@ -94,6 +94,9 @@
 #define __constant__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
+// Built-ins that touch memory (atomics, __ldg) are always inlined: a traced access
+// (cugrouped.emulate.access) is then found at its kernel line.
+#define EMU_ALWAYS_INLINE inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static thread_local
@@ -227,21 +230,21 @@ EMU_REDUCE(__reduce_xor_sync, unsigned, RED_XOR)
 
 // ---- atomics (relaxed, like CUDA's; real atomics across worker threads) --------------------------
 #define EMU_ATOMIC_INT(T)                                                                               \
-    inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_RELAXED); }              \
-    inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_RELAXED); }            \
-    inline T atomicCAS(T* a, T cmp, T v) {                                                              \
+    EMU_ALWAYS_INLINE T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_RELAXED); }              \
+    EMU_ALWAYS_INLINE T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_RELAXED); }            \
+    EMU_ALWAYS_INLINE T atomicCAS(T* a, T cmp, T v) {                                                              \
         __atomic_compare_exchange_n(a, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);            \
         return cmp;                                                                                     \
     }                                                                                                   \
-    inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_RELAXED); }              \
-    inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_RELAXED); }                \
-    inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_RELAXED); }              \
-    inline T atomicMin(T* a, T v) {                                                                     \
+    EMU_ALWAYS_INLINE T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_RELAXED); }              \
+    EMU_ALWAYS_INLINE T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_RELAXED); }                \
+    EMU_ALWAYS_INLINE T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_RELAXED); }              \
+    EMU_ALWAYS_INLINE T atomicMin(T* a, T v) {                                                                     \
         T old = __atomic_load_n(a, __ATOMIC_RELAXED);                                                   \
         while (v < old && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} \
         return old;                                                                                     \
     }                                                                                                   \
-    inline T atomicMax(T* a, T v) {                                                                     \
+    EMU_ALWAYS_INLINE T atomicMax(T* a, T v) {                                                                     \
         T old = __atomic_load_n(a, __ATOMIC_RELAXED);                                                   \
         while (v > old && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} \
         return old;                                                                                     \
@@ -250,42 +253,42 @@ EMU_ATOMIC_INT(int)
 EMU_ATOMIC_INT(unsigned int)
 EMU_ATOMIC_INT(unsigned long long)
 #undef EMU_ATOMIC_INT
-inline long long atomicMin(long long* a, long long v) {
+EMU_ALWAYS_INLINE long long atomicMin(long long* a, long long v) {
     long long old = __atomic_load_n(a, __ATOMIC_RELAXED);
     while (v < old && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return old;
 }
-inline long long atomicMax(long long* a, long long v) {
+EMU_ALWAYS_INLINE long long atomicMax(long long* a, long long v) {
     long long old = __atomic_load_n(a, __ATOMIC_RELAXED);
     while (v > old && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return old;
 }
-inline int atomicSub(int* a, int v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
-inline unsigned atomicSub(unsigned* a, unsigned v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
-inline unsigned atomicInc(unsigned* a, unsigned limit) {   // ((old >= limit) ? 0 : old + 1)
+EMU_ALWAYS_INLINE int atomicSub(int* a, int v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
+EMU_ALWAYS_INLINE unsigned atomicSub(unsigned* a, unsigned v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
+EMU_ALWAYS_INLINE unsigned atomicInc(unsigned* a, unsigned limit) {   // ((old >= limit) ? 0 : old + 1)
     unsigned old = __atomic_load_n(a, __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(a, &old, old >= limit ? 0u : old + 1u, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return old;
 }
-inline unsigned atomicDec(unsigned* a, unsigned limit) {   // ((old == 0 || old > limit) ? limit : old - 1)
+EMU_ALWAYS_INLINE unsigned atomicDec(unsigned* a, unsigned limit) {   // ((old == 0 || old > limit) ? limit : old - 1)
     unsigned old = __atomic_load_n(a, __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(a, &old, (old == 0u || old > limit) ? limit : old - 1u, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return old;
 }
-template <class F, class U> inline F emu_atomic_float(F* a, F v, F (*op)(F, F)) {
+template <class F, class U> EMU_ALWAYS_INLINE F emu_atomic_float(F* a, F v, F (*op)(F, F)) {
     U* p = reinterpret_cast<U*>(a);
     U old = __atomic_load_n(p, __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(p, &old, ::emu::to_bits(op(::emu::from_bits<F>(old), v)), true,
                                         __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     return ::emu::from_bits<F>(old);
 }
-inline float atomicAdd(float* a, float v) {
+EMU_ALWAYS_INLINE float atomicAdd(float* a, float v) {
     return emu_atomic_float<float, unsigned>(a, v, [](float x, float y) { return x + y; });
 }
-inline double atomicAdd(double* a, double v) {
+EMU_ALWAYS_INLINE double atomicAdd(double* a, double v) {
     return emu_atomic_float<double, unsigned long long>(a, v, [](double x, double y) { return x + y; });
 }
-inline float atomicExch(float* a, float v) {
+EMU_ALWAYS_INLINE float atomicExch(float* a, float v) {
     return ::emu::from_bits<float>(__atomic_exchange_n(reinterpret_cast<unsigned*>(a), (unsigned)::emu::to_bits(v), __ATOMIC_RELAXED));
 }
 
@@ -356,7 +359,7 @@ inline unsigned __float2uint_rn(float x) { return emu_f2u(nearbyintf(x)); }
 inline unsigned __float2uint_rz(float x) { return emu_f2u(truncf(x)); }
 inline float __int2float_rn(int x) { return (float)x; }
 inline float __uint2float_rn(unsigned x) { return (float)x; }
-template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> EMU_ALWAYS_INLINE T __ldg(const T* p) { return *p; }
 
 // ---- everything below is poisoned: inline PTX must stay behind #if defined(__CUDA_ARCH__) -------
 #pragma GCC poison asm __asm__ __asm __activemask __shfl __shfl_up __shfl_down __shfl_xor __ballot

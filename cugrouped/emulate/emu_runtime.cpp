@@ -77,6 +77,16 @@ struct Worker {
 
 static thread_local Worker* t_worker;
 static thread_local Fiber* t_fiber;
+// Memory access tracing (trace builds: emu_trace.cpp): t_tracing is 1 while kernel code runs on
+// this worker's current fiber; t_tls_lo/size: this thread's block of the library's TLS.
+static thread_local int t_tracing;
+static thread_local void* t_tls_lo;
+static thread_local size_t t_tls_size;
+#if defined(CUGROUPED_EMULATE_TRACE)
+#define EMU_TRACING(on) (t_tracing = (on))
+#else
+#define EMU_TRACING(on) ((void)0)
+#endif
 
 // Fiber stack size: options=("-DCG_EMU_STACK_SIZE=262144",) for deep or -O0 kernels.
 #if defined(CG_EMU_STACK_SIZE)
@@ -166,6 +176,7 @@ static __attribute__((noinline)) void yield(Worker* w, Fiber* f) {
 // Fail from inside a fiber: record the error and leave the fiber for good.
 [[noreturn]] static void fiber_fail(const std::string& msg) {
     Worker* w = t_worker;
+    EMU_TRACING(0);
     w->failed = true;
     w->error = msg;
 #if defined(__SANITIZE_ADDRESS__)
@@ -214,6 +225,7 @@ int barrier(BarrierKind kind, int pred, const char* file, int line) {
         fprintf(stderr, "cuda_emu: %s called outside an emulated launch\n", barrier_name(kind));
         abort();
     }
+    EMU_TRACING(0);
     f->state = AT_BARRIER;
     f->op = kind;
     f->file = file;
@@ -221,7 +233,9 @@ int barrier(BarrierKind kind, int pred, const char* file, int line) {
     f->value = pred != 0;
     if (++w->at_barrier == w->live) release_barrier(w);
     yield(w, f);
-    return (int)f->result;
+    const int result = (int)f->result;
+    EMU_TRACING(1);
+    return result;
 }
 
 // ---- warp collectives ---------------------------------------------------------------------------------
@@ -290,6 +304,7 @@ unsigned long long warp_collective(WarpOp op, unsigned mask, unsigned long long 
         fprintf(stderr, "cuda_emu: %s called outside an emulated launch\n", warp_name(op));
         abort();
     }
+    EMU_TRACING(0);
     const int lane = f->lin & 31;
     const int base = f->lin - lane;
     const int nlanes = std::min(32, w->nthreads - base);
@@ -330,7 +345,9 @@ unsigned long long warp_collective(WarpOp op, unsigned mask, unsigned long long 
     }
     if (complete) resolve_warp(w, lanes, nlanes, mask);
     yield(w, f);
-    return f->result;
+    const unsigned long long result = f->result;
+    EMU_TRACING(1);
+    return result;
 }
 
 // A fiber returned from the kernel (called on the fiber).
@@ -356,7 +373,9 @@ static void fiber_main() {
 #endif
     for (;;) {
         Fiber* f = t_fiber;
+        EMU_TRACING(1);
         w->L->thunk(w->L->ctx);
+        EMU_TRACING(0);
         thread_exit(w, f);
         yield(w, f);   // resumed again for the next block
     }
@@ -475,6 +494,7 @@ struct TlsBlock {
     uintptr_t inside;   // an address of this library's code
     void* data = nullptr;
     size_t size = 0;
+    uintptr_t base = 0;  // the library's load address
 };
 
 static int find_own_tls(struct dl_phdr_info* info, size_t, void* arg) {
@@ -490,6 +510,7 @@ static int find_own_tls(struct dl_phdr_info* info, size_t, void* arg) {
     if (!own) return 0;
     tls->data = info->dlpi_tls_data;
     tls->size = tls_size;
+    tls->base = info->dlpi_addr;
     return 1;
 }
 
@@ -500,6 +521,9 @@ static void poison_static_shared() {
     dl_iterate_phdr(find_own_tls, &tls);
     if (tls.data && tls.size) memset(tls.data, 0xff, tls.size);
     t_fiber = nullptr;
+    t_tracing = 0;
+    t_tls_lo = tls.data;
+    t_tls_size = tls.data ? tls.size : 0;
 }
 
 static void worker_main(Launch* L) {
@@ -647,3 +671,7 @@ EMU_EXPORT int cg_emu_launch(const emu::KernelInfo* k, void** args, const unsign
                              char* err, size_t errlen) {
     return k->launch(k->fn, args, grid, block, smem, order, seed, workers, ftz, err, errlen);
 }
+
+#if defined(CUGROUPED_EMULATE_TRACE)
+#include "emu_trace.cpp"
+#endif

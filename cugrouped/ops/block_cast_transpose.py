@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _jit
-from .._array import array_kind, as_bytes, as_view, data_ptr, is_contiguous
+from .._array import DeviceLikeHost, array_kind, as_bytes, as_view, data_ptr, is_contiguous
 from ..grouped_block_fp8 import (BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, result_type,
                                  scale_dtype)
 from ..grouped_fp8 import FP8_FORMATS
@@ -282,7 +282,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
                    align=align, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
                    power_2_scale=power_2_scale, out=out, dtype=dtype, row_index=row_index,
                    column_sums=column_sums)
-    xp = np if backend == "emulate" else __import__("cupy")
+    xp = DeviceLikeHost if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
     else:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _jit
-from .._array import array_kind, as_bytes, as_view, data_ptr, is_contiguous
+from .._array import DeviceLikeHost, array_kind, as_bytes, as_view, data_ptr, is_contiguous
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
 from . import _cast_inputs, _launch
 from ._cast_inputs import GroupedInput, row_stride
@@ -296,7 +296,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
                    out=out, dtype=dtype, amax_accumulate=amax_accumulate,
                    amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, row_index=row_index)
-    xp = np if backend == "emulate" else __import__("cupy")
+    xp = DeviceLikeHost if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
     else:

@@ -1,0 +1,253 @@
+"""Memory access tracing of emulated kernels (cugrouped.emulate.access): the sectors and bank
+wavefronts of hand-counted access patterns, the vectorized analysis against a plain-Python
+twin, what is and is not recorded, and the properties the cast kernels must keep (shared memory
+free of bank conflicts, full-sector row-wise stores, every input byte read from DRAM once).
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cugrouped as cg
+from cugrouped._array import DeviceLikeHost
+from cugrouped.emulate import EmuModule
+from cugrouped.emulate.access import RECORD, LaunchTrace, trace_accesses
+
+KDIR = Path(__file__).resolve().parent / "emulate_kernels"
+SOURCE = KDIR / "access_patterns.cu"
+BLOCKS, THREADS = 2, 64
+N = BLOCKS * THREADS
+REQUESTS = BLOCKS * THREADS // 32
+
+
+def line_of(marker: str) -> str:
+    for i, text in enumerate(SOURCE.read_text().splitlines(), 1):
+        if f"// {marker}" in text:
+            return f"access_patterns.cu:{i}"
+    raise AssertionError(marker)
+
+
+def aligned(n: int, dtype, fill=0) -> np.ndarray:
+    """A 1-D array placed like a device allocation (sector counts depend on it)."""
+    a = DeviceLikeHost.empty(n, dtype)
+    a[:] = fill
+    return a
+
+
+@pytest.fixture(scope="module")
+def patterns():
+    return EmuModule(path="access_patterns.cu", include_dirs=(KDIR,),
+                     name_expressions=("global_patterns", "shared_patterns"))
+
+
+def by_line(trace):
+    out = collections.defaultdict(list)
+    for s in trace.sites():
+        out[s.location.rsplit("/", 1)[-1]].append(s)
+    return out
+
+
+def run_global(mod):
+    x = aligned(N, np.float32)
+    x[:] = np.arange(N)
+    y, z = aligned(8 * N, np.float32), aligned(3 * N + 48, np.float32)
+    bcast, counter = aligned(1, np.float32, 0.5), aligned(1, np.uint32)
+    mod.get_function("global_patterns")((BLOCKS,), (THREADS,),
+                                        (x, y, z, bcast, np.int32(N), counter))
+    return y, z, counter
+
+
+def run_shared(mod):
+    x = aligned(N, np.float32)
+    x[:] = np.arange(N) * 0.25
+    y = aligned(N, np.float32)
+    mod.get_function("shared_patterns")((BLOCKS,), (THREADS,), (x, y), shared_mem=4 * THREADS)
+    return y
+
+
+def test_global_sectors_by_hand(patterns):
+    with trace_accesses() as tr:
+        run_global(patterns)
+    assert [t.kernel for t in tr.launches] == ["global_patterns"]
+    sites = by_line(tr)
+    # (space, kind, bytes per lane, requests, distinct bytes, sectors, fewest sectors)
+    expect = {
+        "@coalesced": ("global", "load", 4, REQUESTS, 4 * N, 4 * REQUESTS, 4 * REQUESTS),
+        "@broadcast": ("global", "load", 4, REQUESTS, 4 * REQUESTS, REQUESTS, REQUESTS),
+        "@strided": ("global", "store", 4, REQUESTS, 4 * N, 32 * REQUESTS, 4 * REQUESTS),
+        "@misaligned": ("global", "store", 4, REQUESTS, 4 * N, 5 * REQUESTS, 4 * REQUESTS),
+        "@vec16": ("global", "load", 16, REQUESTS, 4 * N, 4 * REQUESTS, 4 * REQUESTS),
+        "@withlocal": ("global", "store", 4, REQUESTS, 4 * N, 4 * REQUESTS, 4 * REQUESTS),
+        "@atomic": ("global", "atomic", 4, REQUESTS, 4 * REQUESTS, REQUESTS, REQUESTS),
+    }
+    for marker, want in expect.items():
+        (s,) = sites[line_of(marker)]
+        assert (s.space, s.kind, s.size, s.requests, s.bytes, s.units, s.ideal) == want, marker
+    assert sites[line_of("@strided")][0].efficiency == 0.125
+    assert sites[line_of("@coalesced")][0].efficiency == 1.0
+    # the loop filling local[] (a fiber's stack) is not memory traffic; threadIdx reads neither
+    assert not any("local[j]" in SOURCE.read_text().splitlines()[int(k.split(":")[1]) - 1]
+                   for k in sites)
+    reads = tr.launches[0].global_sectors()
+    # x (512 B: 16 sectors), bcast (1), the atomic's counter (1)
+    assert reads["read"] == 4 * N // 32 + 1 + 1
+
+
+def test_shared_wavefronts_by_hand(patterns):
+    with trace_accesses() as tr:
+        run_shared(patterns)
+    sites = by_line(tr)
+    # (kind, bytes per lane, wavefronts, fewest wavefronts) over all requests
+    expect = {
+        "@padded": ("store", 4, REQUESTS, REQUESTS),
+        "@square": ("store", 4, 32 * REQUESTS, REQUESTS),
+        "@row": ("store", 4, REQUESTS, REQUESTS),
+        "@float2": ("store", 8, 2 * REQUESTS, 2 * REQUESTS),
+        "@float4": ("store", 16, 4 * REQUESTS, 4 * REQUESTS),
+        "@float4stride": ("store", 16, 8 * REQUESTS, 4 * REQUESTS),
+        "@bytes": ("store", 1, REQUESTS, REQUESTS),
+        "@bcastsmem": ("load", 4, REQUESTS, REQUESTS),
+        "@twoway": ("load", 4, 16 * REQUESTS, REQUESTS),
+        "@dynamic": ("store", 4, REQUESTS, REQUESTS),
+    }
+    for marker, want in expect.items():
+        (s,) = [s for s in sites[line_of(marker)] if s.space == "shared"]
+        assert (s.kind, s.size, s.units, s.ideal) == want, marker
+        assert s.requests == REQUESTS, marker
+    assert sites[line_of("@square")][0].efficiency == 1 / 32
+
+
+def test_tracing_changes_no_bits(patterns):
+    plain = run_global(patterns), run_shared(patterns)
+    with trace_accesses():
+        traced = run_global(patterns), run_shared(patterns)
+    for a, b in zip([*plain[0], plain[1]], [*traced[0], traced[1]]):
+        np.testing.assert_array_equal(a, b)
+    assert set(patterns._traced) == {"global_patterns", "shared_patterns"}   # one build per kernel
+
+
+def test_nothing_recorded_or_built_outside_the_block():
+    mod = EmuModule(path="access_patterns.cu", include_dirs=(KDIR,),
+                    name_expressions=("global_patterns",))
+    run_global(mod)
+    assert mod._traced == {}
+    with trace_accesses() as tr:
+        pass
+    assert tr.launches == [] and tr.report() == ""
+
+
+def test_capacity(patterns):
+    with pytest.raises(ValueError, match="capacity"):
+        with trace_accesses(capacity=0):
+            pass
+    with pytest.raises(RuntimeError, match="capacity=10"):
+        with trace_accesses(capacity=10):
+            run_global(patterns)
+
+
+# ---- the vectorized analysis against a plain-Python twin ---------------------------------------
+
+def python_sites(rec: np.ndarray):
+    """Per (pc, space, kind): [requests, distinct bytes, sectors or wavefronts, ideal], by loops."""
+    seen = collections.Counter()
+    reqs = collections.defaultdict(list)
+    for r in rec:
+        key = (int(r["block"]), int(r["thread"]), int(r["pc"]))
+        n = seen[key]
+        seen[key] += 1
+        reqs[(int(r["pc"]), int(r["space"]), int(r["kind"]),
+              int(r["block"]), int(r["thread"]) // 32, n)].append(r)
+    out = collections.defaultdict(lambda: [0, 0, 0, 0])
+    for (pc, space, kind, *_), lanes in reqs.items():
+        acc = out[(pc, space, kind)]
+        touched = {int(r["addr"]) + b for r in lanes for b in range(int(r["size"]))}
+        acc[0] += 1
+        acc[1] += len(touched)
+        if space == 0:
+            acc[2] += len({b // 32 for b in touched})
+            acc[3] += -(-len(touched) // 32)
+        else:
+            phases = collections.defaultdict(lambda: collections.defaultdict(set))
+            for r in lanes:
+                per = 128 // max(int(r["size"]), 4)
+                for b in range(int(r["size"])):
+                    word = (int(r["addr"]) + b) // 4
+                    phases[(int(r["thread"]) % 32) // per][word % 32].add(word)
+            acc[2] += sum(max(len(w) for w in banks.values()) for banks in phases.values())
+            acc[3] += len(phases)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_analysis_matches_python_twin(seed):
+    rng = np.random.default_rng(seed)
+    n = 3000
+    rec = np.zeros(n, RECORD)
+    rec["pc"] = rng.choice([0x100, 0x200, 0x300], n)
+    rec["block"] = rng.integers(0, 3, n)
+    rec["thread"] = rng.integers(0, 96, n)
+    rec["size"] = rng.choice([1, 2, 4, 8, 16], n)
+    rec["addr"] = 0x10000 + rng.integers(0, 4096, n) // rec["size"] * rec["size"]
+    rec["kind"] = rng.integers(0, 3, n)
+    rec["space"] = rng.integers(0, 2, n)
+    # a site is one instruction: one space, kind and size per pc
+    for pc, (space, kind, size) in zip((0x100, 0x200, 0x300), ((0, 0, 16), (1, 1, 8), (1, 0, 1))):
+        m = rec["pc"] == pc
+        rec["space"][m], rec["kind"][m], rec["size"][m] = space, kind, size
+        rec["addr"][m] = rec["addr"][m] // size * size
+    locs = np.array([f"/k/x.cu:{pc}" for pc in rec["pc"]], dtype=object)
+    got = {(int(s.location.split(":")[1]), ("global", "shared").index(s.space),
+            ("load", "store", "atomic").index(s.kind)): [s.requests, s.bytes, s.units, s.ideal]
+           for s in LaunchTrace("k", (3, 1, 1), (96, 1, 1), rec, locs).sites()}
+    assert got == dict(python_sites(rec))
+
+
+# ---- the cast kernels --------------------------------------------------------------------------
+
+def cast_inputs(dtype=ml_dtypes.bfloat16, k=256, splits=(128, 0, 161, 64)):
+    """Inputs placed like device allocations (the outputs of the emulate backend are)."""
+    rng = np.random.default_rng(7)
+    xs = []
+    for m in splits:
+        x = DeviceLikeHost.empty((m, k), dtype)
+        x[...] = rng.standard_normal((m, k)).astype(dtype)
+        xs.append(x)
+    return xs
+
+
+CASTS = {
+    "per-tensor": lambda xs: cg.multi_pad_cast_transpose(
+        xs, scale=np.full(len(xs), 2.0, np.float32), backend="emulate"),
+    "block 1x128": lambda xs: cg.multi_block_cast_transpose(xs, backend="emulate"),
+    "block 128x128": lambda xs: cg.multi_block_cast_transpose(xs, block_scaling_dim=2,
+                                                               backend="emulate"),
+    "mxfp8": lambda xs: cg.multi_mxfp8_cast_transpose(xs, backend="emulate"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASTS))
+def test_cast_kernels_access_properties(kind):
+    xs = cast_inputs()
+    with trace_accesses() as tr:
+        res = CASTS[kind](xs)
+    (launch,) = tr.launches
+    sites = launch.sites()
+    report = tr.report()
+    # shared memory: no bank conflict anywhere (the tile transposes and the column scales)
+    conflicted = [s for s in sites if s.space == "shared" and s.units != s.ideal]
+    assert not conflicted, report
+    # the row-wise FP8 bytes: 16-byte stores, whole sectors
+    row_stores = [s for s in sites if s.space == "global" and s.kind == "store" and s.size == 16
+                  and s.bytes == res.data.nbytes]
+    assert len(row_stores) == 1 and row_stores[0].efficiency == 1.0, report
+    # DRAM: every input byte read once, nothing but the outputs (and scales) written
+    sectors = launch.global_sectors()
+    in_sectors = sum(x.nbytes for x in xs) // 32
+    assert in_sectors <= sectors["read"] <= in_sectors + 8, report
+    out_sectors = (res.data.nbytes + res.data_t.nbytes) // 32
+    assert out_sectors <= sectors["written"] <= out_sectors * 1.07 + 8, report
