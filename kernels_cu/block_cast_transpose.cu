@@ -70,14 +70,8 @@ constexpr int BCT_COL_RUN = 32;     // transposed bytes written per thread and r
 constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;     // 2
 constexpr int BCT_MX = 3;           // DIMS of MXFP8: 1 x 32 blocks, E8M0 scales
 constexpr int MX_BLOCK = 32;        // its block length (= BCT_ROWS_PER_ITER: one iteration's rows)
+static_assert(BCT_BLOCK == 8 * kSeg, "seg_col (col_part, col_scale) is for 128-column tiles");
 
-// Where column c (0..127) of a tile lives in the per-column shared arrays (col_part, col_scale):
-// each 16-column segment rotated by 2 * (c / 32) within itself. Two access patterns meet there:
-// the 8 lanes that own segments (column 16 s + j, s = 0..7, for each j) and 32 consecutive columns
-// (a warp of the per-column threads). Unrotated, the first puts lanes s, s + 2, s + 4, s + 6 in one
-// bank (a 4-way conflict); rotated, both are conflict-free (cugrouped.emulate.access measures it,
-// tests/test_emulate_access.py asserts it).
-CG_DEVICE constexpr int bct_col(int c) { return (c & ~15) | ((c + ((c >> 5) << 1)) & 15); }
 constexpr int MX_TILE_BYTES = 512;  // one 128 x 4 scale tile: the scales of a 128 x 128 data tile
 
 // Kernel argument block, passed by value like PctGroup (the NumPy twin is
@@ -232,21 +226,21 @@ CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], 
                 float b = fabsf(v[j]);
                 b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 8));
                 b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 16));
-                if (lane < BCT_SEGS_PER_ROW) col_part[warp][bct_col(c + j)] = b;
+                if (lane < BCT_SEGS_PER_ROW) col_part[warp][seg_col(c + j)] = b;
             }
             __syncthreads();
             if (threadIdx.x < BCT_BLOCK) {   // column cc's block `it`: row cc of the scale tile
                 const int cc = threadIdx.x;
-                float b = col_part[0][bct_col(cc)];
+                float b = col_part[0][seg_col(cc)];
 #pragma unroll
-                for (int w = 1; w < BCT_THREADS / 32; ++w) b = fmaxf(b, col_part[w][bct_col(cc)]);
+                for (int w = 1; w < BCT_THREADS / 32; ++w) b = fmaxf(b, col_part[w][seg_col(cc)]);
                 const u8 e = mx_scale_byte<FMT>(b);
-                col_scale[bct_col(cc)] = mx_element_scale(e);
+                col_scale[seg_col(cc)] = mx_element_scale(e);
                 col_tile[(cc % 32) * 16 + (cc / 32) * 4 + it] = e;
             }
             __syncthreads();
 #pragma unroll
-            for (int j = 0; j < kSeg; ++j) s[j] = col_scale[bct_col(c + j)];
+            for (int j = 0; j < kSeg; ++j) s[j] = col_scale[seg_col(c + j)];
             *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s);
         }
     }
@@ -276,7 +270,7 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes
     __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
     __shared__ float col_scale[BCT_BLOCK];                        // 1-D: the column blocks' scales
-                                                                  // (both indexed by bct_col)
+                                                                  // (both indexed by seg_col)
     __shared__ float warp_amax[BCT_THREADS / 32];                 // 2-D: per-warp block maxima
     __shared__ BctPlan plan;
     __shared__ int last_block;
@@ -433,22 +427,22 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                 }
                 if (lane < BCT_SEGS_PER_ROW) {
 #pragma unroll
-                    for (int j = 0; j < kSeg; ++j) col_part[warp][bct_col(lane * kSeg + j)] = cmax[j];
+                    for (int j = 0; j < kSeg; ++j) col_part[warp][seg_col(lane * kSeg + j)] = cmax[j];
                 }
                 __syncthreads();
                 if (threadIdx.x < BCT_BLOCK) {
-                    float a = col_part[0][bct_col(threadIdx.x)];
+                    float a = col_part[0][seg_col(threadIdx.x)];
 #pragma unroll
-                    for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][bct_col(threadIdx.x)]);
+                    for (int w = 1; w < BCT_THREADS / 32; ++w) a = fmaxf(a, col_part[w][seg_col(threadIdx.x)]);
                     const float s = compute_scale<FMT>(a, 0, amax_epsilon, p2);
-                    col_scale[bct_col(threadIdx.x)] = s;
+                    col_scale[seg_col(threadIdx.x)] = s;
                     const i64 cc = col0 + threadIdx.x;     // padding columns k .. roundup(k, 4) included
                     if (cc < round_up4(k))
                         static_cast<float*>(x.sinv_col)[tr * round_up4(k) + cc] = scale_inverse(s);
                 }
                 __syncthreads();
 #pragma unroll
-                for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[bct_col(c + j)];
+                for (int j = 0; j < kSeg; ++j) s_col[j] = col_scale[seg_col(c + j)];
             } else {
 #pragma unroll
                 for (int j = 0; j < kSeg; ++j) s_col[j] = s_row[0];
@@ -527,13 +521,13 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
         __syncthreads();                                  // col_part is free again
         if (lane < BCT_SEGS_PER_ROW) {
 #pragma unroll
-            for (int j = 0; j < kSeg; ++j) col_part[warp][bct_col(lane * kSeg + j)] = csum[j];
+            for (int j = 0; j < kSeg; ++j) col_part[warp][seg_col(lane * kSeg + j)] = csum[j];
         }
         __syncthreads();
         const int c = threadIdx.x;
         if (c < BCT_BLOCK) {
-            float acc = col_part[0][bct_col(c)];
-            for (int w = 1; w < BCT_THREADS / 32; ++w) acc = ftz(acc + col_part[w][bct_col(c)]);
+            float acc = col_part[0][seg_col(c)];
+            for (int w = 1; w < BCT_THREADS / 32; ++w) acc = ftz(acc + col_part[w][seg_col(c)]);
             colsum_partial[static_cast<i64>(t) * BCT_BLOCK + c] = acc;
             __threadfence();
         }

@@ -54,6 +54,7 @@ constexpr int PCT_SEGS_PER_ROW = PCT_TILE_K / PCT_SEG;                          
 constexpr int PCT_SEG_ITERS = PCT_TILE_M * PCT_SEGS_PER_ROW / PCT_THREADS;         // 2
 constexpr int PCT_COL_RUN = 32;    // transposed rows written per thread: one full 32-byte sector
 static_assert(PCT_TILE_K * (PCT_TILE_M / PCT_COL_RUN) == PCT_THREADS, "one column run per thread");
+static_assert(PCT_TILE_K == 8 * kSeg, "seg_col (warp_colsum) is for 128-column tiles");
 
 // Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
 // same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
@@ -187,7 +188,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
     __shared__ float warp_amax[PCT_THREADS / 32];
-    __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];
+    __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];   // indexed by seg_col
     __shared__ int last_block;
     __shared__ i64 sh_m[CG_PCT_MAX_EXPERTS], sh_row[CG_PCT_MAX_EXPERTS], sh_col[CG_PCT_MAX_EXPERTS];
     __shared__ i32 sh_tile_start[CG_PCT_MAX_EXPERTS + 1];
@@ -354,13 +355,13 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         }
         if (lane < PCT_SEGS_PER_ROW) {
 #pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) warp_colsum[warp][lane * PCT_SEG + j] = csum[j];
+            for (int j = 0; j < PCT_SEG; ++j) warp_colsum[warp][seg_col(lane * PCT_SEG + j)] = csum[j];
         }
         __syncthreads();
         const int c = threadIdx.x;
         if (c < PCT_TILE_K) {
-            float acc = warp_colsum[0][c];
-            for (int w = 1; w < PCT_THREADS / 32; ++w) acc = ftz(acc + warp_colsum[w][c]);
+            float acc = warp_colsum[0][seg_col(c)];
+            for (int w = 1; w < PCT_THREADS / 32; ++w) acc = ftz(acc + warp_colsum[w][seg_col(c)]);
             colsum_partial[static_cast<i64>(t) * PCT_TILE_K + c] = acc;
             __threadfence();
         }

@@ -11,6 +11,14 @@ enum class InDtype : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 constexpr int kSeg = 16;   // elements per thread-segment: one 16-byte FP8 store
 
+// Where column c (0..127) of a 128-column tile lives in a per-column float array in shared memory
+// (column maxima, scales, column sums): each kSeg-column segment rotated by 2 * (c / 32) within
+// itself. Two access patterns meet there: the 8 lanes that own segments (column kSeg s + j,
+// s = 0..7, for each j) and 32 consecutive columns (a warp of per-column threads). Unrotated, the
+// first puts lanes s, s + 2, s + 4, s + 6 in one bank (a 4-way conflict); rotated, both are
+// conflict-free (cugrouped.emulate.access counts it; tests/test_emulate_access.py asserts it).
+CG_DEVICE constexpr int seg_col(int c) { return (c & ~15) | ((c + ((c >> 5) << 1)) & 15); }
+
 template <InDtype IN> struct InTraits;
 // Per input type: `words` 16-byte words hold one segment of kSeg elements; load_raw reads them
 // (from a 16-byte aligned address) without converting, unpack widens them to float.

@@ -412,7 +412,7 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,
     # host buffers, made per launch and checked after it
     tiles_k = -(-k // BLOCK)
     count = np.zeros(chunk.count * tiles_k, np.int32) if colsum is not None else None
-    partial = np.empty(chunk.grid * BLOCK, np.float32) if colsum is not None else None
+    partial = DeviceLikeHost.empty(chunk.grid * BLOCK, np.float32) if colsum is not None else None
     args = (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale)) + tuple(
         np.uint64(0) if a is None else a for a in (colsum, partial, count))
     _jit.get_emulated_function(spec, name)(

@@ -497,7 +497,7 @@ def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
         tiles_k = -(-k // TILE_K)
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
-        partial = np.empty(grid * TILE_K, dtype=np.float32) if colsum is not None else None
+        partial = DeviceLikeHost.empty(grid * TILE_K, np.float32) if colsum is not None else None
         kern = _jit.get_emulated_function(spec, name)
         kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws)
              + _nullable(colsum, partial, count) + (np.int32(amax_accumulate),),
