@@ -66,11 +66,9 @@ constexpr int BCT_THREADS = 256;
 constexpr int BCT_SEGS_PER_ROW = BCT_BLOCK / kSeg;                                // 8
 constexpr int BCT_ROWS_PER_ITER = BCT_THREADS / BCT_SEGS_PER_ROW;                 // 32
 constexpr int BCT_ITERS = BCT_BLOCK / BCT_ROWS_PER_ITER;                          // 4
-constexpr int BCT_COL_RUN = 32;     // transposed bytes written per thread and run
-constexpr int BCT_RUNS = BCT_BLOCK * (BCT_BLOCK / BCT_COL_RUN) / BCT_THREADS;     // 2
 constexpr int BCT_MX = 3;           // DIMS of MXFP8: 1 x 32 blocks, E8M0 scales
 constexpr int MX_BLOCK = 32;        // its block length (= BCT_ROWS_PER_ITER: one iteration's rows)
-static_assert(BCT_BLOCK == 8 * kSeg, "seg_col (col_part, col_scale) is for 128-column tiles");
+static_assert(BCT_BLOCK == kTileCols, "seg_col, tile_col: 128-column tiles");
 
 constexpr int MX_TILE_BYTES = 512;  // one 128 x 4 scale tile: the scales of a 128 x 128 data tile
 
@@ -241,7 +239,8 @@ CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], 
             __syncthreads();
 #pragma unroll
             for (int j = 0; j < kSeg; ++j) s[j] = col_scale[seg_col(c + j)];
-            *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s);
+            const int r = r_first + BCT_ROWS_PER_ITER * it;
+            *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = cast16<FMT>(v, s);
         }
     }
 }
@@ -267,7 +266,7 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     constexpr bool MX = DIMS == BCT_MX;
     constexpr int SINV_BYTES = MX ? 1 : 4;                        // an E8M0 byte or a float32
     using Traits = InTraits<IN>;
-    __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes
+    __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes (tile_col)
     __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
     __shared__ float col_scale[BCT_BLOCK];                        // 1-D: the column blocks' scales
                                                                   // (both indexed by seg_col)
@@ -462,44 +461,17 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                 Traits::unpack(raw[it], v);
 #pragma unroll
                 for (int j = 0; j < kSeg; ++j) v[j] = ftz(v[j]);
-                *reinterpret_cast<uint4*>(&tile[r_first + BCT_ROWS_PER_ITER * it][c]) = cast16<FMT>(v, s_col);
+                const int r = r_first + BCT_ROWS_PER_ITER * it;
+                *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = cast16<FMT>(v, s_col);
             }
         }
     }
 
     if (columnwise) {
+        // Transposed bytes: two lanes per 32-row run of a column (store_transposed_tile); rows
+        // m .. m_pad are the zero padding (they read as zero and cast to zero).
         __syncthreads();
-        // Transposed bytes: runs of 32 rows of one column, one 32-byte sector of (k, m_pad) each when
-        // aligned; rows m .. m_pad are the zero padding (they read as zero and cast to zero).
-#pragma unroll
-        for (int run = 0; run < BCT_RUNS; ++run) {
-            const int idx = threadIdx.x + run * BCT_THREADS;
-            const int cc = idx % BCT_BLOCK;
-            const int rr = (idx / BCT_BLOCK) * BCT_COL_RUN;
-            const i64 ocol = col0 + cc;
-            const i64 orow = row0 + rr;
-            if (ocol < k && orow < m_pad) {
-                u8* dst = x.out_col + ocol * m_pad + orow;
-                const i64 n = m_pad - orow < BCT_COL_RUN ? m_pad - orow : BCT_COL_RUN;
-                if ((n == BCT_COL_RUN || n == BCT_COL_RUN / 2) && aligned16(dst)) {
-#pragma unroll
-                    for (int h = 0; h < BCT_COL_RUN / 16; ++h) {
-                        if (16 * h < n) {
-                            u32 words[4];
-#pragma unroll
-                            for (int w = 0; w < 4; ++w) {
-                                const int r = rr + 16 * h + 4 * w;
-                                words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
-                                           (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
-                            }
-                            reinterpret_cast<uint4*>(dst)[h] = make_uint4(words[0], words[1], words[2], words[3]);
-                        }
-                    }
-                } else {
-                    for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
-                }
-            }
-        }
+        store_transposed_tile<BCT_BLOCK, BCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0);
     }
 
     // Column sums (COLSUM), in the order the header states.

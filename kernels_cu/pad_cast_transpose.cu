@@ -52,9 +52,7 @@ constexpr int PCT_SEG = kSeg;      // elements per thread-segment: one 16-byte F
 constexpr int PCT_THREADS = 256;
 constexpr int PCT_SEGS_PER_ROW = PCT_TILE_K / PCT_SEG;                             // 8
 constexpr int PCT_SEG_ITERS = PCT_TILE_M * PCT_SEGS_PER_ROW / PCT_THREADS;         // 2
-constexpr int PCT_COL_RUN = 32;    // transposed rows written per thread: one full 32-byte sector
-static_assert(PCT_TILE_K * (PCT_TILE_M / PCT_COL_RUN) == PCT_THREADS, "one column run per thread");
-static_assert(PCT_TILE_K == 8 * kSeg, "seg_col (warp_colsum) is for 128-column tiles");
+static_assert(PCT_TILE_K == kTileCols, "seg_col, tile_col: 128-column tiles");
 
 // Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
 // same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
@@ -186,7 +184,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
     constexpr bool kAmax = MODE != PctMode::CAST;
     static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
-    __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];
+    __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];   // columns placed by tile_col
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];   // indexed by seg_col
     __shared__ int last_block;
@@ -294,7 +292,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                 const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s), ftz(v[4 * w + 3] * s));
                 packed[w] = lo | (hi << 16);
             }
-            *reinterpret_cast<uint4*>(&tile[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) =
+                make_uint4(packed[0], packed[1], packed[2], packed[3]);
             if (rowwise && grow < m && gcol < k) {
                 u8* dst = x.out_row + grow * k + gcol;
                 if (gcol + PCT_SEG <= k && aligned16(dst)) {
@@ -308,38 +307,12 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         }
     }
 
-    // Phase 2: each thread writes a run of 32 transposed bytes (one column of the tile, 32 rows):
-    // one full 32-byte sector of the (k, m_pad) output when aligned.
+    // Phase 2: the transposed bytes, two lanes per 32-row run of a column
+    // (store_transposed_tile).
     if (kCast) {
         __syncthreads();
-        const int cc = threadIdx.x % PCT_TILE_K;
-        const int rr = (threadIdx.x / PCT_TILE_K) * PCT_COL_RUN;
-        const i64 gcol = col0 + cc;
-        const i64 grow = row0 + rr;
-        if (columnwise && gcol < k && grow < m_pad) {
-            u8* dst = x.out_col + gcol * m_pad + grow;
-            const i64 n = m_pad - grow < PCT_COL_RUN ? m_pad - grow : PCT_COL_RUN;
-            if ((n == PCT_COL_RUN || n == PCT_COL_RUN / 2) && aligned16(dst)) {
-                // 16-byte stores: two for a full run, one for an expert's last run when
-                // m_pad % 32 == 16 (instead of 16 single-byte stores)
-#pragma unroll
-                for (int h = 0; h < PCT_COL_RUN / 16; ++h) {
-                    if (16 * h < n) {
-                        u32 words[4];
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) {
-                            const int r = rr + 16 * h + 4 * w;
-                            words[w] = u32(tile[r][cc]) | (u32(tile[r + 1][cc]) << 8) |
-                                       (u32(tile[r + 2][cc]) << 16) | (u32(tile[r + 3][cc]) << 24);
-                        }
-                        reinterpret_cast<uint4*>(dst)[h] =
-                            make_uint4(words[0], words[1], words[2], words[3]);
-                    }
-                }
-            } else {
-                for (int j = 0; j < n; ++j) dst[j] = tile[rr + j][cc];
-            }
-        }
+        if (columnwise)
+            store_transposed_tile<PCT_TILE_M, PCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0);
     }
 
     // Column sums, in a fixed order that the reference reproduces: per thread rows r + (r + 32);

@@ -165,6 +165,57 @@ CG_DEVICE int expert_of_tile(const i32* tile_start, int num_experts, int t) {
 }
 
 CG_DEVICE i64 round_up(i64 m, i64 align) { return (m + align - 1) / align * align; }
+
+// ---- the transposed copy of a 128-column FP8 tile ------------------------------------------------
+// Where byte (r, c) of the tile lives in its row: 16-byte chunk c / 16, exchanged with its
+// neighbour (chunk ^ 1) in rows 16..31, 48..63, ... Rows keep whole 16-byte chunks (the row-wise
+// pass stores them with 16-byte stores, a quarter-warp per row: conflict-free either way); the
+// exchange puts the two lanes of store_transposed_tile that read rows 16 apart into different
+// banks (unexchanged, 128-byte rows put them in the same ones: a 2-way conflict).
+constexpr int kTileCols = 8 * kSeg;   // 128
+CG_DEVICE constexpr int tile_col(int r, int c) { return (((c >> 4) ^ ((r >> 4) & 1)) << 4) | (c & 15); }
+
+// Write the tile's columns to the (k, m_pad) transposed output (column c, rows r at
+// out_col[(col0 + c) * m_pad + row0 + r]; the tile's rows past the expert's m read as zeros: the
+// padding), in runs of 32 rows of one column: one 32-byte sector each when aligned. Two
+// neighbouring lanes write a run, 16 rows each, in the same 16-byte store instruction, so that a
+// warp's store fills 16 whole sectors (one lane per run would half-fill 32 sectors per
+// instruction, and finish each with a second one). A run cut short by m_pad (16 rows when
+// m_pad % 32 == 16) is one lane's store; any other length, or an unaligned run, bytes.
+template <int ROWS, int THREADS>
+CG_DEVICE void store_transposed_tile(const u8 (&tile)[ROWS][kTileCols], u8* out_col, i64 k,
+                                     i64 m_pad, i64 row0, i64 col0) {
+    constexpr int kRun = 32;
+    constexpr int kHalves = 2 * kTileCols * (ROWS / kRun) / THREADS;   // half-runs per thread
+    static_assert(kHalves * THREADS == 2 * kTileCols * (ROWS / kRun), "whole half-runs per thread");
+#pragma unroll
+    for (int i = 0; i < kHalves; ++i) {
+        const int half_run = threadIdx.x + i * THREADS;
+        const int run = half_run >> 1, lo = 16 * (half_run & 1);
+        const int cc = run % kTileCols;
+        const int rr = (run / kTileCols) * kRun;
+        const i64 ocol = col0 + cc;
+        const i64 orow = row0 + rr;
+        if (ocol >= k || orow >= m_pad) continue;
+        u8* dst = out_col + ocol * m_pad + orow;
+        const i64 n = m_pad - orow < kRun ? m_pad - orow : kRun;
+        if ((n == kRun || n == kRun / 2) && aligned16(dst)) {
+            if (lo < n) {
+                const int c = tile_col(rr + lo, cc);     // the same for the 16 rows
+                u32 words[4];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    const int r = rr + lo + 4 * w;
+                    words[w] = u32(tile[r][c]) | (u32(tile[r + 1][c]) << 8) |
+                               (u32(tile[r + 2][c]) << 16) | (u32(tile[r + 3][c]) << 24);
+                }
+                *reinterpret_cast<uint4*>(dst + lo) = make_uint4(words[0], words[1], words[2], words[3]);
+            }
+        } else {
+            for (int j = lo; j < lo + 16 && j < n; ++j) dst[j] = tile[rr + j][tile_col(rr + j, cc)];
+        }
+    }
+}
 CG_DEVICE float warp_max(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
