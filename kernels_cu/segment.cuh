@@ -21,7 +21,8 @@ CG_DEVICE constexpr int seg_col(int c) { return (c & ~15) | ((c + ((c >> 5) << 1
 
 template <InDtype IN> struct InTraits;
 // Per input type: `words` 16-byte words hold one segment of kSeg elements; load_raw reads them
-// (from a 16-byte aligned address) without converting, unpack widens them to float.
+// (from a 16-byte aligned address) without converting, unpack widens them to float (unpack_word:
+// one word's 16 / bytes values).
 template <> struct InTraits<InDtype::F32> {
     static constexpr int bytes = 4;
     static constexpr int words = kSeg * bytes / 16;   // 4
@@ -31,12 +32,12 @@ template <> struct InTraits<InDtype::F32> {
 #pragma unroll
         for (int j = 0; j < words; ++j) w[j] = q[j];
     }
+    CG_DEVICE static void unpack_word(const uint4& w, float* v) {   // 4 values
+        v[0] = bits_f32(w.x); v[1] = bits_f32(w.y); v[2] = bits_f32(w.z); v[3] = bits_f32(w.w);
+    }
     CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[kSeg]) {
 #pragma unroll
-        for (int j = 0; j < words; ++j) {
-            v[4 * j] = bits_f32(w[j].x); v[4 * j + 1] = bits_f32(w[j].y);
-            v[4 * j + 2] = bits_f32(w[j].z); v[4 * j + 3] = bits_f32(w[j].w);
-        }
+        for (int j = 0; j < words; ++j) unpack_word(w[j], v + 4 * j);
     }
 };
 template <InDtype IN> struct Half16Traits {
@@ -52,16 +53,17 @@ template <InDtype IN> struct Half16Traits {
 #pragma unroll
         for (int j = 0; j < words; ++j) w[j] = q[j];
     }
+    CG_DEVICE static void unpack_word(const uint4& w, float* v) {   // 8 values
+        const u32 h[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = cvt(h[i] & 0xffffu);
+            v[2 * i + 1] = cvt(h[i] >> 16);
+        }
+    }
     CG_DEVICE static void unpack(const uint4 (&w)[words], float (&v)[kSeg]) {
 #pragma unroll
-        for (int j = 0; j < words; ++j) {
-            const u32 h[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                v[8 * j + 2 * i] = cvt(h[i] & 0xffffu);
-                v[8 * j + 2 * i + 1] = cvt(h[i] >> 16);
-            }
-        }
+        for (int j = 0; j < words; ++j) unpack_word(w[j], v + 8 * j);
     }
 };
 template <> struct InTraits<InDtype::F16> : Half16Traits<InDtype::F16> {};

@@ -268,3 +268,27 @@ def test_cast_kernels_access_properties(kind):
     # + one 128-float row per tile (column sums), + the last-block counters' sectors
     most = sum(-(-a.nbytes // 32) for a in arrays) + scratch + 4
     assert out_sectors <= written <= most, report
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_scatter_rows_reads_and_writes_whole_sectors(dtype):
+    from cugrouped import reference
+    from cugrouped.ops.scatter_rows import scatter_rows
+
+    rng = np.random.default_rng(3)
+    tokens, h = 16, 512
+    idx = rng.integers(0, tokens, 48).astype(np.int64)
+    order, seg = reference.scatter_plan(idx, tokens)
+    rows = DeviceLikeHost.empty((48, h), dtype)
+    rows[...] = rng.standard_normal((48, h)).astype(dtype)
+    out = DeviceLikeHost.empty((tokens, h), np.float32)
+    with trace_accesses() as tr:
+        scatter_rows(rows, order, seg, tokens, out, backend="emulate")
+    report = tr.report()
+    # a thread's 4 columns: one load (16 bytes of float32, 8 of bfloat16), one 16-byte store
+    word = 16 if dtype == np.float32 else 8
+    words = {s.kind: s for s in tr.sites() if (s.kind, s.size) in (("load", word), ("store", 16))}
+    assert set(words) == {"load", "store"}, report
+    assert words["load"].bytes == rows.nbytes and words["store"].bytes == out.nbytes, report
+    assert words["load"].efficiency == words["store"].efficiency == 1.0, report
+    assert tr.launches[0].global_sectors()["written"] == out.nbytes // 32

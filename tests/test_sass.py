@@ -216,3 +216,20 @@ def test_block_cast_gather_keeps_wide_loads_issued_together(block_gather_sass, d
         assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
         cap = 80 if dims == 2 and dtype != "float32" else 128
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scatter_rows_reads_and_writes_whole_words(arch):
+    """The MoE unpermute's sum: a thread's 4 columns of a row in one read-only (``.CONSTANT``)
+    load, 16 bytes of float32 or 8 of 16-bit values, and its 4 sums in one 16-byte store (NVVM
+    split the plain float4 store into four on sm_80..sm_90: the kernel states it in PTX)."""
+    from cugrouped.ops import scatter_rows as sr
+
+    _, by_name, resources = _compiled(sr.KERNEL_SPEC, arch)
+    for dtype in ("float32", "float16", "bfloat16"):
+        name = sr.kernel_name(dtype)
+        ops = _sass.memory_ops(by_name[name])
+        word = "LDG.E.128.CONSTANT" if dtype == "float32" else "LDG.E.64.CONSTANT"
+        assert ops[word] >= 1 and ops["STG.E.128"] == 1, (dtype, ops)
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), (dtype, ops)
+        assert resources[name].spill_stores == resources[name].spill_loads == 0

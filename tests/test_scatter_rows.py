@@ -57,7 +57,9 @@ def test_reference_adds_in_the_order_torch_index_add_does_on_the_cpu():
 def test_plan_groups_rows_by_token_stably():
     order, seg = reference.scatter_plan(np.array([2, 0, 2, -1, 0, 5, 2]), 3)
     assert order.tolist()[:5] == [1, 4, 0, 2, 6] and seg.tolist() == [0, 2, 2, 5]
-    assert sr.plan_grid(10, 300) == (2, 20) and sr.plan_grid(10, 0) == (1, 0)
+    # 4 columns per thread: 1024 per block
+    assert sr.plan_grid(10, 300) == (1, 10) and sr.plan_grid(10, 0) == (1, 0)
+    assert sr.plan_grid(10, 1025) == (2, 20)
 
 
 def test_bad_input():
@@ -180,3 +182,17 @@ def test_emulated_writes_only_its_own_cells_in_every_order(order):
         sr.scatter_rows(x, plan, seg, tokens, out, backend="emulate")
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
     assert (guard[tokens * h:] == -1.0).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("first_col, h", [(0, 261), (0, 8), (1, 200), (8, 3), (2, 100)])
+def test_emulated_kernel_on_row_views(dtype, first_col, h):
+    """Rows of a wider array: aligned rows with a ragged end (each thread's one load of 4 values,
+    then value by value for the last columns), and unaligned rows (value by value)."""
+    idx, wide = _case(11, 30, 272, dtype, seed=h)
+    x = wide[:, first_col:first_col + h]
+    order, seg = reference.scatter_plan(idx, 11)
+    want = reference.scatter_rows(np.ascontiguousarray(x), order, seg, 11)
+    out = np.full((11, h), np.nan, np.float32)
+    sr.scatter_rows(x, order, seg, 11, out, backend="emulate")
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))

@@ -23,7 +23,7 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def kernel_name(dtype: str) -> str:
-    return f"cg::scatter_rows_kernel<cg::SrIn::{_IN[dtype]}>"
+    return f"cg::scatter_rows_kernel<cg::InDtype::{_IN[dtype]}>"
 
 
 KERNEL_SPEC = _jit.register("scatter_rows", _jit.KernelSpec(
@@ -31,8 +31,9 @@ KERNEL_SPEC = _jit.register("scatter_rows", _jit.KernelSpec(
 
 
 def plan_grid(num_tokens: int, h: int) -> tuple[int, int]:
-    """(column chunks per token, blocks): one block per (token, chunk of THREADS columns)."""
-    chunks = max(1, -(-h // THREADS))
+    """(column chunks per token, blocks): one block per (token, chunk of 4 x THREADS columns);
+    each thread sums 4 columns."""
+    chunks = max(1, -(-h // (4 * THREADS)))
     grid = num_tokens * chunks if h else 0
     if grid >= 2**31:
         raise ValueError(f"num_tokens, h: too many blocks ({grid}) for one launch")
