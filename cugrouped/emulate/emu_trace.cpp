@@ -95,37 +95,39 @@ EMU_RW(1) EMU_RW(2) EMU_RW(4) EMU_RW(8) EMU_RW(16)
 
 // Atomics: the real operation (sequentially consistent, whatever order was asked for: stronger is
 // always correct), recorded as one access of kind 2.
+#define EMU_RMW(N, T, NAME, BUILTIN)                                                                 \
+    EMU_UNTRACED T __tsan_atomic##N##_##NAME(volatile T* a, T v, int) {                            \
+        emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
+        return BUILTIN(a, v, __ATOMIC_SEQ_CST);                                                      \
+    }
+#define EMU_CAS(N, T, NAME)                                                                          \
+    EMU_UNTRACED int __tsan_atomic##N##_compare_exchange_##NAME(volatile T* a, T* c, T v, int, int) { \
+        emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
+        return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);     \
+    }
 #define EMU_ATOMIC(N, T)                                                                             \
     EMU_UNTRACED T __tsan_atomic##N##_load(const volatile T* a, int) {                             \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_load_n(a, __ATOMIC_SEQ_CST); }         \
+        emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
+        return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                 \
+    }                                                                                                \
     EMU_UNTRACED void __tsan_atomic##N##_store(volatile T* a, T v, int) {                          \
-        emu::trace(EMU_RA, a, sizeof(T), 2); __atomic_store_n(a, v, __ATOMIC_SEQ_CST); }            \
-    EMU_UNTRACED T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                          \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }  \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) {                         \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }   \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) {                         \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }   \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) {                         \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }   \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) {                          \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }    \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) {                         \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }   \
-    EMU_UNTRACED T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) {                        \
-        emu::trace(EMU_RA, a, sizeof(T), 2); return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); }  \
-    EMU_UNTRACED int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) { \
         emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
-        return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); }   \
-    EMU_UNTRACED int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) { \
-        emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
-        return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); }   \
+        __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                    \
+    }                                                                                                \
+    EMU_RMW(N, T, exchange, __atomic_exchange_n) EMU_RMW(N, T, fetch_add, __atomic_fetch_add)        \
+    EMU_RMW(N, T, fetch_sub, __atomic_fetch_sub) EMU_RMW(N, T, fetch_and, __atomic_fetch_and)        \
+    EMU_RMW(N, T, fetch_or, __atomic_fetch_or) EMU_RMW(N, T, fetch_xor, __atomic_fetch_xor)          \
+    EMU_RMW(N, T, fetch_nand, __atomic_fetch_nand)                                                   \
+    EMU_CAS(N, T, strong) EMU_CAS(N, T, weak)                                                        \
     EMU_UNTRACED T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {    \
         emu::trace(EMU_RA, a, sizeof(T), 2);                                                         \
         __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);            \
-        return c; }
+        return c;                                                                                    \
+    }
 EMU_ATOMIC(8, char) EMU_ATOMIC(16, short) EMU_ATOMIC(32, int) EMU_ATOMIC(64, long long)
 #undef EMU_ATOMIC
+#undef EMU_CAS
+#undef EMU_RMW
 EMU_UNTRACED void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 EMU_UNTRACED void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 }  // extern "C"
