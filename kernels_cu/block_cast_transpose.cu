@@ -188,13 +188,16 @@ constexpr int bct_min_blocks(InDtype in, int dims) { return in != InDtype::F32 &
 // widened across the phases spilled the fp16 variants, as in the 1-D kernel). Row-wise: a block is
 // the 32 columns of this lane and its xor-1 neighbour. Column-wise: the warp's 4 rows (xor 8, 16),
 // then the 8 warps through shared memory; the bytes go to `tile` for the transposed write.
-// row_tile / col_tile: the tile's 512-byte scale tiles of the two copies.
+// row_tile / col_tile: the tile's 512-byte scale tiles of the two copies, staged in shared memory
+// (`stage`) and written at the end by one warp each, 16 bytes per lane: written where they are
+// made, a warp's scale bytes were 16 bytes apart (the tiled layout), 16 to 32 sectors per request
+// for 32 bytes (cugrouped.emulate.access).
 template <InDtype IN, Fp8Format FMT>
 CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], u8* out_row,
                             i64 m, i64 k, i64 row0, i64 gcol, i64 ncol, int c, int r_first,
                             u8* row_tile, u8* col_tile, u8 (&tile)[BCT_BLOCK][BCT_BLOCK],
                             float (&col_part)[BCT_THREADS / 32][BCT_BLOCK],
-                            float (&col_scale)[BCT_BLOCK]) {
+                            float (&col_scale)[BCT_BLOCK], u8 (&stage)[2][MX_TILE_BYTES]) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int it = 0; it < BCT_ITERS; ++it) {
@@ -216,7 +219,7 @@ CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], 
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
             if (grow < m && ncol > 0) store16(out_row + grow * k + gcol, ncol, q);
             if (threadIdx.x % 2 == 0)   // row r_first + 32 it, block c / 32 (rows past m: 0x00)
-                row_tile[r_first * 16 + it * 4 + c / MX_BLOCK] = e;
+                stage[0][r_first * 16 + it * 4 + c / MX_BLOCK] = e;   // the tiled layout
         }
         if (col_tile != nullptr) {
 #pragma unroll
@@ -234,13 +237,40 @@ CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], 
                 for (int w = 1; w < BCT_THREADS / 32; ++w) b = fmaxf(b, col_part[w][seg_col(cc)]);
                 const u8 e = mx_scale_byte<FMT>(b);
                 col_scale[seg_col(cc)] = mx_element_scale(e);
-                col_tile[(cc % 32) * 16 + (cc / 32) * 4 + it] = e;
+                stage[1][it * BCT_BLOCK + cc] = e;   // by column: conflict-free; tiled below
             }
             __syncthreads();
 #pragma unroll
             for (int j = 0; j < kSeg; ++j) s[j] = col_scale[seg_col(c + j)];
             const int r = r_first + BCT_ROWS_PER_ITER * it;
             *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = cast16<FMT>(v, s);
+        }
+    }
+    // The scale tiles: lane L writes bytes 16 L .. 16 L + 15, the tiled layout's row L (scales of
+    // rows, resp. columns, L, L + 32, L + 64, L + 96 of the data tile, 4 blocks each).
+    __syncthreads();
+    u8* dst = warp == 0 ? row_tile : warp == 1 ? col_tile : nullptr;
+    if (dst != nullptr) {
+        uint4 q;
+        if (warp == 0) {
+            q = reinterpret_cast<const uint4*>(stage[0])[lane];
+        } else {
+            u32 words[4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {   // byte 4 w + it: column 32 w + L, block `it`
+                const u8* col = stage[1] + 32 * w + lane;
+                words[w] = u32(col[0]) | (u32(col[BCT_BLOCK]) << 8) | (u32(col[2 * BCT_BLOCK]) << 16) |
+                           (u32(col[3 * BCT_BLOCK]) << 24);
+            }
+            q = make_uint4(words[0], words[1], words[2], words[3]);
+        }
+        const u32 words[4] = {q.x, q.y, q.z, q.w};
+        u8* out = dst + 16 * lane;
+        if (aligned16(out)) {
+            *reinterpret_cast<uint4*>(out) = q;
+        } else {
+#pragma unroll
+            for (int b = 0; b < 16; ++b) out[b] = static_cast<u8>(words[b / 4] >> (8 * (b % 4)));
         }
     }
 }
@@ -268,6 +298,7 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     using Traits = InTraits<IN>;
     __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes (tile_col)
     __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
+    __shared__ __align__(16) u8 mx_stage[2][MX_TILE_BYTES];      // MXFP8: the two scale tiles
     __shared__ float col_scale[BCT_BLOCK];                        // 1-D: the column blocks' scales
                                                                   // (both indexed by seg_col)
     __shared__ float warp_amax[BCT_THREADS / 32];                 // 2-D: per-warp block maxima
@@ -347,7 +378,7 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                               columnwise ? static_cast<u8*>(x.sinv_col) +
                                                (tc * ceil_div(m, BCT_BLOCK) + tr) * MX_TILE_BYTES
                                          : nullptr,
-                              tile, col_part, col_scale);
+                              tile, col_part, col_scale, mx_stage);
     } else {
         // Amax: 1-D, of each row's segment of 8 lanes (xor-shuffles 1, 2, 4) and of each column over
         // the 128 rows; 2-D, of the whole tile. NaN is ignored (fmaxf), as in every cugrouped amax.

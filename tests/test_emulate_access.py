@@ -254,6 +254,10 @@ def test_cast_kernels_access_properties(kind):
     col_stores = [s for s in sites if s.space == "global" and s.kind == "store" and s.size == 16
                   and s.bytes == res.data_t.nbytes]
     assert len(col_stores) == 1 and col_stores[0].efficiency > 0.75, report
+    if kind == "mxfp8":   # the E8M0 scale tiles too: staged, then 16 bytes per lane
+        others = [s for s in sites if s.space == "global" and s.kind == "store"
+                  and s is not col_stores[0]]
+        assert others and all(s.size == 16 and s.efficiency == 1.0 for s in others), report
     # DRAM: every input byte read once per pass (current scaling: an amax pass, then the cast),
     # nothing but the outputs, scales and column sums written
     passes = len(tr.launches)
