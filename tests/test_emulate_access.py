@@ -141,6 +141,34 @@ def test_nothing_recorded_or_built_outside_the_block():
     assert tr.launches == [] and tr.report() == ""
 
 
+def test_needs_addr2line(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))     # an empty folder: no binutils
+    with pytest.raises(RuntimeError, match="addr2line"):
+        with trace_accesses():
+            pass
+
+
+def test_threads_trace_one_launch_at_a_time(patterns):
+    """Two threads tracing the same library: each gets its own launch's records, whole."""
+    import threading
+
+    results = {}
+
+    def work(i):
+        with trace_accesses() as tr:
+            run_global(patterns)
+        results[i] = tr
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sites = [{(s.location, s.kind): (s.requests, s.units) for s in results[i].sites()}
+             for i in range(2)]
+    assert sites[0] == sites[1] and len(sites[0]) == 8   # the 8 access lines of the kernel
+
+
 def test_capacity(patterns):
     with pytest.raises(ValueError, match="capacity"):
         with trace_accesses(capacity=0):

@@ -37,7 +37,9 @@ import contextvars
 import ctypes
 import dataclasses
 import functools
+import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,7 @@ SPACES = ("global", "shared")
 SECTOR = 32
 _EMULATOR_DIR = Path(__file__).resolve().parent
 
+_RUN_LOCK = threading.Lock()
 _active: contextvars.ContextVar["AccessTrace | None"] = contextvars.ContextVar("_active",
                                                                         default=None)
 
@@ -68,6 +71,9 @@ def trace_accesses(capacity: int = 4_000_000):
     (32 bytes each); a launch with more is an error naming the count, never a silent cut."""
     if int(capacity) < 1:
         raise ValueError(f"capacity: expected a positive number of records, got {capacity}")
+    if shutil.which("addr2line") is None:
+        raise RuntimeError("trace_accesses needs addr2line (GNU binutils, which g++ comes with) "
+                           "to find the source line of each access; none is on PATH")
     tr = AccessTrace(int(capacity))
     token = _active.set(tr)
     try:
@@ -182,11 +188,12 @@ class AccessTrace:
         lib = kernel.module._lib
         buf = np.zeros(self.capacity, dtype=RECORD)
         lost = ctypes.c_ulonglong(0)
-        lib.cg_emu_trace_begin(ctypes.c_void_p(buf.ctypes.data), ctypes.c_ulonglong(buf.size))
-        try:
-            launch()
-        finally:
-            n = lib.cg_emu_trace_end(ctypes.byref(lost))
+        with _RUN_LOCK:   # the library's buffer pointer is one per process
+            lib.cg_emu_trace_begin(ctypes.c_void_p(buf.ctypes.data), ctypes.c_ulonglong(buf.size))
+            try:
+                launch()
+            finally:
+                n = lib.cg_emu_trace_end(ctypes.byref(lost))
         if lost.value:
             raise RuntimeError(f"trace_accesses: {kernel.name} made {n + lost.value} accesses, "
                                f"more than capacity={self.capacity}; trace a smaller launch or "
