@@ -12,14 +12,10 @@ import numpy as np
 
 from ._array import DeviceLikeHost
 
-CASTS = ("cast", "block", "mxfp8")
-DTYPES = {"bfloat16": None, "float16": np.float16, "float32": np.float32}
-
-
 def _inputs(dtype: str, k: int, splits) -> list:
     import ml_dtypes
 
-    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else DTYPES[dtype]
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(0)
     xs = []
     for m in splits:
@@ -70,7 +66,7 @@ def run_access_report(what: str = "all", dtype: str = "bfloat16", k: int = 256,
         read = sum(t.global_sectors()["read"] for t in tr.launches)
         written = sum(t.global_sectors()["written"] for t in tr.launches)
         print(f"   DRAM floor: read {read} sectors over {len(tr.launches)} launch(es) (the inputs "
-              f"are {in_sectors}), wrote {written} (the FP8 outputs are {_nbytes(res) // SECTOR}, plus "
-              f"scales); shared memory: {sum(s.units for s in shared)} wavefronts, {extra} from "
-              f"bank conflicts\n")
+              f"are {in_sectors}), wrote {written} (the FP8 outputs are "
+              f"{_nbytes(res) // SECTOR}, plus scales); shared memory: "
+              f"{sum(s.units for s in shared)} wavefronts, {extra} from bank conflicts\n")
     return 0

@@ -264,14 +264,7 @@ CG_DEVICE void mx_cast_tile(const uint4 (&raw)[BCT_ITERS][InTraits<IN>::words], 
             }
             q = make_uint4(words[0], words[1], words[2], words[3]);
         }
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
-        u8* out = dst + 16 * lane;
-        if (aligned16(out)) {
-            *reinterpret_cast<uint4*>(out) = q;
-        } else {
-#pragma unroll
-            for (int b = 0; b < 16; ++b) out[b] = static_cast<u8>(words[b / 4] >> (8 * (b % 4)));
-        }
+        store16(dst + 16 * lane, 16, q);   // (bytes if an out= buffer is not 16-byte aligned)
     }
 }
 

@@ -218,6 +218,7 @@ CG_DEVICE void store_transposed_tile(const u8 (&tile)[ROWS][kTileCols], u8* out_
         }
     }
 }
+
 CG_DEVICE float warp_max(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));

@@ -120,6 +120,10 @@ def test_shared_wavefronts_by_hand(patterns):
         assert (s.kind, s.size, s.units, s.ideal) == want, marker
         assert s.requests == REQUESTS, marker
     assert sites[line_of("@square")][0].efficiency == 1 / 32
+    # a helper's store, from two call lines: two sites, each naming its caller
+    calls = sorted(s.via.rsplit("/", 1)[-1] for s in sites[line_of("@helper")])
+    assert calls == [line_of("@call1"), line_of("@call2")]
+    assert all(s.via == "" for k, v in sites.items() if k != line_of("@helper") for s in v)
 
 
 def test_tracing_changes_no_bits(patterns):

@@ -88,6 +88,7 @@ class Site:
 
     kernel: str
     location: str       # file:line of the innermost frame in the kernel's own sources
+    via: str            # file:line that called it, when it is a helper's line; else ""
     space: str          # "global" | "shared"
     kind: str           # "load" | "store" | "atomic"
     size: int           # bytes per lane access (the largest, if the line has several)
@@ -111,10 +112,17 @@ class LaunchTrace:
     grid: tuple
     block: tuple
     records: np.ndarray
-    locations: np.ndarray     # per record: its site's file:line (object array)
+    locations: np.ndarray     # per record: its site, "file:line" or "file:line<file:line" (via)
+    _sites: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def sites(self) -> list[Site]:
-        """Per (line, space, kind): requests and sectors or wavefronts (see the module)."""
+        """Per (line, space, kind): requests and sectors or wavefronts (see the module); worked
+        out once per launch (a report and the caller's checks read the same list)."""
+        if self._sites is None:
+            self._sites = self._count_sites()
+        return list(self._sites)
+
+    def _count_sites(self) -> list[Site]:
         r = self.records
         if r.size == 0:
             return []
@@ -123,13 +131,13 @@ class LaunchTrace:
         keys = np.char.add(np.char.add(self.locations.astype(str), "|"),
                            (r["space"] * 3 + r["kind"]).astype(str))
         def order(key):
-            path, _, rest = key.rpartition(":")
-            num, _, sk = rest.partition("|")
-            return path, int(num), int(sk)
+            where, sk = key.rsplit("|", 1)
+            return tuple(_file_line(w) for w in where.split("<")), int(sk)
 
         for key in sorted(np.unique(keys), key=order):
             m = keys == key
-            loc, sk = key.rsplit("|", 1)
+            where, sk = key.rsplit("|", 1)
+            loc, _, via = where.partition("<")
             space, kind = SPACES[int(sk) // 3], KINDS[int(sk) % 3]
             sub, sub_req = r[m], req[m]
             _, sub_req = np.unique(sub_req, return_inverse=True)
@@ -139,7 +147,7 @@ class LaunchTrace:
                 ideal = -(-nbytes // SECTOR)
             else:
                 units, ideal = _wavefronts(sub, sub_req)
-            out.append(Site(self.kernel, loc, space, kind, int(sub["size"].max()),
+            out.append(Site(self.kernel, loc, via, space, kind, int(sub["size"].max()),
                             int(sub_req.max()) + 1, int(nbytes.sum()), int(units.sum()),
                             int(ideal.sum())))
         return out
@@ -172,11 +180,14 @@ class AccessTrace:
             gs = launch.global_sectors()
             lines.append(f"{launch.kernel}  grid {launch.grid}  block {launch.block}  "
                          f"global sectors read {gs['read']}, written {gs['written']}")
-            lines.append(f"  {'line':<34} {'space':<6} {'kind':<6} {'size':>4} {'requests':>9} "
+            sites = launch.sites()
+            wheres = [_short(s.location) + (f" < {_short(s.via)}" if s.via else "") for s in sites]
+            w = max([34, *map(len, wheres)])
+            lines.append(f"  {'line':<{w}} {'space':<6} {'kind':<6} {'size':>4} {'requests':>9} "
                          f"{'bytes':>10} {'sectors/wavefronts':>19} {'ideal':>9} "
                          f"{'efficiency':>10}")
-            for s in launch.sites():
-                lines.append(f"  {_short(s.location):<34} {s.space:<6} {s.kind:<6} {s.size:>4} "
+            for where, s in zip(wheres, sites):
+                lines.append(f"  {where:<{w}} {s.space:<6} {s.kind:<6} {s.size:>4} "
                              f"{s.requests:>9} {s.bytes:>10} {s.units:>19} {s.ideal:>9} "
                              f"{s.efficiency:>10.1%}")
         return "\n".join(lines)
@@ -277,27 +288,33 @@ def _kernel_frame(path: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _symbolize(library: str, offsets: tuple[int, ...]) -> dict[int, str]:
-    """``{offset: "file:line"}``: the innermost inlined frame of each call site (the
-    instruction before the return address) that is in the kernel's own sources; sites with none
-    (the emulator's runtime, the C++ library) are left out."""
+    """``{offset: site}`` for each call site (the instruction before the return address): the
+    innermost inlined frame in the kernel's own sources, ``"file:line"``, followed by
+    ``"<file:line"`` of the frame that called it when there is one (so a helper such as
+    ``store16`` called from two lines gives two sites); sites with none (the emulator's runtime,
+    the C++ library) are left out."""
     if not offsets:
         return {}
     out = subprocess.run(["addr2line", "-e", library, "-i", "-a", *[hex(o - 1) for o in offsets]],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    res, cur = {}, None
-    for line in out:
+    frames: dict[int, list[str]] = {}
+    cur = None
+    for line in out:     # per address: its inlined frames, innermost first
         if line.startswith("0x"):
-            cur = int(line, 16) + 1
-            continue
-        if cur is None or cur in res:
+            cur = frames.setdefault(int(line, 16) + 1, [])
             continue
         path, _, num = line.rpartition(":")
         num = num.split()[0] if num else "?"
-        if path and num.isdigit() and _kernel_frame(path):
-            res[cur] = f"{path}:{num}"
-    return res
+        if cur is not None and path and num.isdigit() and _kernel_frame(path):
+            cur.append(f"{path}:{num}")
+    return {pc: f[0] + (f"<{f[1]}" if len(f) > 1 else "") for pc, f in frames.items() if f}
+
+
+def _file_line(location: str) -> tuple[str, int]:
+    path, _, num = location.rpartition(":")
+    return path, int(num)
 
 
 def _short(location: str) -> str:
-    path, _, num = location.rpartition(":")
+    path, num = _file_line(location)
     return f"{Path(path).name}:{num}"

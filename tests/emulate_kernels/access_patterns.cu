@@ -20,6 +20,8 @@ __global__ void global_patterns(const float* x, float* y, float* z, const float*
     atomicAdd(counter, 1u);                               // @atomic: 1 sector per request
 }
 
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }   // @helper
+
 __global__ void shared_patterns(const float* x, float* y) {
     __shared__ float padded[32][33];
     __shared__ float square[32][32];
@@ -37,6 +39,8 @@ __global__ void shared_patterns(const float* x, float* y) {
     __syncthreads();
     float acc = padded[0][t / 32];                        // @bcastsmem: one word, 1 wavefront
     acc += square[(lane * 2) % 32][0];                    // @twoway: 16 words in bank 0
+    put(y + blockIdx.x * blockDim.x + t, acc);            // @call1: a helper's two callers,
+    put(y + (blockIdx.x * blockDim.x + t) / 2, acc);      // @call2: two sites
     CG_EXTERN_SHARED(float, dyn);
     dyn[t] = acc;                                         // @dynamic: dynamic shared memory
     __syncthreads();
