@@ -678,6 +678,9 @@ def test_shard_state_dict_maps_experts_and_fp8_state():
     assert torch.equal(small.fc1.fp8_scale, st["scale"])
     assert shard_state_dict({"m.router.weight": 1, "other": 2}, 8, 0, 2, prefix="m.") == \
         {"router.weight": 1}
+    # no FP8 state (TransformerEngine's empty uint8 tensor, as a stateless recipe saves it)
+    none = torch.empty(0, dtype=torch.uint8)
+    assert shard_state_dict({"fc1._extra_state": none}, 8, 1, 4)["fc1._extra_state"] is none
 
 
 def test_errors_name_the_argument():

@@ -31,10 +31,11 @@ from .moe import MoEFeedForward, shard_state_dict
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams,
                      MXFP8BlockScaling, QParams, autocast, fp8_autocast, get_fp8_group,
                      get_fp8_recipe, is_fp8_enabled)
+from .te_checkpoint import from_te_extra_state, from_te_state_dict
 
 __all__ = ["GroupedLinear", "fp8_autocast", "autocast", "DelayedScaling", "Float8CurrentScaling",
            "Float8BlockScaling", "MXFP8BlockScaling",
            "QParams", "MMParams", "Format", "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled",
            "DelayedScalingState",
            "set_cpu_cast_backend", "cpu_cast_backend", "MoEFeedForward", "shard_state_dict",
-           "checkpoint"]
+           "checkpoint", "from_te_state_dict", "from_te_extra_state"]

@@ -403,20 +403,22 @@ class GroupedLinear(torch.nn.Module):
             return
         if isinstance(state, (torch.Tensor, io.BytesIO)):
             # TransformerEngine's serialized extra state (a pickle in a uint8 tensor; older
-            # versions torch.save into BytesIO). Never unpickled here: its recipe object is
-            # TE's class. Only delayed scaling stores scales and histories in it; the other
-            # recipes' payload carries no state, so it loads as "no FP8 state".
+            # versions torch.save into BytesIO). Not unpickled here: te_checkpoint converts it
+            # (its layout depends on the TE version). Only delayed scaling stores scales and
+            # histories in it; the other recipes' payload carries no state, so it loads as
+            # "no FP8 state".
             raw = state.getvalue() if isinstance(state, io.BytesIO) else \
                 state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
             if b"amax_history_fwd" not in raw:
                 self._set_state(None)
                 return
             raise ValueError("state_dict: this FP8 extra state is TransformerEngine's delayed-"
-                             "scaling state, in its serialized format, which cugrouped does not "
-                             "read; to start delayed scaling afresh, replace each "
-                             "'_extra_state' entry with torch.empty(0, dtype=torch.uint8) "
-                             "(TransformerEngine's 'no FP8 state'): the weights and biases load "
-                             "as they are")
+                             "scaling state, in its serialized format; convert the checkpoint "
+                             "first: layer.load_state_dict(cugrouped.pytorch.from_te_state_dict("
+                             "state_dict, te_version=<the TE version that wrote it>)) keeps the "
+                             "scales and amax histories (or, to start delayed scaling afresh, "
+                             "replace each '_extra_state' entry with torch.empty(0, "
+                             "dtype=torch.uint8), TransformerEngine's 'no FP8 state')")
         if not isinstance(state, dict):
             raise TypeError(f"state_dict: expected the FP8 extra state as a dict, got "
                             f"{type(state).__name__}")

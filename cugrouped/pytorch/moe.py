@@ -319,7 +319,9 @@ def shard_state_dict(global_state: Mapping[str, torch.Tensor], num_experts: int,
     return out
 
 
-def _shard_fp8_state(state: dict, num_experts: int, lo: int, L: int) -> dict:
+def _shard_fp8_state(state, num_experts: int, lo: int, L: int):
+    if not isinstance(state, dict):     # no FP8 state (TransformerEngine's empty uint8 tensor)
+        return state
     if int(state["num_experts"]) != num_experts:
         raise ValueError(f"state_dict: FP8 extra state is for {state['num_experts']} experts, "
                          f"expected {num_experts}")
