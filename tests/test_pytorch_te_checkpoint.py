@@ -293,6 +293,14 @@ def test_bad_versions_recipes_and_states_are_named(te_recipe):
         from_te_state_dict([ok], te_version="2.9")
 
 
+def test_a_stateless_recipes_payload_is_not_unpickled(te_recipe):
+    """TE 2.x before its stateless-recipe check pickled the recipe of current / block / MXFP8
+    scaling with no tensors: no state, and nothing in it is unpickled (not even a global that
+    would be refused)."""
+    assert from_te_extra_state(blob({"recipe": os.system, "extra_fp8_variables": {}}),
+                               te_version="2.1") is None
+
+
 def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     """A pickle that would call os.system is refused by name before anything runs."""
     marker = tmp_path / "ran"

@@ -20,8 +20,9 @@ it has: hence ``te_version``.
 
 Loading never runs code from the checkpoint: the pickle is read by an unpickler that knows only
 torch's tensor rebuild (storages through ``torch.load(weights_only=True)``) and stand-ins for
-TE's recipe classes (data only); anything else is refused with its name. TransformerEngine need
-not be installed.
+TE's recipe classes (data only); anything else is refused with its name. (TransformerEngine
+itself now refuses these pickles unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``, since its
+loader would run any code they name.) TransformerEngine need not be installed.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def _read(extra_state):
                             f"uint8 tensor), got a {tuple(extra_state.shape)} {extra_state.dtype} "
                             f"tensor")
         raw = extra_state.detach().cpu().contiguous().numpy().tobytes()
+        if b"amax_history_fwd" not in raw:      # no delayed-scaling state: nothing to unpickle
+            return None
         return _Unpickler(io.BytesIO(raw)).load()
     raise TypeError(f"extra_state: expected TransformerEngine's serialized state (a uint8 tensor "
                     f"or an io.BytesIO), got {type(extra_state).__name__}")
