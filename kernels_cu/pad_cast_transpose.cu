@@ -292,18 +292,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                 const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s), ftz(v[4 * w + 3] * s));
                 packed[w] = lo | (hi << 16);
             }
-            *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) =
-                make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            if (rowwise && grow < m && gcol < k) {
-                u8* dst = x.out_row + grow * k + gcol;
-                if (gcol + PCT_SEG <= k && aligned16(dst)) {
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < PCT_SEG; ++j)   // unrolled: packed[] stays in registers
-                        if (gcol + j < k) dst[j] = static_cast<u8>(packed[j / 4] >> (8 * (j % 4)));
-                }
-            }
+            const uint4 q = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = q;
+            if (rowwise && grow < m && gcol < k) store16(x.out_row + grow * k + gcol, k - gcol, q);
         }
     }
 
