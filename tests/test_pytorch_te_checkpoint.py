@@ -103,14 +103,39 @@ def test_a_converted_checkpoint_loads_into_grouped_linear_and_trains():
     assert (h[:2 * E, 0] >= conv["amax"][:2 * E]).all()
 
 
-def test_a_state_dict_without_fp8_state_and_a_converted_one_pass_through():
+def test_only_grouped_linears_extra_states_are_converted():
+    """Beside a weight0 (or a 3-D weight: one grouped weight), a GroupedLinear's: converted, or
+    TE's "no FP8 state" when it has none; a converted one, and the extra state of TE's other
+    modules (a Linear's, beside a 2-D weight; attention's), stay the objects they are."""
     empty = torch.empty(0, dtype=torch.uint8)
-    once = from_te_state_dict({"_extra_state": payload("te1.13_bytesio.pt")}, te_version="1.13")
-    sd = {"a._extra_state": empty, "b._extra_state": once["_extra_state"], "b.weight0": empty,
-          "c._extra_state": io.BytesIO(_torch_save(None))}
-    out = from_te_state_dict(sd, te_version="1.13")
+    te = payload("te2.9_interleaved_hybrid.pkl")
+    once = from_te_state_dict({"_extra_state": te, "weight0": empty}, te_version="2.9")
+    sd = {"a._extra_state": empty, "a.weight0": empty,
+          "b._extra_state": once["_extra_state"], "b.weight0": empty,
+          "c._extra_state": io.BytesIO(_torch_save(None)), "c.weight0": empty,
+          "g._extra_state": te, "g.weight": torch.zeros(E, 2, 2),
+          "lin._extra_state": te, "lin.weight": torch.zeros(2, 2), "attn._extra_state": te}
+    out = from_te_state_dict(sd, te_version="2.9")
     assert out["a._extra_state"].numel() == 0 and out["b._extra_state"] is sd["b._extra_state"]
     assert out["c._extra_state"].numel() == 0 and out["b.weight0"] is empty
+    assert torch.equal(out["g._extra_state"]["scale"], once["_extra_state"]["scale"])
+    assert out["lin._extra_state"] is te and out["attn._extra_state"] is te
+
+
+def test_te1_states_keep_the_format_they_recorded():
+    """TE 1.x stores no recipe but records its format's maxima (fp8_max_fwd / fp8_max_bwd):
+    an E4M3 run converts as E4M3; a recipe= of another format is refused."""
+    state = torch.load(DATA / "te1.13_bytesio.pt", map_location="cpu", weights_only=True)
+    state["extra_fp8_variables"].update(fp8_max_fwd=448.0, fp8_max_bwd=448.0)
+    e4m3 = io.BytesIO(_torch_save(state))
+    st = from_te_extra_state(e4m3, te_version="1.11")
+    assert st["recipe"]["fp8_format"] == "e4m3"
+    st = from_te_extra_state(e4m3, te_version="1.11",
+                             recipe=DelayedScaling(fp8_format=Format.E4M3, margin=2))
+    assert st["recipe"]["fp8_format"] == "e4m3" and st["recipe"]["margin"] == 2
+    with pytest.raises(ValueError, match=r"recipe: fp8_format Format.HYBRID differs from the "
+                                         r"Format.E4M3"):
+        from_te_extra_state(e4m3, te_version="1.11", recipe=DelayedScaling())
 
 
 # -- synthetic TE states, pickled with a stand-in of TE's recipe module ------------------------
@@ -266,7 +291,9 @@ def test_bad_versions_recipes_and_states_are_named(te_recipe):
     no_recipe = {k: v for k, v in te_state_bytes(te_recipe).items() if k != "recipe"}
     with pytest.raises(ValueError, match="te_version: this state has no recipe"):
         from_te_extra_state(blob(no_recipe), te_version="2.3")
-    assert from_te_extra_state(blob(no_recipe), te_version="2.1")["recipe"]["fp8_format"] == \
+    with pytest.raises(ValueError, match="te_version: this state has no recipe"):
+        from_te_extra_state(blob(no_recipe), te_version="2.1")
+    assert from_te_extra_state(blob(no_recipe), te_version="1.13")["recipe"]["fp8_format"] == \
         "hybrid"
     with pytest.raises(ValueError, match="recipe: this TransformerEngine state carries"):
         from_te_extra_state(ok, te_version="2.9", recipe=DelayedScaling())
@@ -316,3 +343,25 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     # nor any other global than a tensor's rebuild and TE's recipe classes
     with pytest.raises(ValueError, match=r"refers to builtins\.eval"):
         from_te_extra_state(blob({"amax_history_fwd": eval}), te_version="2.9")
+
+
+def test_loading_changes_nothing_outside_the_checkpoint():
+    """BUILD (set attributes) on an allowed global would change it for the whole process, e.g.
+    torch's tensor rebuild made to negate every tensor loaded later: refused, nothing changed."""
+    import pickletools
+
+    def body(obj):              # a protocol-2 pickle's opcodes, without PROTO and STOP
+        return pickle.dumps(obj, protocol=2)[2:-1]
+
+    rebuild = torch._utils._rebuild_tensor_v2
+    defaults = rebuild.__defaults__
+    evil = (b"\x80\x02" + b"ctorch._utils\n_rebuild_tensor_v2\n"
+            + body((None, {"__defaults__": ({"neg": True},)})) + b"b"     # BUILD on the function
+            + b"0" + body({"amax_history_fwd": None}) + b".")
+    with pytest.raises(ValueError, match="sets attributes of function"):
+        from_te_extra_state(blob_bytes(pickletools.optimize(evil)), te_version="2.9")
+    assert rebuild.__defaults__ == defaults
+
+
+def blob_bytes(raw):
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

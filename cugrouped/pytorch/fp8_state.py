@@ -62,9 +62,10 @@ class DelayedScalingState:
 
     def with_history_len(self, recipe: DelayedScaling) -> DelayedScalingState:
         """This state for ``recipe`` (:meth:`compatible` with it), its amax history cut to the
-        newest ``recipe.amax_history_len`` entries or zero-padded on the old end
-        (TransformerEngine's ``adjust_amax_history_length``); ``amax``, ``scale`` and
-        ``scale_inv`` are kept (the same tensors)."""
+        newest ``recipe.amax_history_len`` entries or zero-padded on the old end (what
+        TransformerEngine's ``adjust_amax_history_length`` is for; its own history keeps the
+        pending row and the oldest ones instead); ``amax``, ``scale`` and ``scale_inv`` are kept
+        (the same tensors)."""
         if not self.compatible(recipe, self.num_experts):
             raise ValueError(f"recipe: format/margin differ from the state's {self.recipe}")
         hist = self.tensors["amax_history"]

@@ -346,8 +346,9 @@ class GroupedLinear(torch.nn.Module):
         (which refuses to make the state inside the graph, see ``_delayed_state``).
 
         A state for another ``amax_history_len`` (same format and margin) is kept: its history
-        is cut to the newest entries or zero-padded, and amax, scale and scale_inv stay, as
-        TransformerEngine's ``adjust_amax_history_length``. Another FP8 format or margin (or
+        is cut to the newest entries or zero-padded, and amax, scale and scale_inv stay (the
+        case TransformerEngine's ``adjust_amax_history_length`` serves, which in its own history
+        layout keeps the pending row and the oldest entries). Another FP8 format or margin (or
         number of experts) starts a fresh state: the scales were derived for the old one."""
         st = self.fp8_state()
         if st is not None and st.matches(recipe, self.num_gemms):

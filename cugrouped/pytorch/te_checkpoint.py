@@ -6,23 +6,29 @@ extra state needs converting: TransformerEngine serializes it (a pickle in a uin
 2.0; ``torch.save`` into an ``io.BytesIO`` before), with its own recipe class inside, and lays the
 tensors out differently. ::
 
-    sd = torch.load("te_checkpoint.pt", weights_only=False)   # TE's own state_dict
+    sd = torch.load("te_checkpoint.pt", weights_only=True)    # TE's own state_dict (TE 2.x)
     layer.load_state_dict(from_te_state_dict(sd, te_version="2.9"))
 
 What the conversion keeps (every value bit for bit): per expert, the scale and amax history of
 the input, the weight and the grad output, and the recipe's format, margin and amax algorithm;
-so the next scale update computes what TransformerEngine's would have. TE's history ``(L, T)``
-keeps the pending amax in row 0 and the past ones in rows ``1 .. L-1`` (newest last); cugrouped's
-``(3E, L)`` is newest first with the pending amax apart. TE's scales of GEMM outputs and grad
-inputs are unused by both libraries and dropped. The layout changed in TE 2.3 (one GEMM's tensors
-side by side instead of each role's experts side by side) and the checkpoint does not say which
-it has: hence ``te_version``.
+so the next scale update computes what TransformerEngine's would have (except where an amax is
+a denormal float32: cugrouped counts it as "nothing measured", TE rolls it in). TE's history
+``(L, T)`` keeps the pending amax in row 0 and the past ones in rows ``1 .. L-1`` (newest
+last); cugrouped's ``(3E, L)`` is newest first with the pending amax apart. TE's scales of GEMM
+outputs and grad inputs are unused by both libraries and dropped. The layout changed in TE 2.3
+(one GEMM's tensors side by side instead of each role's experts side by side) and the
+checkpoint does not say which it has: hence ``te_version`` (a development build labelled
+2.3.0.dev0 from before 2025-04-14 wrote the old order: pass ``"2.2"`` for it).
 
 Loading never runs code from the checkpoint: the pickle is read by an unpickler that knows only
-torch's tensor rebuild (storages through ``torch.load(weights_only=True)``) and stand-ins for
-TE's recipe classes (data only); anything else is refused with its name. (TransformerEngine
-itself now refuses these pickles unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``, since its
-loader would run any code they name.) TransformerEngine need not be installed.
+torch's tensor rebuild (storages through ``torch.load(weights_only=True)``) and data-only
+stand-ins for TE's recipe classes, and sets attributes on nothing else; any other global is
+refused with its name. TE 1.x's ``io.BytesIO`` entries are read with
+``torch.load(weights_only=True)``. The file around them is the caller's to load: TE 2.x
+checkpoints load with ``torch.load(weights_only=True)``; TE 1.x ones hold ``io.BytesIO``
+objects, which only ``weights_only=False`` loads, trusting the whole file. (TransformerEngine
+itself now refuses these pickles unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``: its loader
+would run any code they name.) TransformerEngine need not be installed.
 """
 
 from __future__ import annotations
@@ -65,13 +71,17 @@ class _TEFormatHelper(tuple):
 
 
 class _TERecipe:
-    """Stand-in for a TE recipe dataclass (data only): the pickle restores its fields."""
+    """Stand-in for a TE recipe dataclass (data only): the pickle restores its fields (BUILD,
+    which :class:`_Unpickler` allows on these instances only)."""
 
     _te_class = "Recipe"
 
-    def __setstate__(self, state):
-        if isinstance(state, tuple):            # (dict, slots) for classes with __slots__
+    def _restore(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2:    # (dict, slots) with __slots__
             state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise ValueError("state_dict: a TransformerEngine recipe in the FP8 extra state has "
+                             "an unexpected pickled state")
         self.__dict__.update(state)
 
 
@@ -93,17 +103,32 @@ _ALLOWED = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler, restricted: globals from :data:`_ALLOWED` and TE recipe
+    stand-ins only, and BUILD (which sets attributes) only on a recipe stand-in, never on an
+    allowed function or class (that would change it for the whole process)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module, name):
         if (module, name) in _ALLOWED:
             return _ALLOWED[module, name]
         if module == _TE_RECIPE and name[:1].isupper():
             return _te_recipe_class(name)
-        hint = (" (TE's amax_compute_algo or scaling_factor_compute_algo as a function: only "
-                "'max' / 'most_recent' and TE's own scale rule are supported)"
-                if module != _TE_RECIPE and not module.startswith("torch") else "")
+        hint = (" (a function stored in TE's recipe, such as a callable amax_compute_algo, is not "
+                "supported)" if module != _TE_RECIPE and not module.startswith("torch") else "")
         raise ValueError(f"state_dict: the FP8 extra state refers to {module}.{name}, which "
                          f"cugrouped does not load from a checkpoint{hint}")
+
+    def load_build(self):
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if not isinstance(inst, _TERecipe):
+            raise ValueError(f"state_dict: the FP8 extra state sets attributes of "
+                             f"{type(inst).__name__}, which cugrouped does not allow")
+        _TERecipe._restore(inst, state)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _read(extra_state):
@@ -172,17 +197,32 @@ def _convert(state: dict, version: tuple[int, int], recipe: DelayedScaling | Non
     if has_recipe and version < (2, 0):
         raise ValueError(f"te_version: {version[0]}.{version[1]} does not store its recipe, but "
                          f"this state does (TransformerEngine 2.0 or later wrote it)")
-    if not has_recipe and version >= (2, 3):
-        raise ValueError(f"te_version: this state has no recipe, the format of TransformerEngine "
-                         f"1.x (up to 2.2 reads it), not {version[0]}.{version[1]}")
+    if not has_recipe and version >= (2, 0):
+        raise ValueError(f"te_version: this state has no recipe, so TransformerEngine 1.x wrote "
+                         f"it (2.0 and later store theirs), not {version[0]}.{version[1]}")
     if has_recipe and recipe is not None:
         raise ValueError("recipe: this TransformerEngine state carries its own recipe; pass "
                          "recipe only for TE 1.x checkpoints, which do not")
     if recipe is not None and not isinstance(recipe, DelayedScaling):
         raise TypeError(f"recipe: expected a cugrouped.pytorch.DelayedScaling, got "
                         f"{type(recipe).__name__}")
-    # TE 1.x's states had no recipe: TE 2.x loads them with its default DelayedScaling()
-    base = _recipe_from_te(state["recipe"]) if has_recipe else (recipe or DelayedScaling())
+    extra = state.get("extra_fp8_variables")
+    extra = extra if isinstance(extra, dict) else {}
+    if has_recipe:
+        base = _recipe_from_te(state["recipe"])
+    else:   # TE 1.x: no recipe (TE 2.4+ loads such a state with its default DelayedScaling())
+        base = recipe or DelayedScaling()
+        maxima = (extra.get("fp8_max_fwd"), extra.get("fp8_max_bwd"))
+        try:
+            fmt = _FORMATS.get((int(maxima[0]), int(maxima[1])))
+        except (TypeError, ValueError):     # not recorded
+            fmt = None
+        if fmt is not None and recipe is None:
+            base = dataclasses.replace(base, fp8_format=fmt)     # the format TE 1.x recorded
+        elif fmt is not None and fmt is not recipe.fp8_format:
+            raise ValueError(f"recipe: fp8_format {recipe.fp8_format} differs from the "
+                             f"{fmt} this TransformerEngine state was trained with (its FP8 "
+                             f"maxima {maxima})")
 
     scale_f = _tensor(state, "scale_fwd", "3 per expert")
     hist_f = _tensor(state, "amax_history_fwd", "(L, 3 per expert)")
@@ -199,7 +239,7 @@ def _convert(state: dict, version: tuple[int, int], recipe: DelayedScaling | Non
         raise ValueError(f"state_dict: not a TransformerEngine GroupedLinear FP8 state (3 forward "
                          f"and 2 backward tensors per expert, histories (L, tensors)): shapes "
                          f"{ {k: tuple(v.shape) for k, v in got.items()} }")
-    n_gemms = state.get("extra_fp8_variables", {}).get("num_gemms", E)
+    n_gemms = extra.get("num_gemms", E)
     if n_gemms != E:
         raise ValueError(f"state_dict: TransformerEngine FP8 state of {n_gemms} GEMMs holds "
                          f"tensors for {E}")
@@ -224,8 +264,9 @@ def from_te_extra_state(extra_state, *, te_version: str, recipe: DelayedScaling 
 
     ``te_version``: the TransformerEngine version that wrote it (``"2.9"``, ``"1.13.0"``...),
     which decides the tensors' layout. ``recipe``: for TE 1.x checkpoints only, which do not
-    store theirs: the ``DelayedScaling`` they were trained with (format, margin, amax algorithm;
-    the history length comes from the checkpoint); default TE's default, ``DelayedScaling()``.
+    store theirs: the ``DelayedScaling`` they were trained with (margin, amax algorithm; the
+    history length comes from the checkpoint, and the format is checked against the FP8 maxima
+    TE 1.x recorded); default TE's default, ``DelayedScaling()``, in the recorded format.
     """
     version = _parse_version(te_version)
     state = _read(extra_state)
@@ -239,16 +280,22 @@ def from_te_extra_state(extra_state, *, te_version: str, recipe: DelayedScaling 
 
 def from_te_state_dict(state_dict, *, te_version: str, recipe: DelayedScaling | None = None):
     """A copy of a TransformerEngine ``state_dict`` (of a ``GroupedLinear``, or of a model holding
-    some) that cugrouped's ``GroupedLinear`` loads: every ``*_extra_state`` entry converted by
-    :func:`from_te_extra_state` (an entry without delayed-scaling state becomes TE's "no FP8
-    state", ``torch.empty(0, dtype=torch.uint8)``), everything else as it is (the same tensors).
+    some) that cugrouped's ``GroupedLinear`` loads: the ``_extra_state`` of every GroupedLinear
+    (an entry beside a ``weight0``, or beside a 3-D ``weight``) converted by
+    :func:`from_te_extra_state` (one without delayed-scaling state becomes TE's "no FP8 state",
+    ``torch.empty(0, dtype=torch.uint8)``); everything else as it is, the same objects (the
+    extra state of TE's other modules too: ``Linear`` and ``LayerNormMLP`` lay theirs out
+    alike, but are not experts).
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict: expected a dict (a module's state_dict), got "
                         f"{type(state_dict).__name__}")
     out = type(state_dict)() if isinstance(state_dict, collections.OrderedDict) else {}
     for key, value in state_dict.items():
-        if key.endswith("_extra_state") and isinstance(value, (torch.Tensor, io.BytesIO)):
+        module = key[:-len("_extra_state")]
+        if (key.endswith("_extra_state") and isinstance(value, (torch.Tensor, io.BytesIO))
+                and (f"{module}weight0" in state_dict or f"{module}weight" in state_dict
+                     and getattr(state_dict[f"{module}weight"], "dim", lambda: 0)() == 3)):
             value = from_te_extra_state(value, te_version=te_version, recipe=recipe)
             if value is None:
                 value = torch.empty(0, dtype=torch.uint8)
