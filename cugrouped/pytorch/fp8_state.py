@@ -20,7 +20,8 @@ import torch
 
 from .recipe import DelayedScaling
 
-__all__ = ["DelayedScalingState", "INPUT", "WEIGHT", "GRAD_OUTPUT"]
+__all__ = ["DelayedScalingState", "INPUT", "WEIGHT", "GRAD_OUTPUT", "select_experts",
+           "expert_rows", "merge_expert_rows"]
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 _NAMES = ("amax_history", "amax", "scale", "scale_inv")
@@ -114,3 +115,39 @@ class DelayedScalingState:
                                  f"expected {shape}")
             tensors[k] = t.detach().to(device=device, dtype=torch.float32, copy=True).contiguous()
         return cls(E, recipe, device, tensors)
+
+
+# -- a saved state (``DelayedScalingState.to_dict``) cut into experts and put back together -----
+def select_experts(state: dict, first: int, count: int) -> dict:
+    """The part of ``state`` that belongs to experts ``first .. first + count - 1``, renumbered
+    from 0 (each tensor's input, weight and grad-output rows of those experts)."""
+    E = int(state["num_experts"])
+    rows = [w * E + first + i for w in range(3) for i in range(count)]
+    idx = torch.tensor(rows)
+    return {**state, "num_experts": count,
+            **{k: state[k].index_select(0, idx.to(state[k].device)) for k in _NAMES}}
+
+
+def expert_rows(state: dict | None, num_experts: int) -> list:
+    """``state`` as one state per expert (None for each without one)."""
+    if state is None:
+        return [None] * num_experts
+    return [select_experts(state, e, 1) for e in range(num_experts)]
+
+
+def merge_expert_rows(states: list):
+    """The inverse of :func:`expert_rows`: per-expert states (dicts of one expert each; None or
+    TransformerEngine's empty uint8 tensor for "no state") as one, or None when none has one."""
+    states = [None if isinstance(s, torch.Tensor) and s.numel() == 0 else s for s in states]
+    if all(s is None for s in states):
+        return None
+    bad = [i for i, s in enumerate(states)
+           if not isinstance(s, dict) or int(s.get("num_experts", -1)) != 1]
+    if bad:
+        raise ValueError(f"state_dict: FP8 extra state of expert {bad[0]} is "
+                         f"{type(states[bad[0]]).__name__}, expected cugrouped's state of one "
+                         f"expert like the others'")
+    if any(s["recipe"] != states[0]["recipe"] for s in states):
+        raise ValueError("state_dict: the experts' FP8 extra states have different recipes")
+    return {**states[0], "num_experts": len(states),
+            **{k: torch.cat([s[k][w:w + 1] for w in range(3) for s in states]) for k in _NAMES}}

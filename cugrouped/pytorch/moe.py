@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .fp8_state import select_experts
 from .grouped_linear import GroupedLinear, check_params_args
 from .recipe import BLOCK_RECIPES, Float8BlockScaling, get_fp8_recipe
 
@@ -325,11 +326,7 @@ def _shard_fp8_state(state, num_experts: int, lo: int, L: int):
     if int(state["num_experts"]) != num_experts:
         raise ValueError(f"state_dict: FP8 extra state is for {state['num_experts']} experts, "
                          f"expected {num_experts}")
-    rows = [w * num_experts + lo + l for w in range(3) for l in range(L)]
-    idx = torch.tensor(rows)
-    return {**state, "num_experts": L,
-            **{k: state[k].index_select(0, idx.to(state[k].device))
-               for k in ("amax_history", "amax", "scale", "scale_inv")}}
+    return select_experts(state, lo, L)
 
 
 class MoEFeedForward(torch.nn.Module):
