@@ -29,7 +29,8 @@ with warnings.catch_warnings():         # Megatron warns that TransformerEngine 
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-from cugrouped.pytorch import DelayedScaling, fp8_autocast
+from cugrouped.pytorch import DelayedScaling, Float8CurrentScaling, GroupedLinear, fp8_autocast
+from cugrouped.pytorch.fp8_state import merge_expert_rows
 from cugrouped.pytorch.megatron import (ColumnParallelGroupedLinear, CugroupedSpecProvider,
                                         RowParallelGroupedLinear)
 
@@ -222,6 +223,54 @@ def test_fp8_state_goes_through_a_distributed_checkpoint(tmp_path):
         a, b = getattr(grp, fc).fp8_state().tensors, getattr(fresh, fc).fp8_state().tensors
         assert all(torch.equal(a[k], b[k]) for k in a), fc
         assert torch.equal(getattr(grp, fc).weights()[2], getattr(fresh, fc).weights()[2])
+
+
+def test_fp8_weights_follow_the_optimizer_step():
+    """Megatron resets is_first_microbatch only with its own config.fp8: under cugrouped's
+    fp8_autocast the weights are cast at every forward, so an optimizer step is seen at once;
+    with cache_fp8_weights they are reused until is_first_microbatch is set again."""
+    _, grp = pair(config(dtype=torch.float32))
+    fc1, splits = grp.linear_fc1, SPLITS.tolist()
+    x = torch.randn(int(SPLITS.sum()), HIDDEN)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y1, _ = fc1(x, splits)
+        with torch.no_grad():
+            for w in fc1.weights():
+                w.mul_(-3)              # an optimizer step, in place
+        y2, _ = fc1(x, splits)
+        fresh = GroupedLinear.forward(fc1, x, splits, is_first_microbatch=None)
+        assert torch.equal(y2, fresh) and not torch.equal(y2, y1)
+        fc1.cache_fp8_weights, fc1.is_first_microbatch = True, True
+        y3, _ = fc1(x, splits)                      # cast and cached
+        with torch.no_grad():
+            for w in fc1.weights():
+                w.mul_(2)
+        assert torch.equal(fc1(x, splits)[0], y3)  # the cached copy, until the flag is set
+        fc1.is_first_microbatch = True
+        assert not torch.equal(fc1(x, splits)[0], y3)
+
+
+def test_expert_states_from_transformer_engine_are_named():
+    """A distributed checkpoint of TE's TEGroupedLinear holds one TE payload per expert: those
+    without delayed-scaling state load as no state, delayed scaling's are refused with advice."""
+    import pickle
+
+    def te(obj):
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    stateless = te({"recipe": "Float8CurrentScaling()", "extra_fp8_variables": {}})
+    assert merge_expert_rows([stateless, torch.empty(0, dtype=torch.uint8), None]) is None
+    with pytest.raises(ValueError, match=r"expert 1 is TransformerEngine's delayed-scaling state; "
+                                         r"convert each expert's with cugrouped\.pytorch\."
+                                         r"from_te_extra_state"):
+        merge_expert_rows([stateless, te({"amax_history_fwd": None})])
+
+
+def test_meta_device_initialisation():
+    layer = ColumnParallelGroupedLinear(E, HIDDEN, FFN, config=config(
+        init_model_with_meta_device=True), init_method=None, bias=True, skip_bias_add=False,
+        is_expert=True)
+    assert all(p.is_meta for p in layer.parameters())
 
 
 def test_the_spec_provider_builds_an_moe_layer_on_cugrouped():

@@ -128,19 +128,28 @@ def select_experts(state: dict, first: int, count: int) -> dict:
             **{k: state[k].index_select(0, idx.to(state[k].device)) for k in _NAMES}}
 
 
-def expert_rows(state: dict | None, num_experts: int) -> list:
-    """``state`` as one state per expert (None for each without one)."""
+def expert_rows(state: dict | None, num_experts: int, device=None) -> list:
+    """``state`` as one state per expert (None for each without one), its tensors on ``device``
+    (default: where they are)."""
     if state is None:
         return [None] * num_experts
+    if device is not None:
+        state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return [select_experts(state, e, 1) for e in range(num_experts)]
 
 
 def merge_expert_rows(states: list):
     """The inverse of :func:`expert_rows`: per-expert states (dicts of one expert each; None or
     TransformerEngine's empty uint8 tensor for "no state") as one, or None when none has one."""
-    states = [None if isinstance(s, torch.Tensor) and s.numel() == 0 else s for s in states]
+    states = [None if _no_te_state(s) else s for s in states]
     if all(s is None for s in states):
         return None
+    te = [i for i, s in enumerate(states) if isinstance(s, torch.Tensor)]
+    if te:
+        raise ValueError(f"state_dict: FP8 extra state of expert {te[0]} is TransformerEngine's "
+                         f"delayed-scaling state; convert each expert's with "
+                         f"cugrouped.pytorch.from_te_extra_state(..., te_version=...), or replace "
+                         f"them with torch.empty(0, dtype=torch.uint8) to start afresh")
     bad = [i for i, s in enumerate(states)
            if not isinstance(s, dict) or int(s.get("num_experts", -1)) != 1]
     if bad:
@@ -151,3 +160,11 @@ def merge_expert_rows(states: list):
         raise ValueError("state_dict: the experts' FP8 extra states have different recipes")
     return {**states[0], "num_experts": len(states),
             **{k: torch.cat([s[k][w:w + 1] for w in range(3) for s in states]) for k in _NAMES}}
+
+
+def _no_te_state(s) -> bool:
+    """None, TransformerEngine's "no FP8 state" (an empty uint8 tensor), or its serialized state
+    of a recipe that keeps none (no delayed-scaling tensors in the pickle)."""
+    if not isinstance(s, torch.Tensor):
+        return s is None
+    return s.numel() == 0 or b"amax_history_fwd" not in s.detach().cpu().numpy().tobytes()

@@ -11,18 +11,22 @@ gives an ``MoELayer`` whose experts are ``TEGroupedMLP`` over :class:`ColumnPara
 (fc1) and :class:`RowParallelGroupedLinear` (fc2); the rest of the layer (router, dispatcher,
 shared experts, the layers around it) is Megatron's local implementation. The two classes take
 Megatron's constructor arguments and behave as its ``TEColumnParallelGroupedLinear`` /
-``TERowParallelGroupedLinear`` do: ``forward(x, m_splits) -> (out, bias or None)``,
-``is_first_microbatch`` (set by Megatron's schedules) for the FP8 weight cache, Megatron's
-``gradient_accumulation_fusion`` (wgrad into ``main_grad``) and ``delay_wgrad_compute``
-(``backward_dw``), ``allreduce`` flags for expert parallelism, and a ``sharded_state_dict`` for
-distributed checkpointing whose keys and shards are those of Megatron's ``SequentialMLP`` (as
-TE's are), with the FP8 delayed-scaling state split per expert.
+``TERowParallelGroupedLinear`` do: ``forward(x, m_splits) -> (out, bias or None)``, Megatron's
+``gradient_accumulation_fusion`` (wgrad into ``main_grad``), ``delay_wgrad_compute``
+(``backward_dw``), ``init_model_with_meta_device``, ``allreduce`` flags for expert parallelism,
+and a ``sharded_state_dict`` for distributed checkpointing whose keys and shards are those of
+Megatron's ``SequentialMLP`` (as TE's are), with the FP8 delayed-scaling state split per expert
+(host copies, as TE's).
 
 FP8: leave Megatron's ``config.fp8`` unset (its FP8 path pads tokens per expert with
 TransformerEngine, which cugrouped's cast makes unnecessary) and run the step under
 ``cugrouped.pytorch.fp8_autocast(fp8_recipe=...)``: the experts' GEMMs run in FP8, everything
-else in the activation dtype. Expert tensor parallelism must be 1 (cugrouped's layer has none);
-expert parallelism is Megatron's token dispatcher's.
+else in the activation dtype. The FP8 weights are then cast at every forward: Megatron resets
+``is_first_microbatch`` at each step only when ``config.fp8`` is set, so a cache across
+micro-batches would outlive the optimizer step. To cache them, set ``cache_fp8_weights = True``
+on these layers and ``is_first_microbatch = True`` at the start of every step (as Megatron's
+``set_is_first_microbatch`` does). Expert tensor parallelism must be 1 (cugrouped's layer has
+none); expert parallelism is Megatron's token dispatcher's.
 """
 
 from __future__ import annotations
@@ -75,11 +79,17 @@ class MegatronGroupedLinear(GroupedLinear):
         self.te_return_bias = bool(skip_bias_add and bias)   # Megatron's name for return_bias
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
+        # Megatron resets is_first_microbatch each step only with config.fp8 / fp4 (module.py)
+        self.cache_fp8_weights = bool(config.fp8 or config.fp4)
         self.expert_parallel = config.expert_model_parallel_size > 1
+        if self.expert_parallel:    # as TEGroupedLinear: the dispatcher does the communication
+            parallel_mode = None
         tracker = get_cuda_rng_tracker()
+        device = "meta" if config.init_model_with_meta_device else \
+            "cpu" if config.use_cpu_initialization else "cuda"
         super().__init__(
             num_gemms, input_size, output_size, bias=bias, params_dtype=config.params_dtype,
-            device="cpu" if config.use_cpu_initialization else "cuda",
+            device=device,
             fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
             init_method=init_method if config.perform_initialization else (lambda w: None),
             parallel_mode=parallel_mode, return_bias=self.te_return_bias,
@@ -91,8 +101,10 @@ class MegatronGroupedLinear(GroupedLinear):
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states, with_module=True)
 
     def forward(self, x, m_splits):
-        """``(out, biases)`` with ``skip_bias_add`` and a bias, else ``(out, None)``."""
-        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        """``(out, biases)`` with ``skip_bias_add`` and a bias, else ``(out, None)``. The FP8
+        weights are reused across micro-batches only with ``cache_fp8_weights`` (module doc)."""
+        first = self.is_first_microbatch if self.cache_fp8_weights \
+            and not self.disable_parameter_transpose_cache else None
         out = super().forward(x, m_splits, is_first_microbatch=first)
         self.is_first_microbatch = False
         return out if self.te_return_bias else (out, None)
@@ -112,7 +124,7 @@ class MegatronGroupedLinear(GroupedLinear):
         E, ep = self.num_gemms, self._pg_collection.ep
         n_global, first = get_pg_size(ep) * E, get_pg_rank(ep) * E
         ep_axis = len(sharded_offsets)
-        extra = expert_rows(self.get_extra_state(), E)
+        extra = expert_rows(self.get_extra_state(), E, device="cpu")  # loads on any host
         weights, biases = self.weights(), self.biases() if self.use_bias else None
         out = {}
         for i in range(E):
