@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each document, and a name for each of its Python blocks in order (what it shows)
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
              "docs/ops.md": ("ops_preamble", "delayed", "block", "mx"),
-             "docs/pytorch.md": ("permute",),
+             "docs/pytorch.md": ("megatron", "permute"),
              "cugrouped/emulate/README.md": ("emulator", "access")}
 
 
@@ -27,6 +27,12 @@ def gpu_only(block: str) -> bool:
     return "import cupy" in block
 
 
+def needs_megatron(block: str) -> bool:
+    """The Megatron-core block runs where megatron-core is installed (scripts/test.sh installs
+    it; the GPU image has none)."""
+    return "cugrouped.pytorch.megatron" in block
+
+
 def test_documents_have_the_examples():
     for doc, names in DOCUMENTS.items():
         assert len(python_blocks(doc)) == len(names), doc
@@ -36,7 +42,8 @@ def test_documents_have_the_examples():
     assert [gpu_only(b) for b in readme] == [False, False, True, False]   # the CuPy example
     assert "update_scales" in python_blocks("docs/ops.md")[1]
     assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[2]
-    assert "row_index" in python_blocks("docs/pytorch.md")[0]
+    assert "CugroupedSpecProvider" in python_blocks("docs/pytorch.md")[0]
+    assert "row_index" in python_blocks("docs/pytorch.md")[1]
 
 
 def run_blocks(gpu: bool) -> dict:
@@ -51,9 +58,17 @@ def run_blocks(gpu: bool) -> dict:
         for name, block in zip(names, python_blocks(doc)):
             if gpu_only(block) and not gpu:
                 continue
+            if needs_megatron(block) and gpu and not _have("megatron.core"):
+                continue        # the GPU image has no megatron-core (CI runs the block)
             exec(compile(block, f"{doc} python block {name!r}", "exec"), ns)
             seen[name] = dict(ns)
     return seen
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module.split(".")[0]) is not None
 
 
 def test_readme_cupy_example_names_what_exists():
@@ -72,7 +87,7 @@ def test_readme_cupy_example_names_what_exists():
 def test_readme_examples_run():
     pytest.importorskip("torch")
     seen = run_blocks(gpu=False)
-    assert "emulator" in seen
+    assert "emulator" in seen and "megatron" in seen
     check_examples(seen)
 
 
@@ -129,6 +144,13 @@ def check_examples(seen: dict) -> None:
     # the layer: list in, list out; gradients reached the parameters
     assert [tuple(t.shape) for t in layer["ys"]] == [(96, 128), (0, 128), (33, 128), (7, 128)]
     assert layer["x"].grad is not None and layer["layer"].weight0.grad is not None
+    # Megatron-core's MoE layer spec: its grouped experts over cugrouped's layers
+    if "megatron" in seen:
+        from cugrouped.pytorch.megatron import (ColumnParallelGroupedLinear,
+                                                RowParallelGroupedLinear)
+        sub = seen["megatron"]["experts"].submodules
+        assert (sub.linear_fc1, sub.linear_fc2) == (ColumnParallelGroupedLinear,
+                                                    RowParallelGroupedLinear)
     # the permute folded in: the routed rows' outputs, the gradient summed back onto the tokens
     assert tuple(permute["y"].shape) == (136, 128)
     assert tuple(permute["tokens"].grad.shape) == (64, 256)
@@ -174,7 +196,9 @@ def test_pytorch_page_lists_the_signatures_as_they_are():
     objects = {"GroupedLinear": cpt.GroupedLinear.__init__,
                "GroupedLinear.forward": cpt.GroupedLinear.forward,
                "fp8_autocast": cpt.fp8_autocast, "checkpoint": cpt.checkpoint,
-               "MoEFeedForward": cpt.MoEFeedForward.__init__}
+               "MoEFeedForward": cpt.MoEFeedForward.__init__,
+               "from_te_state_dict": cpt.from_te_state_dict,
+               "from_te_extra_state": cpt.from_te_extra_state}
     assert [name for name, _ in listed] == list(objects)
     for name, params in listed:
         assert f"({params})" == _bare_signature(objects[name]), name
