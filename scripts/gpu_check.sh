@@ -63,7 +63,7 @@ timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG"
 import importlib, shutil, sys
 have = []
 for name in ("numpy", "ml_dtypes", "cupy", "torch", "matplotlib", "pytest", "xdist",
-             "pytest_timeout", "nbclient", "ipykernel"):
+             "pytest_timeout", "nbclient", "ipykernel", "megatron.core"):
     try:
         mod = importlib.import_module(name)
         have.append(f"{name} {getattr(mod, '__version__', '')}".strip())

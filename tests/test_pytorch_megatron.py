@@ -299,6 +299,51 @@ def test_expert_parallel_weights_are_not_all_reduced():
         assert layer.te_return_bias
 
 
+def moe_pair(cfg):
+    """Megatron's MoELayer twice: local experts (SequentialMLP) and cugrouped's (TEGroupedMLP
+    over this module's layers), the same router and expert weights, on the GPU."""
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    seq_spec = get_moe_module_spec_for_backend(CugroupedSpecProvider(), num_experts=E)
+    grp_spec = get_moe_module_spec_for_backend(CugroupedSpecProvider(), num_experts=E,
+                                               moe_grouped_gemm=True)
+    torch.manual_seed(0)
+    seq = build_module(seq_spec, config=cfg, layer_number=1, pg_collection=pgc)
+    grp = build_module(grp_spec, config=cfg, layer_number=1, pg_collection=pgc)
+    with torch.no_grad():
+        grp.router.weight.copy_(seq.router.weight)
+        for i, expert in enumerate(seq.experts.local_experts):
+            for fc in ("linear_fc1", "linear_fc2"):
+                getattr(grp.experts, fc).weights()[i].copy_(getattr(expert, fc).weight)
+    return seq.cuda(), grp.cuda()
+
+
+@pytest.mark.gpu
+def test_gpu_moe_layer_on_cugrouped_equals_megatrons_local_experts():
+    """Megatron's whole MoELayer (router, top-2, allgather dispatcher) on the GPU, float32:
+    cugrouped's grouped experts (cuBLASLt, fp32 accumulation) against Megatron's per-expert
+    torch matmuls (TF32 off), outputs and input gradients within fp32 reordering; and the same
+    layer under cugrouped's fp8_autocast (current scaling) within FP8's error (SQNR > 20 dB)."""
+    cfg = config(dtype=torch.float32, moe_router_load_balancing_type="none")
+    seq, grp = moe_pair(cfg)
+    torch.manual_seed(1)
+    x = torch.randn(24, 2, HIDDEN, device="cuda")
+    dy = torch.randn(24, 2, HIDDEN, device="cuda")
+
+    def step(moe, fp8=False):
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(enabled=fp8, fp8_recipe=Float8CurrentScaling()):
+            out, _ = moe(xi)
+        out.backward(dy)
+        return out.detach(), xi.grad
+
+    (ys, gs), (yg, gg) = step(seq), step(grp)
+    torch.testing.assert_close(yg, ys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gg, gs, rtol=1e-4, atol=1e-5)
+    y8, _ = step(grp, fp8=True)
+    sqnr = 10 * torch.log10(ys.pow(2).sum() / (y8 - ys).pow(2).sum())
+    assert sqnr > 20, float(sqnr)
+
+
 def test_errors_name_the_argument():
     cfg = config()
     with pytest.raises(ValueError, match="is_expert: cugrouped's grouped linear layers serve "
