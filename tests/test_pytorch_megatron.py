@@ -7,7 +7,7 @@ the spec is run here."""
 
 from __future__ import annotations
 
-import os
+import socket
 import warnings
 
 import pytest
@@ -43,11 +43,13 @@ def megatron_single_process():
     """torch.distributed (gloo, one process) and Megatron's parallel state, for this module."""
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
     owner = not dist.is_initialized()
     if owner:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        with socket.socket() as s:          # a free port (pytest-xdist workers run side by side)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     yield
     ps.destroy_model_parallel()
