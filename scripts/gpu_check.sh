@@ -60,7 +60,8 @@ fi
 # what this image has (a missing package is named here, not mistaken for a missing GPU); the
 # probes are time-limited too (a hung driver must not eat the lease) and start the log
 timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG"
-import importlib, shutil, sys
+import importlib, shutil, sys, warnings
+warnings.simplefilter("ignore")     # megatron.core warns that TE and Apex are absent
 have = []
 for name in ("numpy", "ml_dtypes", "cupy", "torch", "matplotlib", "pytest", "xdist",
              "pytest_timeout", "nbclient", "ipykernel", "megatron.core"):
