@@ -60,10 +60,14 @@ class MegatronGroupedLinear(GroupedLinear):
     ``TEGroupedLinear`` (expert layers only). Use :class:`ColumnParallelGroupedLinear` and
     :class:`RowParallelGroupedLinear`."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *,
-                 parallel_mode: str | None, config, init_method, bias: bool, skip_bias_add: bool,
-                 is_expert: bool = False, tp_comm_buffer_name: str | None = None,
-                 pg_collection=None):
+    _PARALLEL_MODE: str | None = None      # the subclasses': "column" / "row"
+    _TP_AXES: dict = {}                     # tensor-parallel axis of weight (and bias) shards
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
+                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool = False,
+                 tp_comm_buffer_name: str | None = None, pg_collection=None,
+                 parallel_mode: str | None = None):
+        parallel_mode = parallel_mode or self._PARALLEL_MODE
         if not is_expert:
             raise ValueError("is_expert: cugrouped's grouped linear layers serve expert layers "
                              "only (as Megatron's TEGroupedLinear)")
@@ -113,8 +117,8 @@ class MegatronGroupedLinear(GroupedLinear):
         if self.delay_wgrad_compute:
             super().backward_dw()
 
-    def _sharded_state_dict(self, tp_axis_map: dict, prefix: str, sharded_offsets: tuple,
-                            metadata: dict | None) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
         """Per expert: its weight (and bias) as a shard of the global experts along a new
         leading axis, and its part of the FP8 state; keys as Megatron's ``SequentialMLP``
         (``{prefix}weight`` with expert offsets), entries ``weight{i}``, ``_extra_state{i}``
@@ -137,7 +141,7 @@ class MegatronGroupedLinear(GroupedLinear):
                 expert_prefix = prefix
                 offsets = (*sharded_offsets, (ep_axis, first + i, n_global))
             sub = make_sharded_tensors_for_checkpoint(
-                state, "", {f"{i}.{k}": v for k, v in tp_axis_map.items()}, offsets,
+                state, "", {f"{i}.{k}": v for k, v in self._TP_AXES.items()}, offsets,
                 tp_group=self._pg_collection.expt_tp, dp_cp_group=metadata["dp_cp_group"])
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
@@ -154,30 +158,13 @@ class MegatronGroupedLinear(GroupedLinear):
 class ColumnParallelGroupedLinear(MegatronGroupedLinear):
     """fc1 of Megatron's grouped experts (``TEColumnParallelGroupedLinear``'s arguments)."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column",
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return self._sharded_state_dict({"weight": 0, "bias": 0}, prefix, sharded_offsets,
-                                        metadata)
+    _PARALLEL_MODE, _TP_AXES = "column", {"weight": 0, "bias": 0}
 
 
 class RowParallelGroupedLinear(MegatronGroupedLinear):
     """fc2 of Megatron's grouped experts (``TERowParallelGroupedLinear``'s arguments)."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row",
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return self._sharded_state_dict({"weight": 1}, prefix, sharded_offsets, metadata)
+    _PARALLEL_MODE, _TP_AXES = "row", {"weight": 1}
 
 
 def _merge_expert_extra_states(module, state_dict, prefix, *args) -> None:
