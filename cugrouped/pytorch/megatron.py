@@ -25,8 +25,17 @@ else in the activation dtype. The FP8 weights are then cast at every forward: Me
 ``is_first_microbatch`` at each step only when ``config.fp8`` is set, so a cache across
 micro-batches would outlive the optimizer step. To cache them, set ``cache_fp8_weights = True``
 on these layers and ``is_first_microbatch = True`` at the start of every step (as Megatron's
-``set_is_first_microbatch`` does). Expert tensor parallelism must be 1 (cugrouped's layer has
-none); expert parallelism is Megatron's token dispatcher's.
+``set_is_first_microbatch`` does). Pass ``fp8_group=pg_collection.expt_dp`` to keep the
+scales of an expert's data-parallel replicas identical.
+
+Parallelism is Megatron's token dispatcher's, as with TransformerEngine's layers: under expert
+parallelism each rank holds its experts; under expert tensor parallelism (``pg_collection.
+expt_tp`` of size ``tp``) each rank holds a shard of every local expert, fc1 its
+``output_size / tp`` rows and fc2 its ``input_size / tp`` columns, and the layers communicate
+nothing (fc2's partial outputs are summed by the dispatcher's reduce-scatter). In FP8 each shard
+has its own scales (its GEMMs use them; the partial outputs are summed in high precision).
+Checkpoints record the shards along those axes, as Megatron's ``SequentialMLP`` does, so they
+load at another parallel size.
 """
 
 from __future__ import annotations
@@ -74,10 +83,19 @@ class MegatronGroupedLinear(GroupedLinear):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         tp = get_pg_size(pg_collection.expt_tp)
-        if tp != 1:
-            raise ValueError(f"pg_collection: expert tensor parallelism of size {tp} is not "
-                             f"supported (cugrouped's layer has none); use size 1 and expert "
-                             f"parallelism")
+        if tp > 1 and bias:     # fc2's would be added by every rank before the sum
+            raise ValueError(f"bias: expert layers with biases need expert tensor-parallel "
+                             f"size 1 (Megatron's rule), got expert tensor-parallel size {tp}")
+        if tp > 1:      # as TEGroupedLinear: this rank's shard; the dispatcher communicates
+            name, size = ("output_size", output_size) if parallel_mode == "column" else \
+                ("input_size", input_size)
+            if size % tp:
+                raise ValueError(f"{name}: {size} is not divisible by the expert "
+                                 f"tensor-parallel size {tp}")
+            if parallel_mode == "column":
+                output_size //= tp
+            else:
+                input_size //= tp
         self.config = config
         self._pg_collection = pg_collection
         self.te_return_bias = bool(skip_bias_add and bias)   # Megatron's name for return_bias
@@ -86,7 +104,8 @@ class MegatronGroupedLinear(GroupedLinear):
         # Megatron resets is_first_microbatch each step only with config.fp8 / fp4 (module.py)
         self.cache_fp8_weights = bool(config.fp8 or config.fp4)
         self.expert_parallel = config.expert_model_parallel_size > 1
-        if self.expert_parallel:    # as TEGroupedLinear: the dispatcher does the communication
+        self.explicit_expert_comm = tp > 1 or self.expert_parallel
+        if self.explicit_expert_comm:   # as TEGroupedLinear: the dispatcher communicates
             parallel_mode = None
         tracker = get_cuda_rng_tracker()
         device = "meta" if config.init_model_with_meta_device else \
