@@ -11,6 +11,9 @@ import pytest
 
 from cugrouped.bench import common
 
+pytest.register_assert_rewrite("_model_gpu")
+from _model_gpu import ModelGPU  # noqa: E402
+
 
 @pytest.mark.parametrize("arch", ["80", "89", "90", "100"])
 def test_spin_kernel_compiles_with_nvrtc(arch):
@@ -188,3 +191,122 @@ def test_permute_cast_bytes_read_the_tokens_once_when_they_fit_in_l2():
     # larger than L2: every routed row read by the amax pass and again by the cast pass
     assert permute_cast_bytes(tokens, routed, k, padded, l2_bytes=63_999) == \
         2 * 2 * routed * k + writes
+
+
+def test_time_together_is_fair_on_a_gpu_whose_clock_sags(monkeypatch):
+    """Two identical implementations on a GPU that slows down as it runs: timed one after the
+    other (median_ms) the second looks ~15 % slower; interleaved (time_together), equal within
+    0.5 %, and both show the sag as drift."""
+    gpu = ModelGPU(monkeypatch, sag=0.005)
+    first, second = (common.median_ms(gpu.work(n, 1.0), 30) for n in "ab")
+    assert second / first > 1.1
+    gpu.t = 0.0
+    got = common.time_together({"a": gpu.work("a", 1.0), "b": gpu.work("b", 1.0)}, 30)
+    assert got["b"].ms / got["a"].ms == pytest.approx(1.0, abs=0.005)
+    assert got["a"].drift_pct > 5 and got["b"].drift_pct > 5
+
+
+def test_time_together_takes_the_implementations_in_turn(monkeypatch):
+    """Warm-up and host timing per implementation first, then one timed call of each per turn,
+    the order rotated; every implementation sees i = 0 .. runs - 1; a steady GPU's times exact,
+    no drift, the lead at its floor for host times far below it."""
+    gpu = ModelGPU(monkeypatch)
+    got = common.time_together({"a": gpu.work("a", 1.0), "b": gpu.work("b", 2.0),
+                                "c": gpu.work("c", 0.5)}, 4, warmup=2, host_runs=3)
+    assert gpu.calls[:10] == [("a", 0)] * 2 + [("a", i) for i in range(3)] + \
+        [("b", 0)] * 2 + [("b", i) for i in range(3)]
+    assert gpu.calls[10:] == [("c", 0), ("c", 0), ("c", 0), ("c", 1), ("c", 2),
+                              ("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                              ("c", 2), ("a", 2), ("b", 2), ("a", 3), ("b", 3), ("c", 3)]
+    assert list(got) == ["a", "b", "c"]
+    assert [t.ms for t in got.values()] == pytest.approx([1.0, 2.0, 0.5], abs=1e-12)
+    assert all(abs(t.drift_pct) < 1e-9 and t.lead_ms == 0.2 for t in got.values())
+    assert got["a"].columns() == {"lead_ms": 0.2, "launch_bound": False,
+                                  "drift_pct": got["a"].drift_pct}
+
+
+def test_time_together_leaves_out_what_fails_in_warm_up(monkeypatch):
+    """A peer that refuses the shapes is reported and left out, the others timed; a sticky CUDA
+    error, or any error without a ``skipped`` callback, is raised."""
+    gpu = ModelGPU(monkeypatch)
+
+    def refuses(i):
+        raise RuntimeError("Expected mat_b tensor to be column major")
+
+    def poisons(i):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    seen = []
+    got = common.time_together({"a": gpu.work("a", 1.0), "peer": refuses}, 3,
+                               skipped=lambda name, exc: seen.append((name, str(exc))))
+    assert list(got) == ["a"] and seen == [("peer", "Expected mat_b tensor to be column major")]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        common.time_together({"a": gpu.work("a", 1.0), "bad": poisons}, 3,
+                             skipped=lambda *a: None)
+    with pytest.raises(RuntimeError, match="column major"):
+        common.time_together({"peer": refuses}, 3)
+
+
+def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
+    """The cast section on a model GPU (its GPU calls replaced, tests/_model_gpu.py): cugrouped's
+    two scalings and the torch peers timed together, bandwidth and speed-ups from those times;
+    the GPU check's later torch.compile section compares with the cugrouped row before it; a
+    peer failing is reported, cugrouped failing ends the section."""
+    from cugrouped.bench import cast as bc
+
+    gpu = ModelGPU(monkeypatch)
+    cfg = bc.CAST_CONFIGS[0]
+
+    class Ops:                                   # the op, its time by scaling
+        padded_splits = staticmethod(bc.pct.padded_splits)
+
+        @staticmethod
+        def multi_pad_cast_transpose(x, m_splits, dtype=None, scale=None):
+            assert x in ("x0", "x1") and m_splits == cfg.m_splits()
+            gpu.work("ours", 1.0 if scale is None else 0.8)(0)
+
+    compiled = {"fn": gpu.work("compile", 1.5)}
+    monkeypatch.setattr(bc, "QUICK_CAST", (cfg,))
+    monkeypatch.setattr(bc, "pct", Ops)
+    monkeypatch.setattr(bc, "_cast_inputs", lambda cfg, copies, torch: (["x0", "x1"], None, 1))
+    monkeypatch.setattr(bc, "_torch_peers", lambda cfg, x, m, compile_peer: (
+        lambda x: gpu.work("eager", 3.0)(0), compiled["fn"] if compile_peer else None))
+    monkeypatch.setattr(bc, "copy_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bc, "l2_cache_bytes", lambda: 50 << 20)
+    rows: list[dict] = []
+    bc.bench_cast(True, rows)
+    got = {(r["impl"], r["scaling"]): r for r in rows}
+    assert list(got) == [("cugrouped", "current"), ("cugrouped", "delayed"),
+                         ("torch-eager", "current"), ("torch-compile", "current")]
+    assert [r["ms"] for r in rows] == pytest.approx([1.0, 0.8, 3.0, 1.5], abs=1e-9)
+    ours = got["cugrouped", "current"]
+    nbytes = bc.cast_bytes(cfg.tokens, cfg.k, sum(bc.pct.padded_splits(cfg.m_splits(), 16)),
+                           True, 50 << 20)
+    assert ours["gbs"] == pytest.approx(nbytes / 1.0 / 1e6)
+    assert ours["pct_copy_bw"] == pytest.approx(100 * ours["gbs"] / 4000.0)
+    assert ours["host_us_per_expert"] == pytest.approx(ours["host_us"] / cfg.experts)
+    assert got["torch-eager", "current"]["speedup_of_cugrouped"] == pytest.approx(3.0)
+    assert got["torch-compile", "current"]["speedup_of_cugrouped"] == pytest.approx(1.5)
+    assert all("drift_pct" in r and r["lead_ms"] == 0.2 for r in rows)
+
+    compiled["fn"] = gpu.work("compile", 2.0)    # the later section: the peer alone
+    bc.bench_cast(True, rows, impls=("torch-compile",))
+    assert rows[-1]["impl"] == "torch-compile" and rows[-1]["speedup_of_cugrouped"] == \
+        pytest.approx(2.0)
+
+    def fails(x):
+        raise RuntimeError("backend='inductor' raised: no C compiler")
+
+    compiled["fn"] = fails
+    n = len(rows)
+    bc.bench_cast(True, rows)
+    assert [r["impl"] for r in rows[n:]] == ["cugrouped", "cugrouped", "torch-eager"]
+    assert "torch-compile  skipped: RuntimeError: backend='inductor' raised" in \
+        capsys.readouterr().out
+
+    def broken(*a, **k):
+        raise ValueError("ours is broken")
+
+    monkeypatch.setattr(Ops, "multi_pad_cast_transpose", staticmethod(broken))
+    with pytest.raises(ValueError, match="ours is broken"):
+        bc.bench_cast(True, rows)

@@ -216,3 +216,59 @@ def test_our_16_bit_wgrad_dw_dtypes_pass_the_ops_checks():
     gg.launch_checked(gg.checked("wgrad", (xs, dys), kw("float16")), np.empty((3, n, k), np.float16),
                       np, st)
     gg.clear_memo()
+
+
+def test_bench_gemm_rows_on_a_model_gpu(monkeypatch, capsys):
+    """The GEMM section's rows from one interleaved timing per pass (its GPU calls replaced by
+    work on a model GPU, tests/_model_gpu.py): every implementation's time, host time and
+    drift, cugrouped's host time per expert, the speed-ups over the FP8 row of the same output
+    width, and a peer that refuses a pass reported and left out."""
+    import _model_gpu
+
+    from cugrouped.bench import common
+
+    gpu = _model_gpu.ModelGPU(monkeypatch)
+    cost = {"cugrouped-fp8": 1.0, "cugrouped-fp8-bf16dW": 0.9, "cugrouped-fp16": 1.6,
+            "torch-scaled_mm-loop": 2.0, "torch-scaled_grouped_mm": 1.25,
+            "torch-grouped_mm-bf16": 1.8, "torch-linear-loop-bf16": 3.0}
+
+    def refuses(i):
+        raise RuntimeError("mat2 must be column major")
+
+    def ours(cfg, m_splits, copies):
+        fp8 = {p: gpu.work(f"fp8 {p}", cost["cugrouped-fp8"]) for p in bg.PASSES}
+        fp8["wgrad-bf16"] = gpu.work("fp8 wgrad-bf16", cost["cugrouped-fp8-bf16dW"])
+        return None, fp8, {p: gpu.work(f"fp16 {p}", cost["cugrouped-fp16"]) for p in bg.PASSES}
+
+    def peers(cfg, m_splits, sets):
+        out = {name: {p: gpu.work(name, cost[name]) for p in bg.PASSES}
+               for name in list(cost)[3:]}
+        out["torch-scaled_grouped_mm"]["wgrad"] = refuses
+        return out
+
+    cfg = bg.GEMM_CONFIGS[1]
+    monkeypatch.setattr(bg, "QUICK_GEMM", (cfg,))
+    monkeypatch.setattr(bg, "_cugrouped_calls", ours)
+    monkeypatch.setattr(bg, "_torch_peers", peers)
+    monkeypatch.setattr(bg, "dense_peaks_tflops", lambda: {"bf16": 900.0, "fp8": 1800.0})
+    monkeypatch.setattr(common, "copy_bandwidth_gbs", lambda: 4000.0)
+    rows: list[dict] = []
+    bg.bench_gemm(True, rows)
+    assert "wgrad torch-scaled_grouped_mm  skipped: RuntimeError: mat2 must be column major" in \
+        capsys.readouterr().out
+    got = {(r["pass_name"], r["impl"]): r for r in rows}
+    assert len(rows) == 6 + 6 + 6 and ("wgrad", "torch-scaled_grouped_mm") not in got
+    for (pass_name, impl), r in got.items():
+        assert r["ms"] == pytest.approx(cost[impl], abs=1e-9), (pass_name, impl)
+        assert r["tflops"] == pytest.approx(bg.gemm_flops(cfg, pass_name) / r["ms"] / 1e9)
+        assert r["lead_ms"] == 0.2 and abs(r["drift_pct"]) < 1e-6
+        assert ("host_us_per_expert" in r) == impl.startswith("cugrouped")
+    fp = got[("fprop", "torch-scaled_grouped_mm")]
+    assert fp["speedup_of_cugrouped_fp8"] == pytest.approx(1.25)
+    assert fp["speedup_reference"] == "cugrouped-fp8"
+    # wgrad: the float32 dW peer against cugrouped's float32 dW, the 16-bit ones against bf16 dW
+    assert got[("wgrad", "torch-scaled_mm-loop")]["speedup_of_cugrouped_fp8"] == \
+        pytest.approx(2.0)
+    assert got[("wgrad", "torch-grouped_mm-bf16")]["speedup_of_cugrouped_fp8"] == \
+        pytest.approx(2.0)
+    assert got[("wgrad", "torch-grouped_mm-bf16")]["speedup_note"] == bg.CAST_EXCLUDED

@@ -155,3 +155,62 @@ def test_bench_layer_without_a_gpu_skips(capsys):
     rows = []
     bl.bench_layer(True, rows)
     assert rows == [] and "skipped" in capsys.readouterr().out
+
+
+def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
+    """The layer section on a model GPU (tests/_model_gpu.py; torch's CUDA and the layer's steps
+    replaced): every implementation timed in one interleaved run, its row's times, speed-ups
+    (over the FP8 delayed tensor row; the explicit permute over the fused one), the FP8 rows'
+    error against the bf16 layer, and an implementation failing its first step left out."""
+    import _model_gpu
+
+    from cugrouped.bench import common, gemm
+
+    gpu = _model_gpu.ModelGPU(monkeypatch)
+    cost = {"cugrouped-fp8-delayed-tensor": 2.0, "cugrouped-bf16-tensor": 3.0,
+            "torch-linear-loop-bf16": 5.0, "cugrouped-fp8-delayed-permute": 2.2,
+            "index_select+cugrouped-fp8-delayed": 2.75}
+    y_ref = torch.ones(4)
+
+    def step(impl, y):
+        work = gpu.work(impl, cost[impl])
+
+        def fn(i):
+            work(i)
+            return y, ()
+        return fn
+
+    def fails(i):
+        raise RuntimeError("no FP8 on this GPU")
+
+    def layer_steps(cfg, device, dtype, copies):
+        impls = [(impl, "bf16" if "bf16" in impl else "fp8-delayed",
+                  "permute" if "permute" in impl or "index_select" in impl else "tensor",
+                  step(impl, y_ref if "bf16" in impl else y_ref * 1.01)) for impl in cost]
+        impls.insert(1, ("cugrouped-fp8-current-tensor", "fp8-current", "tensor", fails))
+        return None, impls
+
+    cfg = bl.LAYER_CONFIGS[0]
+    monkeypatch.setattr(bl, "QUICK_LAYER", (cfg,))
+    monkeypatch.setattr(bl, "layer_steps", layer_steps)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "model GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gemm, "dense_peaks_tflops", lambda: {"bf16": 900.0, "fp8": 1800.0})
+    monkeypatch.setattr(common, "copy_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(common, "l2_cache_bytes", lambda: 50 << 20)
+    rows: list[dict] = []
+    bl.bench_layer(True, rows)
+    got = {r["impl"]: r for r in rows}
+    assert list(got) == list(cost)
+    for impl, r in got.items():
+        assert r["ms"] == pytest.approx(cost[impl], abs=1e-9), impl
+        assert r["tflops"] == pytest.approx(bl.layer_flops(cfg) / r["ms"] / 1e9)
+        assert r["host_us_per_expert"] == pytest.approx(r["host_us"] / cfg.experts)
+        assert "drift_pct" in r and r["lead_ms"] == 0.2
+    assert got["cugrouped-bf16-tensor"]["speedup_of_cugrouped_fp8"] == pytest.approx(1.5)
+    assert got["torch-linear-loop-bf16"]["speedup_of_cugrouped_fp8"] == pytest.approx(2.5)
+    assert got["index_select+cugrouped-fp8-delayed"]["speedup_of_fused_permute"] == \
+        pytest.approx(1.25)
+    assert got["cugrouped-fp8-delayed-tensor"]["rel_err_vs_bf16"] == pytest.approx(0.01)
+    assert "rel_err_vs_bf16" not in got["cugrouped-fp8-delayed-permute"]

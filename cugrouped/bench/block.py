@@ -23,8 +23,7 @@ from ..ops import _cast_inputs
 from ..ops import block_cast_transpose as bct
 from ..ops import pad_cast_transpose as pct
 from .cast import CAST_CONFIGS, QUICK_CAST
-from .common import (copy_bandwidth_gbs, cpu_loop_us, host_us, is_sticky_cuda_error, median_ms,
-                     timing_columns)
+from .common import copy_bandwidth_gbs, cpu_loop_us, time_together
 
 __all__ = ["torch_block_peer", "block_splits", "bench_block_cast", "bench_cast_vs_torch",
            "bench_block_gemm", "bench_scaled_gemm", "bench_block_planning", "bench_block_layer"]
@@ -97,32 +96,40 @@ def bench_cast_vs_torch(quick: bool, rows: list[dict], *, op: str, scaling: str,
         copies = max(2, int(np.ceil(256e6 / (T * cfg.k * 2))))          # > L2 in rotation
         xt = [torch.randn((T, cfg.k), device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
 
-        def ours(i):
-            return cast(xt[i % copies], m_splits)
+        eager = peer(m_splits)
+        fns = {"cugrouped": lambda i: cast(xt[i % copies], m_splits),
+               "torch-eager": lambda i: eager(xt[i % copies])}
+        if not quick:
+            compiled = torch.compile(eager, dynamic=False)
+            fns["torch-compile"] = lambda i: compiled(xt[i % copies])
+        else:
+            print(f"{cfg.name:<22} {scaling:<8} torch-compile  skipped in --quick (its compile "
+                  f"time is the GPU check's); run without --quick for it")
 
-        ms = median_ms(ours, 30)
-        hus = host_us(ours)
+        def skipped(impl, exc, cfg=cfg):    # torch.compile needs Triton and a C compiler
+            if impl == "cugrouped":
+                raise exc
+            print(f"{cfg.name:<22} {scaling:<8} {impl:<14} skipped: {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+
+        timed = time_together(fns, 30, skipped=skipped)
+        t = timed["cugrouped"]
+        ms, hus = t.ms, t.host_us
         sz = sizes(m_splits, cfg.k)
         traffic = (T * cfg.k * 2 + sz.rows * cfg.k + sz.data_t +
                    scale_bytes * (sz.scale_inv + sz.scale_inv_t))
         gbs = traffic / ms / 1e6
         row = dict(op=op, config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms,
                    gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
-                   host_us_per_expert=hus / cfg.experts, **timing_columns(hus))
+                   host_us_per_expert=hus / cfg.experts, **t.columns())
         rows.append(row)
         print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
               f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
-        eager = peer(m_splits)
-        peers = {"torch-eager": eager}
-        if not quick:
-            peers["torch-compile"] = torch.compile(eager, dynamic=False)
-        else:
-            print(f"{cfg.name:<22} {scaling:<8} torch-compile  skipped in --quick (its compile "
-                  f"time is the GPU check's); run without --quick for it")
-        for impl, fn in peers.items():
-            pms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
+        for impl, t in list(timed.items())[1:]:
+            pms = t.ms
             rows.append(dict(op=op, config=cfg.name, scaling=scaling, impl=impl,
-                             ms=pms, speedup_of_cugrouped=pms / ms, **timing_columns()))
+                             ms=pms, speedup_of_cugrouped=pms / ms, host_us=t.host_us,
+                             **t.columns()))
             print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {pms:8.3f} ms   cugrouped is "
                   f"{pms / ms:5.2f}x faster")
 
@@ -169,23 +176,23 @@ def bench_scaled_gemm(quick: bool, rows: list[dict], *, op: str, impl: str, mult
         flops = 2 * T * cfg.k * cfg.n
         for pass_name in ("fprop", "dgrad", "wgrad"):
             times = {}
-            for name, (X, DY, W) in ops.items():
-                fn = {"fprop": lambda i: grouped_fprop(X, W, out=y, fast_accum=False),
-                      "dgrad": lambda i: grouped_dgrad(DY, W, out=dx),
-                      "wgrad": lambda i: grouped_wgrad(X, DY, out=dw)}[pass_name]
-                try:
-                    ms = median_ms(fn, runs)
-                except Exception as exc:     # e.g. a cuBLAS or GPU without these scale modes
-                    if is_sticky_cuda_error(exc):
-                        raise                # the context is gone: the section stops here
-                    print(f"{cfg.name:<24} {pass_name:<5} {name:<20} skipped: "
-                          f"{type(exc).__name__}: {str(exc)[:120]}")
-                    continue
+            fns = {name: {"fprop": lambda i, X=X, W=W: grouped_fprop(X, W, out=y,
+                                                                    fast_accum=False),
+                          "dgrad": lambda i, DY=DY, W=W: grouped_dgrad(DY, W, out=dx),
+                          "wgrad": lambda i, X=X, DY=DY: grouped_wgrad(X, DY, out=dw)}[pass_name]
+                   for name, (X, DY, W) in ops.items()}
+
+            # e.g. a cuBLAS or GPU without these scale modes: reported, the other one timed
+            def skipped(name, exc, cfg=cfg, pass_name=pass_name):
+                print(f"{cfg.name:<24} {pass_name:<5} {name:<20} skipped: "
+                      f"{type(exc).__name__}: {str(exc)[:120]}")
+
+            for name, t in time_together(fns, runs, skipped=skipped).items():
+                ms, hus = t.ms, t.host_us
                 times[name] = ms
-                hus = host_us(fn)
                 row = dict(op=op, config=cfg.name, pass_name=pass_name, impl=name,
                            ms=ms, tflops=flops / ms / 1e9, host_us=hus,
-                           host_us_per_expert=hus / E_, **timing_columns(hus))
+                           host_us_per_expert=hus / E_, **t.columns())
                 if name == "cugrouped-fp8" and impl in times:
                     row["scaled_over_tensor_time"] = times[impl] / ms
                 rows.append(row)
@@ -238,25 +245,26 @@ def bench_block_layer(quick: bool, rows: list[dict]) -> None:
               for _ in range(copies)]
         dy = torch.randn(T, cfg.n, device="cuda", dtype=torch.bfloat16)
         times = {}
-        for impl, recipe in (("cugrouped-fp8-block", Float8BlockScaling()),
-                             ("cugrouped-fp8-current", Float8CurrentScaling())):
-            def step(i, recipe=recipe):
-                x = xs[i % copies]
-                with fp8_autocast(fp8_recipe=recipe):
-                    y = layer(x, m_splits)
-                return torch.autograd.grad(y, [x, *layer.weights()], dy)
 
-            try:
-                ms = median_ms(step, runs)
-            except Exception as exc:     # e.g. a cuBLAS without block scale modes
-                if is_sticky_cuda_error(exc):
-                    raise                    # the context is gone: the section stops here
-                print(f"{cfg.name:<24} layer {impl:<22} skipped: {type(exc).__name__}: "
-                      f"{str(exc)[:120]}")
-                continue
-            times[impl] = ms
+        def step(i, recipe):
+            x = xs[i % copies]
+            with fp8_autocast(fp8_recipe=recipe):
+                y = layer(x, m_splits)
+            return torch.autograd.grad(y, [x, *layer.weights()], dy)
+
+        def skipped(impl, exc, cfg=cfg):     # e.g. a cuBLAS without block scale modes
+            print(f"{cfg.name:<24} layer {impl:<22} skipped: {type(exc).__name__}: "
+                  f"{str(exc)[:120]}")
+
+        block, current = Float8BlockScaling(), Float8CurrentScaling()
+        for impl, t in time_together({
+                "cugrouped-fp8-block": lambda i: step(i, block),
+                "cugrouped-fp8-current": lambda i: step(i, current)}, runs,
+                skipped=skipped).items():
+            ms = times[impl] = t.ms
             row = dict(op="block-layer", config=cfg.name, impl=impl, ms=ms,
-                       tflops=3 * 2 * T * cfg.k * cfg.n / ms / 1e9, **timing_columns())
+                       tflops=3 * 2 * T * cfg.k * cfg.n / ms / 1e9, host_us=t.host_us,
+                       **t.columns())
             if impl == "cugrouped-fp8-current" and "cugrouped-fp8-block" in times:
                 row["block_over_current_time"] = times["cugrouped-fp8-block"] / ms
             rows.append(row)

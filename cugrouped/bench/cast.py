@@ -7,8 +7,7 @@ import dataclasses
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .common import (copy_bandwidth_gbs, host_us, is_sticky_cuda_error, l2_cache_bytes, median_ms,
-                     moe_splits, timing_columns)
+from .common import copy_bandwidth_gbs, l2_cache_bytes, moe_splits, time_together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +79,26 @@ def permute_cast_bytes(tokens: int, routed_rows: int, k: int, padded_rows: int,
     return reads + routed_rows * k + padded_rows * k
 
 
+def _cast_inputs(cfg: CastConfig, copies: int, torch):
+    """``copies`` inputs on the GPU, their ``dtype=`` tag and delayed scaling's scales (ones):
+    bfloat16 torch tensors as MoE activations are (the same ones for the peers), or without
+    torch float16 data in CuPy uint16 carriers (CuPy has no bfloat16)."""
+    import cupy
+
+    if torch is not None:
+        return ([torch.randn((cfg.tokens, cfg.k), device="cuda", dtype=torch.bfloat16)
+                 for _ in range(copies)], None,
+                torch.ones(cfg.experts, device="cuda", dtype=torch.float32))
+    return ([cupy.random.standard_normal((cfg.tokens, cfg.k), dtype=np.float32)
+             .astype(cupy.float16).view(cupy.uint16) for _ in range(copies)], "float16",
+            cupy.ones(cfg.experts, np.float32))
+
+
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
     """``impls``: which of :data:`CAST_IMPLS` to time. The GPU check times cugrouped and torch
     eager first and the ``torch.compile`` peer in a later section (its compile takes longest and
     must not crowd out the other numbers under a time limit); its speed-up is over the cugrouped
     row already measured."""
-    import cupy
-
     configs = QUICK_CAST if quick else CAST_CONFIGS
     try:
         import torch
@@ -110,52 +122,46 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
             continue                 # no data made for a peer that does not run
         m_splits = cfg.m_splits()
         copies = max(2, int(np.ceil(256e6 / (cfg.tokens * cfg.k * 2))))   # > L2 in rotation
-        if torch is not None:   # bfloat16, as MoE activations are; the same tensors for the peers
-            xt = [torch.randn((cfg.tokens, cfg.k), device="cuda", dtype=torch.bfloat16)
-                  for _ in range(copies)]
-            xs, tag = xt, None
-        else:                   # CuPy alone has no bfloat16: float16 data in uint16 carriers
-            xs = [cupy.random.standard_normal((cfg.tokens, cfg.k), dtype=np.float32)
-                  .astype(cupy.float16).view(cupy.uint16) for _ in range(copies)]
-            tag = "float16"
+        xs, tag, ones = _cast_inputs(cfg, copies, torch)
+        xt = xs if torch is not None else None
+        fns = {}
         for scaling in ("current", "delayed") if "cugrouped" in impls else ():
-            scale = None if scaling == "current" else (
-                cupy.ones(cfg.experts, np.float32) if torch is None
-                else torch.ones(cfg.experts, device="cuda", dtype=torch.float32))
-            def ours(i, scale=scale):
-                return pct.multi_pad_cast_transpose(xs[i % copies], m_splits, dtype=tag,
-                                                    scale=scale)
+            scale = None if scaling == "current" else ones
+            fns["cugrouped", scaling] = lambda i, scale=scale: pct.multi_pad_cast_transpose(
+                xs[i % copies], m_splits, dtype=tag, scale=scale)
+        if torch is not None:
+            for impl, fn in zip(("torch-eager", "torch-compile"),
+                                _torch_peers(cfg, xt[0], m_splits, compile_peer)):
+                if fn is not None and impl in impls:
+                    fns[impl, "current"] = lambda i, fn=fn: fn(xt[i % copies])
 
-            ms = median_ms(ours, 30)
-            hus = host_us(ours)
-            nbytes = cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)),
-                                scaling == "current", l2)
-            gbs = nbytes / ms / 1e6
-            row = dict(op="cast", config=cfg.name, scaling=scaling, impl="cugrouped", ms=ms, gbs=gbs,
-                       pct_copy_bw=100 * gbs / bw, host_us=hus, host_us_per_expert=hus / cfg.experts,
-                       l2_bytes=l2, **timing_columns(hus))
-            rows.append(row)
-            print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
-                  f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
-        if torch is None:
-            continue
-        for impl, fn in zip(("torch-eager", "torch-compile"),
-                            _torch_peers(cfg, xt[0], m_splits, compile_peer)):
-            if fn is None or impl not in impls:
+        def skipped(key, exc, cfg=cfg):   # torch.compile needs Triton and a host C compiler
+            if key[0] == "cugrouped":
+                raise exc                 # ours failing ends the section, as any error there
+            print(f"{cfg.name:<22} current  {key[0]:<14} skipped: {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+
+        timed = time_together(fns, 30, skipped=skipped)
+        for (impl, scaling), t in timed.items():
+            ms, hus = t.ms, t.host_us
+            if impl == "cugrouped":
+                nbytes = cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)),
+                                    scaling == "current", l2)
+                gbs = nbytes / ms / 1e6
+                row = dict(op="cast", config=cfg.name, scaling=scaling, impl=impl, ms=ms,
+                           gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
+                           host_us_per_expert=hus / cfg.experts, l2_bytes=l2, **t.columns())
+                rows.append(row)
+                print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
+                      f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
                 continue
-            try:    # torch.compile needs Triton and a host C compiler; a failing peer says why
-                ms = median_ms(lambda i, fn=fn: fn(xt[i % copies]), 30)
-                hus = host_us(lambda i, fn=fn: fn(xt[i % copies]))
-            except Exception as exc:   # reported, not fatal: the other peers still run
-                if is_sticky_cuda_error(exc):
-                    raise              # the context is gone: the section stops here
-                print(f"{cfg.name:<22} current  {impl:<14} skipped: {type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
-                continue
-            ours = next((r["ms"] for r in rows if r.get("op") == "cast" and r["config"] == cfg.name
-                         and r["scaling"] == "current" and r["impl"] == "cugrouped"), None)
+            # over the cugrouped row timed with it, or (the GPU check's later torch.compile
+            # section) the one timed before
+            ours = next((r["ms"] for r in reversed(rows) if r.get("op") == "cast"
+                         and r["config"] == cfg.name and r["scaling"] == "current"
+                         and r["impl"] == "cugrouped"), None)
             row = dict(op="cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus, **timing_columns(hus))
+                       host_us=hus, **t.columns())
             if ours is not None:
                 row["speedup_of_cugrouped"] = ms / ours
             rows.append(row)
@@ -204,11 +210,10 @@ def bench_permute_cast(quick: bool, rows: list[dict]) -> None:
         }
         fused_ms = None
         nbytes = permute_cast_bytes(T, sum(m_splits), cfg.k, sum(pct.padded_splits(m_splits, 16)), l2)
-        for impl, fn in impls.items():
-            ms = median_ms(fn, 30)
-            hus = host_us(fn)
+        for impl, t in time_together(impls, 30).items():
+            ms, hus = t.ms, t.host_us
             row = dict(op="permute-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus, top_k=top_k, **timing_columns(hus))
+                       host_us=hus, top_k=top_k, **t.columns())
             if fused_ms is None:
                 fused_ms = ms
                 gbs = nbytes / ms / 1e6        # the read model of permute_cast_bytes

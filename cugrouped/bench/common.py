@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["median_ms", "host_us", "spin", "copy_bandwidth_gbs", "l2_cache_bytes", "environment",
-           "moe_splits", "roofline_pct", "timing_columns", "is_sticky_cuda_error"]
+__all__ = ["median_ms", "time_together", "Timing", "host_us", "spin", "copy_bandwidth_gbs",
+           "l2_cache_bytes", "environment", "moe_splits", "roofline_pct", "timing_columns",
+           "is_sticky_cuda_error"]
 
 LEAD_CAP_MS = 50.0     # the longest spin lead (costs up to runs x 50 ms, only for calls > 17 ms)
 LAUNCH_BOUND = 0.8     # a row is flagged launch-bound when its host time reaches this x the lead
@@ -55,20 +57,53 @@ def cpu_loop_us(once, n: int = 200, repeats: int = 3) -> float:
     return best / n * 1e6
 
 
+# The device calls of the timing functions, apart so that a test can run them on a model GPU.
+def _synchronize() -> None:
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+
+
+def _event_pair():
+    import cupy
+
+    return cupy.cuda.Event(), cupy.cuda.Event()
+
+
+def _elapsed_ms(start, stop) -> float:
+    import cupy
+
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop)
+
+
 def host_us(fn, runs: int = 20) -> float:
     """Median host (CPU) time of one call of ``fn`` in microseconds: what the call costs the
     Python thread that enqueues it, the GPU work itself not waited for (each call starts on an
     idle device, so the launch queue never fills up and blocks it)."""
-    import cupy
-
     times = []
     for i in range(runs):
-        cupy.cuda.Device().synchronize()
+        _synchronize()
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
-    cupy.cuda.Device().synchronize()
+    _synchronize()
     return float(np.median(times)) * 1e6
+
+
+def _lead_ns(host: float) -> int:
+    """The spin lead for a call whose host time is ``host`` us: 3x that, 0.2 ms to the cap."""
+    return int(min(LEAD_CAP_MS * 1e6, max(200e3, 3e3 * host)))
+
+
+def _timed_call(fn, i: int, lead_ns: int, events) -> float:
+    """Device time of ``fn(i)`` in ms, the stream held ``lead_ns`` before it (:func:`median_ms`)."""
+    start, stop = events
+    spin(lead_ns)
+    start.record()
+    fn(i)
+    stop.record()
+    return _elapsed_ms(start, stop)
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> float:
@@ -80,23 +115,70 @@ def median_ms(fn, runs: int, warmup: int = 3) -> float:
     lead (3x the host time, 0.2 ms to :data:`LEAD_CAP_MS`) is kept in ``last_lead_ms`` for the
     row's :func:`timing_columns`."""
     global last_lead_ms, last_host_us
-    import cupy
-
     for _ in range(warmup):
         fn(0)
     last_host_us = host_us(fn, 5)
-    lead_ns = int(min(LEAD_CAP_MS * 1e6, max(200e3, 3e3 * last_host_us)))  # 3x host, 0.2-50 ms
+    lead_ns = _lead_ns(last_host_us)
     last_lead_ms = lead_ns / 1e6
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
+    events = _event_pair()
+    return float(np.median([_timed_call(fn, i, lead_ns, events) for i in range(runs)]))
+
+
+class Timing(NamedTuple):
+    """One implementation's result of :func:`time_together`."""
+
+    ms: float            # median device time of one call
+    host_us: float       # median host time of one call (the spin lead was sized from it)
+    lead_ms: float       # the spin lead before each timed call
+    drift_pct: float     # median of the last third of its calls minus the first third's, % of ms
+
+    def columns(self) -> dict:
+        """The timing columns of the row: :func:`timing_columns` and ``drift_pct``."""
+        return {**timing_columns(self.host_us, self.lead_ms), "drift_pct": self.drift_pct}
+
+
+def time_together(fns: dict, runs: int, *, warmup: int = 3, host_runs: int = 20,
+                  skipped=None) -> dict:
+    """Device times of the implementations of one computation (``{name: fn}``), measured in the
+    same run, interleaved: ``runs`` timed calls each, taken in turn one call of every
+    implementation at a time, the order rotated by one per turn (A B C, B C A, C A B, ...). A GPU
+    whose clocks drift over the measurement (heat, power limits, another process) then weighs on
+    every implementation alike, where timing one after the other would favour the first.
+
+    Each implementation is first called ``warmup`` times, then its host time is taken
+    (``host_runs`` calls, :func:`host_us`) to size its spin lead as :func:`median_ms` does. One that
+    raises meanwhile is left out: ``skipped(name, exc)`` reports it (a sticky CUDA error is
+    raised instead: the context is gone). Returns ``{name: Timing}`` for those timed, in the
+    order given; a timed call that raises propagates. ``fn(i)`` may use ``i`` to rotate its
+    inputs; every implementation sees ``i = 0 .. runs - 1``."""
+    prepared = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn(0)
+            hus = host_us(fn, host_runs)
+        except Exception as exc:
+            if is_sticky_cuda_error(exc) or skipped is None:
+                raise
+            skipped(name, exc)
+            continue
+        prepared[name] = (fn, hus, _lead_ns(hus))
+    names = list(prepared)
+    samples: dict = {n: [] for n in names}
+    events = _event_pair()
     for i in range(runs):
-        spin(lead_ns)
-        start.record()
-        fn(i)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            fn, _, lead = prepared[name]
+            samples[name].append(_timed_call(fn, i, lead, events))
+    out = {}
+    for name in names:
+        t, (_, hus, lead) = samples[name], prepared[name]
+        ms = float(np.median(t))
+        third = max(1, len(t) // 3)
+        drift = (float(np.median(t[-third:])) - float(np.median(t[:third]))) / ms * 100
+        out[name] = Timing(ms, hus, lead / 1e6, drift)
+    return out
 
 
 def timing_columns(host: float | None = None, lead_ms: float | None = None) -> dict:

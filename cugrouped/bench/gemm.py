@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from .common import (LAUNCH_BOUND, cpu_loop_us, host_us, is_sticky_cuda_error, median_ms,
-                     moe_splits, roofline_pct, timing_columns)
+from .common import (LAUNCH_BOUND, cpu_loop_us, median_ms, moe_splits, roofline_pct,
+                     time_together)
 
 __all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "gemm_bytes",
            "wgrad_2d2d_groups", "wgrad_2d2d_scales", "check_2d2d_offs", "bench_gemm", "bench_host_loop",
@@ -375,7 +375,7 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
     from .common import copy_bandwidth_gbs
 
     configs = QUICK_GEMM if quick else GEMM_CONFIGS
-    runs = 10 if quick else 30
+    runs, host_runs = (10, 10) if quick else (30, 20)
     try:
         import torch  # noqa: F401
         peaks = dense_peaks_tflops()
@@ -395,27 +395,30 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
         for pass_name in PASSES:
             flops = gemm_flops(cfg, pass_name)
             refs: dict[int, tuple[str, float]] = {}     # output width -> cugrouped FP8 row
-            for impl, fn, is_fp8, is_ours, out_dtype in _impls(pass_name, fp8, f16, peers):
-                try:
-                    ms = median_ms(fn, runs)
-                except Exception as exc:  # a peer that refuses these shapes is reported, not fatal
-                    if is_sticky_cuda_error(exc):
-                        raise             # the context is gone: the section stops here
-                    print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} skipped: {type(exc).__name__}: "
-                          f"{str(exc)[:120]}")
+            impls = _impls(pass_name, fp8, f16, peers)
+
+            def skipped(impl, exc, cfg=cfg, pass_name=pass_name):  # a peer refusing the shapes
+                print(f"{cfg.name:<24} {pass_name:<5} {impl:<24} skipped: {type(exc).__name__}: "
+                      f"{str(exc)[:120]}")
+
+            timed = time_together({impl: fn for impl, fn, *_ in impls}, runs,
+                                  host_runs=host_runs, skipped=skipped)
+            for impl, fn, is_fp8, is_ours, out_dtype in impls:
+                if impl not in timed:
                     continue
+                t = timed[impl]
+                ms = t.ms
                 tflops = flops / ms / 1e9
                 row = dict(op="gemm", config=cfg.name, pass_name=pass_name, impl=impl, ms=ms,
                            tflops=tflops, experts=cfg.experts, tokens=sum(m_splits),
-                           out_dtype=out_dtype, **timing_columns())
+                           out_dtype=out_dtype, **t.columns())
                 if peaks:
                     peak = peaks["fp8" if is_fp8 else "bf16"]
                     row["pct_peak"] = 100 * tflops / peak
                     row["pct_roofline"] = roofline_pct(
                         ms, flops, gemm_bytes(cfg, pass_name, is_fp8, _WIDTH[out_dtype]), peak, bw)
                 if is_ours:
-                    hus = host_us(fn)
-                    row.update(host_us_per_expert=hus / cfg.experts, **timing_columns(hus))
+                    row.update(host_us_per_expert=t.host_us / cfg.experts)
                 row.update(speedup_columns(impl, is_fp8, out_dtype, ms, refs))
                 rows.append(row)
                 extra = f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else ""

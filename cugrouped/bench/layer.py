@@ -22,11 +22,12 @@ tensors in, E views of one buffer out. Two more rows time the MoE permute in fro
 makes it): ``cugrouped-fp8-delayed-permute`` passes ``row_index`` to the layer (the cast kernel
 gathers; the tokens' gradient is summed back in backward), ``index_select+cugrouped-fp8-delayed``
 permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal.
-Rows report ms (CUDA events, median after warm-up), TFLOP/s, % of the measured dense peak (FP8
-peak for FP8 rows, bf16 for the rest), % of the
-roofline ``max(flops / peak, bytes / copy bandwidth)`` with the byte model of :func:`layer_bytes`
-(the L2 size read from the device), host us per call and per expert (one call on an idle GPU, so
-launches never block), the spin lead and a ``launch_bound`` flag (:func:`.common.timing_columns`), the speed-up
+Rows report ms (CUDA events, median after warm-up, the implementations of a config timed in
+turn: :func:`.common.time_together`), TFLOP/s, % of the measured dense peak (FP8 peak for FP8
+rows, bf16 for the rest), % of the roofline ``max(flops / peak, bytes / copy bandwidth)`` with
+the byte model of :func:`layer_bytes` (the L2 size read from the device), host us per call and
+per expert (one call on an idle GPU, so launches never block), the spin lead, a
+``launch_bound`` flag and the drift over the run (:meth:`.common.Timing.columns`), the speed-up
 of ``cugrouped-fp8-delayed-tensor`` over the row, and for FP8 rows the relative error of the
 output against the bf16 layer's. Importing this module needs neither torch nor a GPU; only
 :func:`bench_layer` needs both. The configs are the GEMM benchmark's shapes (compare the layer
@@ -39,7 +40,7 @@ import contextlib
 
 import numpy as np
 
-from .common import host_us, is_sticky_cuda_error, median_ms, roofline_pct, timing_columns
+from .common import is_sticky_cuda_error, roofline_pct, time_together
 from .gemm import GEMM_CONFIGS, QUICK_GEMM, GemmBench
 
 __all__ = ["LAYER_CONFIGS", "QUICK_LAYER", "PRECISIONS", "layer_flops", "layer_bytes",
@@ -261,14 +262,19 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                     raise              # the context is gone: the section stops here
                 outputs[impl] = exc
         ref_y = outputs.get("cugrouped-bf16-tensor")
-        ours = fused_ms = None
-        for impl, precision, form, step in impls:
+        for impl, _, _, _ in impls:
             if isinstance(outputs[impl], Exception):
                 exc = outputs[impl]
                 print(f"{cfg.name:<24} {impl:<30} skipped: {type(exc).__name__}: {str(exc)[:160]}")
+        timed = time_together({impl: step for impl, _, _, step in impls
+                               if not isinstance(outputs[impl], Exception)}, runs,
+                              host_runs=host_reps)
+        ours = fused_ms = None
+        for impl, precision, form, step in impls:
+            if impl not in timed:
                 continue
-            ms = median_ms(step, runs)
-            host = host_us(step, host_reps)
+            t = timed[impl]
+            ms, host = t.ms, t.host_us
             tflops = flops / ms / 1e9
             peak = peaks["fp8" if precision.startswith("fp8") else "bf16"]
             pct_roof = roofline_pct(ms, flops, layer_bytes(cfg, precision, l2), peak, bw)
@@ -276,7 +282,7 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                        ms=ms, tflops=tflops, pct_peak=100 * tflops / peak,
                        pct_roofline=pct_roof, host_us=host,
                        host_us_per_expert=host / cfg.experts, experts=cfg.experts, tokens=T,
-                       k=cfg.k, n=cfg.n, **timing_columns(host))
+                       k=cfg.k, n=cfg.n, **t.columns())
             same_input = form != "permute"          # the permute rows read other tensors
             if precision.startswith("fp8") and same_input and isinstance(ref_y, torch.Tensor):
                 row["rel_err_vs_bf16"] = _rel_err(outputs[impl], ref_y)
