@@ -7,6 +7,8 @@ Public API::
     GroupedFP8                      # its result: FP8 row-wise + transposed copies, amax, scales
     multi_block_cast_transpose(inputs, m_splits=None, *, block_scaling_dim=1, ...)
     GroupedBlockFP8                 # its result: FP8 copies with a scale per 1x128 / 128x128 block
+    block_scaled_weights(data, scale_inv)  # weights quantized in 128x128 blocks elsewhere
+                                    # (DeepSeek-V3's checkpoints) as a GroupedBlockFP8
     multi_mxfp8_cast_transpose(inputs, m_splits=None, *, align=32, ...)
     GroupedMXFP8                    # its result: MXFP8 copies, an E8M0 scale per 32 elements
     grouped_fprop(x, w, bias=None)  # y_i = x_i W_i^T for all experts (cuBLASLt; FP8 or bf16/fp16/fp32)
@@ -31,7 +33,8 @@ from ._jit import warmup
 from ._sources import kernels_dir as kernel_sources
 from .grouped_block_fp8 import GroupedBlockFP8, GroupedMXFP8
 from .grouped_fp8 import GroupedFP8
-from .ops import (emulation_order, grouped_dgrad, grouped_fprop, grouped_wgrad,
+from .ops import (block_scaled_weights, emulation_order, grouped_dgrad, grouped_fprop,
+                  grouped_wgrad,
                   multi_block_cast_transpose, multi_mxfp8_cast_transpose,
                   multi_pad_cast_transpose, record_launches,
                   update_scales)
@@ -39,6 +42,7 @@ from .ops import (emulation_order, grouped_dgrad, grouped_fprop, grouped_wgrad,
 __version__ = "0.1.0"
 
 __all__ = ["multi_pad_cast_transpose", "GroupedFP8", "multi_block_cast_transpose", "GroupedBlockFP8",
+           "block_scaled_weights",
            "multi_mxfp8_cast_transpose", "GroupedMXFP8",
            "grouped_fprop", "grouped_dgrad", "grouped_wgrad",
            "update_scales", "warmup", "kernel_sources",

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # each document, and a name for each of its Python blocks in order (what it shows)
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
-             "docs/ops.md": ("ops_preamble", "delayed", "block", "mx"),
+             "docs/ops.md": ("ops_preamble", "delayed", "block", "checkpoint", "mx"),
              "docs/pytorch.md": ("megatron", "permute"),
              "cugrouped/emulate/README.md": ("emulator", "access")}
 
@@ -42,6 +42,7 @@ def test_documents_have_the_examples():
     assert [gpu_only(b) for b in readme] == [False, False, True, False]   # the CuPy example
     assert "update_scales" in python_blocks("docs/ops.md")[1]
     assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[2]
+    assert "block_scaled_weights" in python_blocks("docs/ops.md")[3]
     assert "CugroupedSpecProvider" in python_blocks("docs/pytorch.md")[0]
     assert "row_index" in python_blocks("docs/pytorch.md")[1]
 
@@ -134,6 +135,14 @@ def check_examples(seen: dict) -> None:
     exact = np.concatenate([a @ b.T for a, b in zip(xb.dequantize(), wb.dequantize())])
     assert block["yb"].shape == (592, n)
     assert np.allclose(block["yb"].astype(np.float32), exact, rtol=2**-7, atol=1e-2)
+    # a checkpoint's block-scaled weights: the cast's buffers bit for bit, and the fprop close
+    # to the float product of DeepSeek-V3-style activations
+    ck = seen["checkpoint"]
+    for name in ("data", "data_t", "scale_inv", "scale_inv_t"):
+        assert getattr(ck["w_ckpt"], name).tobytes() == getattr(wb, name).tobytes(), name
+    exact = np.concatenate([a @ b.T for a, b in zip(ck["xd"].dequantize(), wb.dequantize())])
+    assert ck["yd"].shape == (592, n) and ck["xd"].data_t is None
+    assert np.allclose(ck["yd"].astype(np.float32), exact, rtol=2**-7, atol=1e-2)
     # MXFP8: E8M0 bytes, 512 per 128 x 128 tile (4 x 2 + 1 x 2 tiles), the compact view's shape
     xm, wm = mx["xm"], mx["wm"]
     assert xm.scale_inv.dtype == np.uint8 and xm.scale_inv.size == 10 * 512
@@ -183,7 +192,7 @@ def test_ops_page_lists_the_signatures_as_they_are():
     listed = _listed_signatures("docs/ops.md")
     assert [name for name, _ in listed] == [
         "multi_pad_cast_transpose", "multi_block_cast_transpose", "multi_mxfp8_cast_transpose",
-        "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales"]
+        "block_scaled_weights", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "update_scales"]
     for name, params in listed:
         assert f"({params})" == _bare_signature(getattr(cugrouped, name)), name
 
