@@ -230,3 +230,33 @@ def test_gpu_block_bias_and_accumulate_into_main_grad():
     sums = _abs_sum(dyts, xts, "wgrad")
     for i in range(3):
         _assert_close(cupy.asnumpy(main[i]), hmain[i], sums[i], "float32", 2**-11)
+
+
+@pytest.mark.parametrize("kind", ["block", "mxfp8"])
+def test_torch_cpu_operands_through_the_public_gemms(kind):
+    """Block-scaled and MXFP8 casts of torch CPU tensors go to grouped_fprop / dgrad / wgrad as
+    NumPy ones do (they recursed without end: the torch front's host views knew GroupedFP8
+    only): torch results, the NumPy run's values bit for bit."""
+    torch = pytest.importorskip("torch")
+    m, k, n = [32, 0, 64], 256, 128
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((96, k)), rng.standard_normal((96, n))
+    ws = [rng.standard_normal((n, k)) * 0.05 for _ in m]
+    if kind == "block":
+        cast = lambda a, s=None, **kw: cugrouped.multi_block_cast_transpose(a, s, **kw)  # noqa
+        wkw = dict(align=1, block_scaling_dim=2)
+    else:
+        cast = lambda a, s=None, **kw: cugrouped.multi_mxfp8_cast_transpose(a, s, **kw)  # noqa
+        wkw = dict(align=1)
+    for lib in ("numpy", "torch"):
+        conv = (lambda a: a.astype(np.float32)) if lib == "numpy" else \
+            (lambda a: torch.from_numpy(a.astype(np.float32)))
+        X, DY = cast(conv(x), m), cast(conv(dy), m)
+        W = cast([conv(w) for w in ws], **wkw)
+        got = (grouped_fprop(X, W), cugrouped.grouped_dgrad(DY, W), grouped_wgrad(X, DY))
+        if lib == "numpy":
+            want = got
+        else:
+            for a, b in zip(got, want):
+                assert isinstance(a, torch.Tensor)
+                assert np.array_equal(a.float().numpy(), b.astype(np.float32))

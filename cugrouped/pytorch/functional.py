@@ -234,11 +234,11 @@ def _new_gemm_output(problem, device) -> torch.Tensor:
 
 
 def _host_view(a):
-    """Torch CPU tensors (alone, in lists, in a GroupedFP8) as zero-copy NumPy views."""
+    """Torch CPU tensors (alone, in lists, in a cast's result) as zero-copy NumPy views."""
     if isinstance(a, torch.Tensor):
         return _arr(a)
-    if isinstance(a, GroupedFP8):
-        return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in _FIELDS})
+    if isinstance(a, (GroupedFP8, GroupedBlockFP8)):     # GroupedMXFP8 too
+        return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in a._BUFFERS})
     if isinstance(a, (list, tuple)):
         return type(a)(_host_view(v) for v in a)
     return a
