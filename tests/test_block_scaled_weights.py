@@ -118,6 +118,27 @@ def test_torch_tensors_in_torch_tensors_out():
                                   np.uint8 if a.dtype != torch.float32 else np.float32)), name
 
 
+def test_torch_inference_with_a_checkpoints_experts():
+    """The ops on torch tensors, forward only: activations cast per 1 x 128 block (float32
+    scales, as DeepSeek-V3's act_quant), the checkpoint's weights, the fprop; the NumPy run's
+    values bit for bit."""
+    torch = pytest.importorskip("torch")
+    q, s = checkpoint(3, 144, 272, seed=11)
+    x = np.random.default_rng(12).standard_normal((8 + 0 + 40, 272)).astype(np.float32)
+    ys = []
+    for lib in ("numpy", "torch"):
+        if lib == "torch":
+            conv = torch.from_numpy
+            qq = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        else:
+            conv, qq = (lambda a: a), q
+        x8 = cugrouped.multi_block_cast_transpose(conv(x), [8, 0, 40], power_2_scale=False,
+                                                  columnwise=False)
+        ys.append(cugrouped.grouped_fprop(x8, cugrouped.block_scaled_weights(qq, conv(s)),
+                                          out_dtype="float32"))
+    assert isinstance(ys[1], torch.Tensor) and np.array_equal(ys[1].numpy(), ys[0])
+
+
 def test_uint8_bytes_need_their_format():
     q, s = checkpoint(2, 128, 128, fmt="e5m2", seed=6)
     got = cugrouped.block_scaled_weights(q.view(np.uint8), s, fp8_format="e5m2")
