@@ -66,8 +66,9 @@ def config(dtype=torch.float64, bias=False, glu=True, **kw):
         moe_grouped_gemm=True, moe_token_dispatcher_type="allgather", **kw)
 
 
-def pair(cfg, seed=0):
-    """Megatron's SequentialMLP and TEGroupedMLP on cugrouped's layers, the same weights."""
+def pair(cfg, seed=0, generator=None):
+    """Megatron's SequentialMLP and TEGroupedMLP on cugrouped's layers, the same weights (drawn
+    from ``generator`` when given)."""
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)
     seq = SequentialMLP(E, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
@@ -79,10 +80,10 @@ def pair(cfg, seed=0):
         for i, expert in enumerate(seq.local_experts):
             for fc in ("linear_fc1", "linear_fc2"):
                 src, dst = getattr(expert, fc), getattr(grp, fc)
-                src.weight.normal_(0, 0.05)
+                src.weight.normal_(0, 0.05, generator=generator)
                 dst.weights()[i].copy_(src.weight)
                 if src.bias is not None:
-                    src.bias.normal_()
+                    src.bias.normal_(generator=generator)
                     dst.biases()[i].copy_(src.bias)
     return seq, grp
 

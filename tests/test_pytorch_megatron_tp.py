@@ -22,6 +22,8 @@ E, HIDDEN, FFN, TP = 4, 64, 96, 2
 SPLITS = [9, 0, 14, 5]
 TIMEOUT = 240           # s for both ranks, spawn and Megatron's import included
 
+from test_pytorch_megatron import pair, shards  # noqa: E402
+
 
 def _config(dtype=torch.float64):
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,47 +38,22 @@ def _config(dtype=torch.float64):
 
 
 def _pair(cfg, seed):
-    """Megatron's SequentialMLP and TEGroupedMLP over cugrouped's layers, the same shards."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
-
-    from cugrouped.pytorch.megatron import ColumnParallelGroupedLinear, RowParallelGroupedLinear
-
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
-    torch.manual_seed(seed)
-    seq = SequentialMLP(E, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                              linear_fc2=RowParallelLinear), pg_collection=pgc)
-    grp = TEGroupedMLP(E, cfg, MLPSubmodules(linear_fc1=ColumnParallelGroupedLinear,
-                                             linear_fc2=RowParallelGroupedLinear),
-                       pg_collection=pgc)
+    """test_pytorch_megatron's pair, each rank's shards drawn apart."""
     gen = torch.Generator().manual_seed(100 * seed + torch.distributed.get_rank())
-    with torch.no_grad():
-        for i, expert in enumerate(seq.local_experts):
-            for fc in ("linear_fc1", "linear_fc2"):
-                src, dst = getattr(expert, fc), getattr(grp, fc)
-                src.weight.normal_(0, 0.05, generator=gen)      # each rank's shard its own
-                dst.weights()[i].copy_(src.weight)
-    return seq, grp
+    return pair(cfg, seed, gen)
 
 
-def _shards(mlp):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+def _save(mlp, ckpt_dir: str, name: str) -> str:
+    """``mlp``'s distributed checkpoint (every rank) into a new folder ``name``; its path."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
 
-    sd = mlp.sharded_state_dict(prefix="experts.")
-    apply_factories(sd)
-    out, todo = set(), list(sd.values())
-    while todo:
-        sh = todo.pop()
-        if isinstance(sh, (list, tuple)):
-            todo.extend(sh)
-        elif isinstance(sh, ShardedObject):
-            out.add((sh.key, "object", sh.global_offset, sh.global_shape, sh.replica_id))
-        else:
-            out.add((sh.key, sh.global_offset, sh.global_shape, sh.axis_fragmentations,
-                     sh.replica_id))
-    return out
+    path = os.path.join(ckpt_dir, name)
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save(mlp.sharded_state_dict(prefix="experts."), path)
+    return path
 
 
 def _load(mlp, ckpt):
@@ -108,7 +85,6 @@ def _gathered(grp):
 def _cases(rank: int, ckpt_dir: str) -> str:
     """Every check, on both ranks; raises on the first failure."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -167,12 +143,8 @@ def _cases(rank: int, ckpt_dir: str) -> str:
                                    atol=1e-12)
 
     # checkpoints: SequentialMLP's shards, both ways
-    assert _shards(grp) == _shards(seq), "shards"
-    a = os.path.join(ckpt_dir, "seq_tp2")
-    if rank == 0:
-        os.makedirs(a)
-    dist.barrier()
-    dist_checkpointing.save(seq.sharded_state_dict(prefix="experts."), a)
+    assert shards(grp) == shards(seq), "shards"
+    a = _save(seq, ckpt_dir, "seq_tp2")
     _, fresh = _pair(cfg, seed=5)
     _load(fresh, a)
     for i, expert in enumerate(seq.local_experts):
@@ -191,11 +163,7 @@ def _cases(rank: int, ckpt_dir: str) -> str:
     theirs = [torch.empty_like(mine) for _ in range(TP)]
     dist.all_gather(theirs, mine)
     assert not torch.equal(theirs[0], theirs[1])
-    b = os.path.join(ckpt_dir, "grp_fp8_tp2")
-    if rank == 0:
-        os.makedirs(b)
-    dist.barrier()
-    dist_checkpointing.save(g8.sharded_state_dict(prefix="experts."), b)
+    b = _save(g8, ckpt_dir, "grp_fp8_tp2")
     _, f8 = _pair(cfg32, seed=6)
     for fc in ("linear_fc1", "linear_fc2"):
         getattr(f8, fc).init_fp8_state(recipe)
@@ -221,11 +189,7 @@ def _cases(rank: int, ckpt_dir: str) -> str:
 
     # a tensor-parallel size 2 checkpoint (cugrouped's) loads at size 1 into both: the shards
     # join into the whole weights
-    c = os.path.join(ckpt_dir, "grp_tp2")
-    if rank == 0:
-        os.makedirs(c)
-    dist.barrier()
-    dist_checkpointing.save(grp.sharded_state_dict(prefix="experts."), c)
+    c = _save(grp, ckpt_dir, "grp_tp2")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1,
                                  expert_tensor_parallel_size=1)
