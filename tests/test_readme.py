@@ -207,7 +207,9 @@ def test_pytorch_page_lists_the_signatures_as_they_are():
                "fp8_autocast": cpt.fp8_autocast, "checkpoint": cpt.checkpoint,
                "MoEFeedForward": cpt.MoEFeedForward.__init__,
                "from_te_state_dict": cpt.from_te_state_dict,
-               "from_te_extra_state": cpt.from_te_extra_state}
+               "from_te_extra_state": cpt.from_te_extra_state,
+               "FrozenGroupedLinear": cpt.FrozenGroupedLinear.__init__,
+               "FrozenGroupedLinear.forward": cpt.FrozenGroupedLinear.forward}
     assert [name for name, _ in listed] == list(objects)
     for name, params in listed:
         assert f"({params})" == _bare_signature(objects[name]), name

@@ -26,6 +26,7 @@ except ImportError as exc:
 from . import _custom_ops  # noqa: F401  (registers the torch.library ops)
 from .checkpoint import checkpoint
 from .fp8_state import DelayedScalingState
+from .frozen import FrozenGroupedLinear
 from .grouped_linear import GroupedLinear, cpu_cast_backend, set_cpu_cast_backend
 from .moe import MoEFeedForward, shard_state_dict
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams,
@@ -38,4 +39,4 @@ __all__ = ["GroupedLinear", "fp8_autocast", "autocast", "DelayedScaling", "Float
            "QParams", "MMParams", "Format", "get_fp8_recipe", "get_fp8_group", "is_fp8_enabled",
            "DelayedScalingState",
            "set_cpu_cast_backend", "cpu_cast_backend", "MoEFeedForward", "shard_state_dict",
-           "checkpoint", "from_te_state_dict", "from_te_extra_state"]
+           "checkpoint", "from_te_state_dict", "from_te_extra_state", "FrozenGroupedLinear"]
