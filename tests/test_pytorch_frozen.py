@@ -91,6 +91,17 @@ def test_close_to_the_float64_product_and_frozen():
     assert all(not t.requires_grad for t in layer.buffers())
 
 
+def test_torch_compile_fullgraph_matches_eager():
+    layer, _, _ = layer_and_weights(seed=9)
+    x = torch.randn(25, K, requires_grad=True)
+    y = layer(x, [5, 0, 20])
+    y.backward(torch.ones_like(y))
+    xc = x.detach().clone().requires_grad_()
+    yc = torch.compile(lambda t: layer(t, [5, 0, 20]), fullgraph=True)(xc)
+    yc.backward(torch.ones_like(yc))
+    assert torch.equal(yc, y) and torch.equal(xc.grad, x.grad)
+
+
 def test_state_dict_round_trip():
     a, _, _ = layer_and_weights(seed=4)
     b, _, _ = layer_and_weights(seed=5)

@@ -90,7 +90,9 @@ class FrozenGroupedLinear(torch.nn.Module):
     def forward(self, inp, m_splits=None):
         list_mode = isinstance(inp, (list, tuple))
         xs, splits = self._inputs(inp, m_splits, list_mode)
-        plan = _padding(splits, xs[0].device)
+        # (traced by torch.compile without the cache: the counts are constants of the graph)
+        plan = (_padding.__wrapped__ if torch.compiler.is_compiling() else _padding)(
+            splits, xs[0].device)
         if plan is not None and list_mode and len(xs) > 1:
             xs = [torch.cat(xs)]               # one tokens tensor for the cast's gather
         y = _FrozenFn.apply(self, splits, plan, list_mode and plan is None, *xs)
