@@ -102,6 +102,19 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(yc, y) and torch.equal(xc.grad, x.grad)
 
 
+def test_a_dtype_cast_of_the_model_keeps_the_scales_float32():
+    """``model.bfloat16()`` (common before FP8 training or inference) casts the bias, not the
+    block scales the GEMMs read as float32: the same outputs for bfloat16 inputs."""
+    layer, _, _ = layer_and_weights(seed=10)
+    x = torch.randn(16, K).bfloat16()
+    layer.bias.data = layer.bias.bfloat16().float()    # the rounding the cast will do
+    want = layer(x, [8, 0, 8])
+    layer.bfloat16()
+    assert layer.weight_scale_inv.dtype == layer.weight_scale_inv_t.dtype == torch.float32
+    assert layer.bias.dtype == torch.bfloat16 and layer.weight_data.dtype == torch.uint8
+    assert torch.equal(layer(x, [8, 0, 8]), want)
+
+
 def test_state_dict_round_trip():
     a, _, _ = layer_and_weights(seed=4)
     b, _, _ = layer_and_weights(seed=5)

@@ -82,6 +82,20 @@ class FrozenGroupedLinear(torch.nn.Module):
         else:
             self.bias = None
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.cuda()``, ``.bfloat16()``...: the block scales follow the
+        device but stay float32 (the GEMMs read float32); the bias follows dtypes too."""
+        names = ("weight_scale_inv", "weight_scale_inv_t")
+        scales = {n: self._buffers.pop(n) for n in names}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in scales.items():
+                moved = fn(t)
+                self._buffers[n] = moved if moved.dtype == torch.float32 else \
+                    t.to(device=moved.device)
+        return self
+
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, fp8_format={self.fp8_format!r}, "
