@@ -208,16 +208,17 @@ def test_time_together_is_fair_on_a_gpu_whose_clock_sags(monkeypatch):
 
 def test_time_together_takes_the_implementations_in_turn(monkeypatch):
     """Warm-up and host timing per implementation first, then one timed call of each per turn,
-    the order rotated; every implementation sees i = 0 .. runs - 1; a steady GPU's times exact,
-    no drift, the lead at its floor for host times far below it."""
+    the order rotated, the calls numbered as they run (inputs rotated by that number: no call
+    reads the copy the call before it read, whoever made it); a steady GPU's times exact, no
+    drift, the lead at its floor for host times far below it."""
     gpu = ModelGPU(monkeypatch)
     got = common.time_together({"a": gpu.work("a", 1.0), "b": gpu.work("b", 2.0),
                                 "c": gpu.work("c", 0.5)}, 4, warmup=2, host_runs=3)
     assert gpu.calls[:10] == [("a", 0)] * 2 + [("a", i) for i in range(3)] + \
         [("b", 0)] * 2 + [("b", i) for i in range(3)]
     assert gpu.calls[10:] == [("c", 0), ("c", 0), ("c", 0), ("c", 1), ("c", 2),
-                              ("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
-                              ("c", 2), ("a", 2), ("b", 2), ("a", 3), ("b", 3), ("c", 3)]
+                              ("a", 0), ("b", 1), ("c", 2), ("b", 3), ("c", 4), ("a", 5),
+                              ("c", 6), ("a", 7), ("b", 8), ("a", 9), ("b", 10), ("c", 11)]
     assert list(got) == ["a", "b", "c"]
     assert [t.ms for t in got.values()] == pytest.approx([1.0, 2.0, 0.5], abs=1e-12)
     assert all(abs(t.drift_pct) < 1e-9 and t.lead_ms == 0.2 for t in got.values())
@@ -240,6 +241,21 @@ def test_time_together_leaves_out_what_fails_in_warm_up(monkeypatch):
     got = common.time_together({"a": gpu.work("a", 1.0), "peer": refuses}, 3,
                                skipped=lambda name, exc: seen.append((name, str(exc))))
     assert list(got) == ["a"] and seen == [("peer", "Expected mat_b tensor to be column major")]
+    # failing in a timed call (after its warm-up passed): left out from then on, the others
+    # timed to the end
+    later = gpu.work("later", 2.0)
+
+    def fails_at_call_8(i):        # turn 2's third call
+        if i == 8:
+            raise RuntimeError("out of memory")
+        return later(i)
+
+    seen.clear()
+    got = common.time_together({"a": gpu.work("a", 1.0), "later": fails_at_call_8,
+                                "c": gpu.work("c", 0.5)}, 4, host_runs=3,
+                               skipped=lambda n, e: seen.append(n))
+    assert list(got) == ["a", "c"] and seen == ["later"]
+    assert [i for name, i in gpu.calls if name == "c"][-4:] == [2, 4, 6, 10]
     with pytest.raises(RuntimeError, match="illegal memory access"):
         common.time_together({"a": gpu.work("a", 1.0), "bad": poisons}, 3,
                              skipped=lambda *a: None)

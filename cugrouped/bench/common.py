@@ -147,10 +147,14 @@ def time_together(fns: dict, runs: int, *, warmup: int = 3, host_runs: int = 20,
 
     Each implementation is first called ``warmup`` times, then its host time is taken
     (``host_runs`` calls, :func:`host_us`) to size its spin lead as :func:`median_ms` does. One that
-    raises meanwhile is left out: ``skipped(name, exc)`` reports it (a sticky CUDA error is
-    raised instead: the context is gone). Returns ``{name: Timing}`` for those timed, in the
-    order given; a timed call that raises propagates. ``fn(i)`` may use ``i`` to rotate its
-    inputs; every implementation sees ``i = 0 .. runs - 1``."""
+    raises, then or in a timed call, is left out: ``skipped(name, exc)`` reports it (a sticky
+    CUDA error, or any error without ``skipped``, is raised instead). Returns ``{name: Timing}``
+    for those timed, in the order given.
+
+    ``fn(i)`` may use ``i`` to rotate its inputs over copies larger than the L2 cache: the timed
+    calls are numbered in the order they run (turn ``t``'s calls get ``t * n .. t * n + n - 1``
+    for ``n`` implementations), so consecutive calls never read the same copy, whichever
+    implementation makes them."""
     prepared = {}
     for name, fn in fns.items():
         try:
@@ -166,11 +170,22 @@ def time_together(fns: dict, runs: int, *, warmup: int = 3, host_runs: int = 20,
     names = list(prepared)
     samples: dict = {n: [] for n in names}
     events = _event_pair()
-    for i in range(runs):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
+    call = 0
+    for turn in range(runs):
+        order = [names[(turn + j) % len(names)] for j in range(len(names))]
+        for name in order:
+            if name not in prepared:      # failed in an earlier turn
+                continue
             fn, _, lead = prepared[name]
-            samples[name].append(_timed_call(fn, i, lead, events))
+            try:
+                samples[name].append(_timed_call(fn, call, lead, events))
+            except Exception as exc:
+                if is_sticky_cuda_error(exc) or skipped is None:
+                    raise
+                skipped(name, exc)
+                del prepared[name]
+            call += 1
+    names = [n for n in names if n in prepared]
     out = {}
     for name in names:
         t, (_, hus, lead) = samples[name], prepared[name]
