@@ -151,24 +151,36 @@ def _cases(rank: int, ckpt_dir: str) -> str:
         for fc in ("linear_fc1", "linear_fc2"):
             assert torch.equal(getattr(fresh, fc).weights()[i], getattr(expert, fc).weight), fc
 
-    # FP8 state: saved from tensor-parallel rank 0 (as Megatron does for TE's layers), loaded
-    # by every rank; each shard's own scales differ before
+    # FP8, delayed scaling: the shards' amaxes are reduced over expt_tp, so both ranks hold one
+    # state (checked below to be the whole experts' at size 1); a checkpoint keeps TP rank 0's,
+    # as Megatron does, which therefore restores every rank exactly
     cfg32 = _config(torch.float32)
     _, g8 = _pair(cfg32, seed=2)
     recipe = DelayedScaling(amax_history_len=4)
-    with fp8_autocast(fp8_recipe=recipe):
-        x32 = x.float().requires_grad_()
-        g8(x32, torch.tensor(SPLITS), probs.float())[0].sum().backward()
-    mine = g8.linear_fc1.fp8_state().tensors["scale"]
-    theirs = [torch.empty_like(mine) for _ in range(TP)]
-    dist.all_gather(theirs, mine)
-    assert not torch.equal(theirs[0], theirs[1])
+
+    def fp8_steps(mlp):
+        for _ in range(2):          # the second step casts with the first one's scales
+            with fp8_autocast(fp8_recipe=recipe):
+                xi = x.float().requires_grad_()
+                mlp(xi, torch.tensor(SPLITS), probs.float())[0].sum().backward()
+        return {fc: getattr(mlp, fc).fp8_state().tensors for fc in ("linear_fc1", "linear_fc2")}
+
+    state8 = fp8_steps(g8)
+    for fc, st in state8.items():
+        assert st["scale"].ne(1).any(), fc
+        for name, t in st.items():
+            theirs = [torch.empty_like(t) for _ in range(TP)]
+            dist.all_gather(theirs, t)
+            assert torch.equal(theirs[0], theirs[1]), (fc, name)
+    whole8 = _gathered(g8)
     b = _save(g8, ckpt_dir, "grp_fp8_tp2")
     _, f8 = _pair(cfg32, seed=6)
     for fc in ("linear_fc1", "linear_fc2"):
         getattr(f8, fc).init_fp8_state(recipe)
     _load(f8, b)
-    assert torch.equal(f8.linear_fc1.fp8_state().tensors["scale"], theirs[0])
+    for fc, st in state8.items():
+        got = getattr(f8, fc).fp8_state().tensors
+        assert all(torch.equal(got[k], st[k]) for k in st), fc
 
     # errors: a size the shards cannot divide; a bias (Megatron allows expert biases only at
     # expert tensor-parallel size 1: each rank would add fc2's before the sum)
@@ -200,6 +212,14 @@ def _cases(rank: int, ckpt_dir: str) -> str:
         for fc, mlp in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
             assert torch.equal(getattr(expert, fc).weight, w[f"{mlp}.weight"]), (fc, i)
             assert torch.equal(getattr(grp1, fc).weights()[i], w[f"{mlp}.weight"]), (fc, i)
+    # the FP8 state at size 2 is the whole experts' at size 1 after the same steps
+    _, g1 = _pair(cfg32, seed=8)
+    with torch.no_grad():
+        for i, w in enumerate(whole8):
+            g1.linear_fc1.weights()[i].copy_(w["fc1.weight"])
+            g1.linear_fc2.weights()[i].copy_(w["fc2.weight"])
+    for fc, st in fp8_steps(g1).items():
+        assert all(torch.equal(st[k], state8[fc][k]) for k in st), fc
     ps.destroy_model_parallel()
     return "ok"
 

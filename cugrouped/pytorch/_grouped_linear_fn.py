@@ -38,7 +38,8 @@ class _Config:
     fuse_wgrad: bool = False
     accumulate_main_grad: bool = True   # False: overwrite main_grad (first micro-batch, FSDP)
     cast_backend: str = "emulate"
-    amax_group: object = None       # fp8_autocast's fp8_group: amaxes all-reduced (max) over it
+    amax_group: tuple = ()          # groups the amaxes are all-reduced (max) over, in turn
+                                    # (fp8_autocast's fp8_group; a layer may add its own)
     grad_enabled: bool = True       # False (no_grad): the delayed-scaling state is left alone
     wgrad_store: object = None      # a _WgradStore: backward queues wgrad for backward_dw()
     bwd_mode: str = "fp8"           # or "hp_wgrad", "high_precision", "dequantized" (recipes)
@@ -86,13 +87,13 @@ def num_e4m3(recipe, num_experts: int) -> int:
     return (3 if recipe.fp8_format.backward == "e4m3" else 2) * num_experts
 
 
-def update_scales(state, count: int, group, num_e4m3: int, amax_compute_algo: str, margin: int,
-                  cast_backend: str) -> None:
+def update_scales(state, count: int, groups: tuple, num_e4m3: int, amax_compute_algo: str,
+                  margin: int, cast_backend: str) -> None:
     """The delayed-scaling update of the first ``count`` tensors of ``state`` (history, amax,
-    scale, scale_inv): their amaxes all-reduced (max) over ``group`` when one is given, then one
-    launch for all of them."""
+    scale, scale_inv): their amaxes all-reduced (max) over each of ``groups`` in turn (over a
+    grid of groups, the max over all their ranks), then one launch for all of them."""
     history, amax, scale, scale_inv = state
-    if group is not None:
+    for group in groups:
         import torch.distributed as dist
 
         dist.all_reduce(amax[:count], op=dist.ReduceOp.MAX, group=group)

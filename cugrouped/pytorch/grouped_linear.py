@@ -778,9 +778,15 @@ class GroupedLinear(torch.nn.Module):
                                         self.fp8_scale, self.fp8_amax, offset, backend, True)
             update_scales((self.fp8_amax_history, self.fp8_amax, self.fp8_scale,
                            self.fp8_scale_inv), 2 * E,
-                          get_fp8_group() if recipe.reduce_amax else None, num_e4m3(recipe, E),
+                          self._amax_groups(recipe), num_e4m3(recipe, E),
                           recipe.amax_compute_algo, recipe.margin, backend)
         self._fp8_weight_cache = None
+
+    def _amax_groups(self, recipe) -> tuple:
+        """The process groups a delayed-scaling update all-reduces (max) the amaxes over:
+        ``fp8_autocast``'s ``fp8_group`` (with the recipe's ``reduce_amax``)."""
+        group = get_fp8_group()
+        return (group,) if recipe.reduce_amax and group is not None else ()
 
     def _main_grads(self, ws) -> tuple[bool, bool, tuple]:
         """(fused wgrad, main_grad looked up in backward, the main_grads known now).
@@ -883,7 +889,7 @@ class GroupedLinear(torch.nn.Module):
                       recipe.fp8_format.backward, recipe.margin, delayed,
                       recipe.amax_compute_algo if delayed else "max", n_e4m3, fuse_bias,
                       fuse, accumulate_main_grad, cast_backend,
-                      get_fp8_group() if delayed and recipe.reduce_amax else None,
+                      self._amax_groups(recipe) if delayed else (),
                       torch.is_grad_enabled() and not recompute, self._wgrad_queue(), mode,
                       self.save_original_input, self._grad_accumulators(), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),

@@ -32,15 +32,15 @@ Parallelism is Megatron's token dispatcher's, as with TransformerEngine's layers
 parallelism each rank holds its experts; under expert tensor parallelism (``pg_collection.
 expt_tp`` of size ``tp``) each rank holds a shard of every local expert, fc1 its
 ``output_size / tp`` rows and fc2 its ``input_size / tp`` columns, and the layers communicate
-nothing (fc2's partial outputs are summed by the dispatcher's reduce-scatter). In FP8 each shard
-has its own scales (its GEMMs use them; the partial outputs are summed in high precision).
-Checkpoints record the shards along those axes, as Megatron's ``SequentialMLP`` does, so they
-load at another parallel size.
+nothing (fc2's partial outputs are summed by the dispatcher's reduce-scatter). Under delayed
+scaling the shards' amaxes are all-reduced (max) over ``expt_tp`` at every scale update, so an
+expert's shards share its scales and the FP8 state is the whole expert's. Checkpoints record
+the shards along those axes, as Megatron's ``SequentialMLP`` does, so they load at another
+parallel size.
 """
 
 from __future__ import annotations
 
-import torch
 
 try:
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -86,10 +86,10 @@ class MegatronGroupedLinear(GroupedLinear):
         if tp > 1 and bias:     # fc2's would be added by every rank before the sum
             raise ValueError(f"bias: expert layers with biases need expert tensor-parallel "
                              f"size 1 (Megatron's rule), got expert tensor-parallel size {tp}")
-        if tp > 1:      # as TEGroupedLinear: this rank's shard; the dispatcher communicates
+        if tp > 1 and parallel_mode in ("column", "row"):   # as TEGroupedLinear: this rank's
             name, size = ("output_size", output_size) if parallel_mode == "column" else \
-                ("input_size", input_size)
-            if size % tp:
+                ("input_size", input_size)                   # shard (the dispatcher
+            if size % tp:                                    # communicates)
                 raise ValueError(f"{name}: {size} is not divisible by the expert "
                                  f"tensor-parallel size {tp}")
             if parallel_mode == "column":
@@ -122,6 +122,17 @@ class MegatronGroupedLinear(GroupedLinear):
         for p in self.parameters():     # expert weights are not all-reduced across EP ranks
             p.allreduce = not self.expert_parallel
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states, with_module=True)
+
+    def _amax_groups(self, recipe) -> tuple:
+        """Under expert tensor parallelism the amaxes are all-reduced over ``expt_tp`` first: an
+        expert's shards share its scales, the state is the whole expert's at any expert
+        tensor-parallel size, and a checkpoint (which keeps tensor-parallel rank 0's state, as
+        Megatron does) restores every shard exactly. Then over ``fp8_autocast``'s group."""
+        groups = super()._amax_groups(recipe)
+        tp_group = self._pg_collection.expt_tp
+        if recipe.reduce_amax and get_pg_size(tp_group) > 1 and tp_group not in groups:
+            groups = (tp_group, *groups)
+        return groups
 
     def forward(self, x, m_splits):
         """``(out, biases)`` with ``skip_bias_add`` and a bias, else ``(out, None)``. The FP8
