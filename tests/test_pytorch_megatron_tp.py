@@ -89,7 +89,8 @@ def _cases(rank: int, ckpt_dir: str) -> str:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from cugrouped.pytorch import DelayedScaling, fp8_autocast
-    from cugrouped.pytorch.megatron import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+    from cugrouped.pytorch.megatron import (ColumnParallelGroupedLinear, MegatronGroupedLinear,
+                                            RowParallelGroupedLinear)
 
     # Megatron's checkpoint writer syncs the device and keeps a status tensor on it (module doc
     # of test_pytorch_megatron.py): nothing to wait for on the CPU, and gloo takes CPU tensors
@@ -198,6 +199,10 @@ def _cases(rank: int, ckpt_dir: str) -> str:
                 str(exc), exc
         else:
             raise AssertionError(f"{cls.__name__}: no error for {name}")
+    # no parallel mode: nothing divided (as TEGroupedLinear)
+    plain = MegatronGroupedLinear(E, HIDDEN, FFN, config=cfg, init_method=None, bias=False,
+                                  skip_bias_add=False, is_expert=True, pg_collection=pgc)
+    assert plain.weights()[0].shape == (FFN, HIDDEN)
 
     # a tensor-parallel size 2 checkpoint (cugrouped's) loads at size 1 into both: the shards
     # join into the whole weights
