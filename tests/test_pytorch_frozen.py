@@ -185,3 +185,52 @@ def test_gpu_layer_against_the_cpu_run():
         outs.append((y.float().cpu(), xi.grad.float().cpu()))
     for a, b in zip(*outs):
         assert (a - b).abs().max() <= 2**-7 * a.abs().max()
+
+
+def test_row_index_folds_the_permute_in():
+    """``row_index`` (tokens gathered by the cast, -1 a zero row): the outputs of the layer on
+    the gathered rows, bit for bit, and the tokens' gradient their rows' gradients summed back
+    (float32: the same order as autograd's index_add)."""
+    layer, _, _ = layer_and_weights(seed=11)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(12, K, generator=g)
+    splits = [5, 0, 14]
+    idx = torch.randint(-1, 12, (sum(splits),), generator=g)
+    dy = torch.randn(sum(splits), N, generator=g)
+    t1 = tokens.clone().requires_grad_()
+    y = layer(t1, splits, row_index=idx)
+    y.backward(dy)
+    t2 = tokens.clone().requires_grad_()
+    rows = torch.where((idx >= 0)[:, None], t2[idx.clamp(min=0)], torch.zeros(()))
+    want = layer(rows, splits)
+    want.backward(dy)
+    assert torch.equal(y, want) and torch.equal(t1.grad, t2.grad)
+    with pytest.raises(ValueError, match=r"row_index: has 18 entries but m_splits counts 19"):
+        layer(tokens, splits, row_index=idx[:-1])
+    with pytest.raises(ValueError, match=r"row_index: gathers from one tensor of tokens"):
+        layer([tokens[:5], tokens[:0], tokens], row_index=idx)
+
+
+def test_frozen_experts_in_cugrouped_moe_block():
+    """Frozen FP8 experts dropped into MoEFeedForward (fc1 = [gate; up] of a checkpoint, fc2 =
+    down): the block runs forward and backward, the fused permute and the explicit one give the
+    same bits, and only the router gets a gradient."""
+    from cugrouped.pytorch import MoEFeedForward
+
+    H, F = 256, 128
+    ys = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        moe = MoEFeedForward(H, F, E, top_k=2, device="cpu", fuse_permute=fuse)
+        q1, s1 = checkpoint(E, 2 * F, H, seed=12)
+        q2, s2 = checkpoint(E, H, F, seed=13)
+        as_t = lambda q: torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)  # noqa
+        moe.fc1 = FrozenGroupedLinear(as_t(q1), torch.from_numpy(s1))
+        moe.fc2 = FrozenGroupedLinear(as_t(q2), torch.from_numpy(s2))
+        x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        y = moe(x)
+        y.backward(torch.ones_like(y))
+        moe.backward_dw()
+        assert [n for n, p in moe.named_parameters() if p.grad is not None] == ["router.weight"]
+        ys.append((y.detach(), x.grad))
+    assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1])

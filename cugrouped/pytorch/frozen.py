@@ -24,6 +24,7 @@ import torch
 
 from ..ops.block_scaled_weights import block_scaled_weights
 from . import _custom_ops as cops
+from ._gather import check_row_index, scatter_rows
 from .grouped_linear import _CPU_CAST_BACKEND
 
 __all__ = ["FrozenGroupedLinear"]
@@ -101,19 +102,31 @@ class FrozenGroupedLinear(torch.nn.Module):
                 f"out_features={self.out_features}, fp8_format={self.fp8_format!r}, "
                 f"bias={self.bias is not None}")
 
-    def forward(self, inp, m_splits=None):
+    def forward(self, inp, m_splits=None, row_index=None):
+        """``row_index`` (with one ``inp`` tensor of tokens and ``m_splits``): the MoE permute
+        folded into the cast, as :class:`GroupedLinear`'s (expert rows ``inp[row_index]``, -1 a
+        zero row; the input gradient summed back onto the tokens)."""
         list_mode = isinstance(inp, (list, tuple))
-        xs, splits = self._inputs(inp, m_splits, list_mode)
+        if row_index is not None and list_mode:
+            raise ValueError("row_index: gathers from one tensor of tokens, not from a list")
+        xs, splits = self._inputs(inp, m_splits, list_mode, row_index is not None)
+        if row_index is not None:
+            check_row_index(row_index, xs[0], sum(splits))
         # (traced by torch.compile without the cache: the counts are constants of the graph)
         plan = (_padding.__wrapped__ if torch.compiler.is_compiling() else _padding)(
             splits, xs[0].device)
         if plan is not None and list_mode and len(xs) > 1:
             xs = [torch.cat(xs)]               # one tokens tensor for the cast's gather
-        y = _FrozenFn.apply(self, splits, plan, list_mode and plan is None, *xs)
+        y = _FrozenFn.apply(self, splits, plan, list_mode and plan is None, row_index, *xs)
         return list(torch.split(y, list(splits))) if list_mode else y
 
-    def _inputs(self, inp, m_splits, list_mode):
-        """The input tensors (a list, or the one tensor) and the host counts, checked."""
+    def backward_dw(self) -> None:
+        """Nothing to do (no weight gradient): for callers that run every expert layer's
+        deferred weight gradients (``MoEFeedForward.backward_dw``)."""
+
+    def _inputs(self, inp, m_splits, list_mode, gather=False):
+        """The input tensors (a list, or the one tensor) and the host counts, checked; with
+        ``gather`` the one tensor holds the tokens (its rows are not the counts' sum)."""
         E, k = self.num_gemms, self.in_features
         if list_mode:
             if m_splits is not None:
@@ -145,7 +158,7 @@ class FrozenGroupedLinear(torch.nn.Module):
             if x.device != self.weight_data.device:
                 raise ValueError(f"{name}: on {x.device}, the weights on "
                                  f"{self.weight_data.device}")
-        if not list_mode and sum(splits) != xs[0].shape[0]:
+        if not list_mode and not gather and sum(splits) != xs[0].shape[0]:
             raise ValueError(f"m_splits: sum {sum(splits)} != inp rows {xs[0].shape[0]}")
         return [x.contiguous() for x in xs], splits
 
@@ -172,17 +185,21 @@ def _padding(splits: tuple, device: torch.device):
 
 
 class _FrozenFn(torch.autograd.Function):
-    """apply(layer, splits, plan, list_cast, *xs) -> y (sum m_i, n); ``plan``: :func:`_padding`;
-    ``list_cast``: ``xs`` are the experts' tensors, else one tensor of all rows."""
+    """apply(layer, splits, plan, list_cast, row_index, *xs) -> y (sum m_i, n); ``plan``:
+    :func:`_padding`; ``list_cast``: ``xs`` are the experts' tensors, else one tensor of all
+    rows (the tokens, with ``row_index``)."""
 
     @staticmethod
-    def forward(ctx, layer, splits, plan, list_cast, *xs):
-        padded, idx, keep = (splits, None, None) if plan is None else plan
-        experts = xs if list_cast else [xs[0]] if idx is not None else \
+    def forward(ctx, layer, splits, plan, list_cast, row_index, *xs):
+        padded, pad_idx, keep = (splits, None, None) if plan is None else plan
+        gather = pad_idx if row_index is None else row_index if plan is None else \
+            torch.full((sum(padded),), -1, dtype=torch.int64,
+                       device=row_index.device).index_copy_(0, keep, row_index)
+        experts = xs if list_cast else [xs[0]] if gather is not None else \
             list(torch.split(xs[0], list(splits)))
         data, _, si, _, _ = cops.eager.fp8_block_quantize(
             experts, layer.fp8_format, 1, 16, True, False, _CPU_CAST_BACKEND[0], 0.0,
-            layer.power_2_scale, idx, list(padded) if idx is not None else None)
+            layer.power_2_scale, gather, list(padded) if gather is not None else None)
         y = cops.eager.fp8_fprop(data, si, layer.fp8_format, layer.weight_data,
                                  layer.weight_scale_inv, layer.fp8_format, [], list(padded),
                                  xs[0].dtype, False, 1, 2)
@@ -190,25 +207,28 @@ class _FrozenFn(torch.autograd.Function):
             for part, b in zip(torch.split(y, list(padded)), layer.bias):
                 part.add_(b.to(y.dtype))
         ctx.layer, ctx.splits, ctx.plan, ctx.list_cast = layer, splits, plan, list_cast
-        ctx.x_dtype = xs[0].dtype
+        ctx.x_dtype, ctx.num_tokens = xs[0].dtype, xs[0].shape[0]
+        ctx.save_for_backward(*(() if row_index is None else (row_index,)))
         return y if keep is None else y.index_select(0, keep)
 
     @staticmethod
     def backward(ctx, dy):
         layer, splits = ctx.layer, ctx.splits
-        padded, idx, keep = (splits, None, None) if ctx.plan is None else ctx.plan
-        nx = len(ctx.needs_input_grad) - 4
-        if not any(ctx.needs_input_grad[4:]):
-            return (None,) * (4 + nx)
+        padded, pad_idx, keep = (splits, None, None) if ctx.plan is None else ctx.plan
+        nx = len(ctx.needs_input_grad) - 5
+        if not any(ctx.needs_input_grad[5:]):
+            return (None,) * (5 + nx)
         dy = dy.contiguous()
-        dys = [dy] if idx is not None else list(torch.split(dy, list(splits)))
+        dys = [dy] if pad_idx is not None else list(torch.split(dy, list(splits)))
         data, _, si, _, _ = cops.eager.fp8_block_quantize(
             dys, layer.grad_fp8_format, 1, 16, True, False, _CPU_CAST_BACKEND[0], 0.0,
-            layer.power_2_scale, idx, list(padded) if idx is not None else None)
+            layer.power_2_scale, pad_idx, list(padded) if pad_idx is not None else None)
         dx = cops.eager.fp8_dgrad(data, si, layer.grad_fp8_format, layer.weight_data_t,
                                   layer.weight_scale_inv_t, layer.fp8_format,
                                   layer.in_features, list(padded), ctx.x_dtype, False, 1, 2)
         if keep is not None:
             dx = dx.index_select(0, keep)
+        if ctx.saved_tensors:             # the permute's adjoint: rows summed onto the tokens
+            dx = scatter_rows(dx, ctx.saved_tensors[0], ctx.num_tokens)
         grads = torch.split(dx, list(splits)) if ctx.list_cast else (dx,)
-        return (None,) * 4 + tuple(grads)
+        return (None,) * 5 + tuple(grads)
