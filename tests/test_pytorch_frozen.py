@@ -138,7 +138,8 @@ def test_errors_name_the_argument():
     cases = [
         (lambda: layer(x), ValueError, r"m_splits: required with a single input tensor"),
         (lambda: layer(x, [8, 8]), ValueError, r"m_splits: expected 3 counts, got 2"),
-        (lambda: layer(x, [8, 9, -1]), ValueError, r"m_splits: counts must be >= 0"),
+        (lambda: layer(x, [8, 9, -1]), ValueError, r"m_splits: counts must be non-negative"),
+        (lambda: layer(x, [8.0, 0, 8]), TypeError, r"m_splits: expected ints, got 8.0"),
         (lambda: layer(x, [8, 0, 9]), ValueError, r"m_splits: sum 17 != inp rows 16"),
         (lambda: layer(torch.randn(16, K + 1), [8, 0, 8]), ValueError,
          r"inp: expected a 2-D tensor \(rows, 272\)"),
@@ -158,6 +159,13 @@ def test_errors_name_the_argument():
         (lambda: FrozenGroupedLinear(torch.from_numpy(q.view(np.uint8)), torch.from_numpy(s),
                                      fp8_format="e4m3", grad_fp8_format="fp8"),
          ValueError, r"grad_fp8_format: expected 'e4m3' or 'e5m2'"),
+        (lambda: FrozenGroupedLinear(torch.from_numpy(q.view(np.uint8)), torch.from_numpy(s),
+                                     fp8_format="e5m2", grad_fp8_format="e5m2"),
+         ValueError, r"grad_fp8_format: 'e5m2' with E5M2 weights would be an E5M2 x E5M2"),
+        (lambda: FrozenGroupedLinear(torch.from_numpy(q.view(np.uint8))[:, :, :200],
+                                     torch.from_numpy(s)[:, :, :2], fp8_format="e4m3"),
+         ValueError, r"weight: FP8 GEMMs need both feature sizes in multiples of 16, got "
+                     r"\(144, 200\)"),
     ]
     for call, exc, msg in cases:
         with pytest.raises(exc, match=msg):
@@ -234,3 +242,31 @@ def test_frozen_experts_in_cugrouped_moe_block():
         assert [n for n, p in moe.named_parameters() if p.grad is not None] == ["router.weight"]
         ys.append((y.detach(), x.grad))
     assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1])
+
+
+def test_e5m2_weights_and_inference_only():
+    """E5M2 weights: the input is cast to E4M3 (E4M3 x E5M2 is a cuBLASLt GEMM); by hand the
+    same bits. ``input_grad=False`` keeps no transposed copy and refuses inputs that require a
+    gradient; ``once_differentiable`` refuses a double backward."""
+    q, s = checkpoint(E, N, K, fmt="e5m2", seed=14)
+    tq = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e5m2)
+    layer = FrozenGroupedLinear(tq, torch.from_numpy(s))
+    W = cugrouped.block_scaled_weights(tq, torch.from_numpy(s))
+    x = torch.randn(21, K).requires_grad_()
+    dy = torch.randn(21, N)
+    y = layer(x, [5, 8, 8])
+    y.backward(dy)
+    want_y, want_dx = by_hand(x.detach(), dy, [5, 8, 8], W, None)
+    assert torch.equal(y, want_y) and torch.equal(x.grad, want_dx)
+    lean = FrozenGroupedLinear(tq, torch.from_numpy(s), input_grad=False)
+    assert lean.weight_data_t is None and lean.weight_scale_inv_t is None
+    assert torch.equal(lean(x.detach(), [5, 8, 8]), y) and lean.bfloat16() is lean
+    with pytest.raises(ValueError, match=r"inp: requires a gradient, but the layer was built "
+                                         r"with input_grad=False"):
+        lean(x, [5, 8, 8])
+    with torch.no_grad():
+        assert torch.equal(lean(x, [5, 8, 8]), y)
+    xx = x.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(layer(xx, [5, 8, 8]).pow(2).sum(), xx, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):   # its dy depends on x
+        g.sum().backward()

@@ -21,11 +21,12 @@ import functools
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..ops.block_scaled_weights import block_scaled_weights
 from . import _custom_ops as cops
 from ._gather import check_row_index, scatter_rows
-from .grouped_linear import _CPU_CAST_BACKEND
+from .grouped_linear import _CPU_CAST_BACKEND, GroupedLinear
 
 __all__ = ["FrozenGroupedLinear"]
 
@@ -43,7 +44,9 @@ class FrozenGroupedLinear(torch.nn.Module):
     dtype. ``power_2_scale``: the input's and gradient's block scales rounded to powers of two
     (TransformerEngine's recipe) instead of DeepSeek-V3's exact ``amax / 448``.
     ``grad_fp8_format``: the output gradient's format (DeepSeek-V3 trains with E4M3 throughout;
-    ``"e5m2"`` is TransformerEngine's HYBRID).
+    ``"e5m2"`` is TransformerEngine's HYBRID; not with E5M2 weights: cuBLASLt has no E5M2 x
+    E5M2 GEMM). The input is cast to E4M3. ``input_grad=False`` (inference) keeps no transposed
+    copy of the weights (half the memory); the input may then not require a gradient.
 
     ``forward(inp, m_splits=None)`` as :class:`GroupedLinear`'s: a list of ``(m_i, k)`` tensors
     gives a list of ``(m_i, n)`` outputs, one ``(sum m_i, k)`` tensor with ``m_splits`` (host
@@ -52,21 +55,32 @@ class FrozenGroupedLinear(torch.nn.Module):
     ``state_dict``)."""
 
     def __init__(self, weight, weight_scale_inv, bias=None, *, fp8_format: str | None = None,
-                 power_2_scale: bool = False, grad_fp8_format: str = "e4m3"):
+                 power_2_scale: bool = False, grad_fp8_format: str = "e4m3",
+                 input_grad: bool = True):
         super().__init__()
-        w = block_scaled_weights(weight, weight_scale_inv, fp8_format=fp8_format)
-        if not isinstance(w.data, torch.Tensor):
-            raise TypeError("weight: expected torch tensors (for NumPy or CuPy arrays use "
-                            "cugrouped.block_scaled_weights and the ops)")
-        if not isinstance(power_2_scale, bool):
-            raise TypeError(f"power_2_scale: expected a bool, got {power_2_scale!r}")
+        for name, v in (("power_2_scale", power_2_scale), ("input_grad", input_grad)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}: expected a bool, got {v!r}")
         if grad_fp8_format not in ("e4m3", "e5m2"):
             raise ValueError(f"grad_fp8_format: expected 'e4m3' or 'e5m2', got "
                              f"{grad_fp8_format!r}")
+        w = block_scaled_weights(weight, weight_scale_inv, fp8_format=fp8_format,
+                                 columnwise=input_grad)
+        if not isinstance(w.data, torch.Tensor):
+            raise TypeError("weight: expected torch tensors (for NumPy or CuPy arrays use "
+                            "cugrouped.block_scaled_weights and the ops)")
         E, n, k = w.num_experts, w.m_splits[0], w.k
+        if k % 16 or n % 16:
+            raise ValueError(f"weight: FP8 GEMMs need both feature sizes in multiples of 16, "
+                             f"got ({n}, {k})")
+        if input_grad and w.fp8_format == grad_fp8_format == "e5m2":
+            raise ValueError("grad_fp8_format: 'e5m2' with E5M2 weights would be an E5M2 x E5M2 "
+                             "dgrad, which cuBLASLt has not; use 'e4m3'")
+        self.input_grad = input_grad
         self.num_gemms, self.in_features, self.out_features = E, k, n
         self.fp8_format, self.grad_fp8_format = w.fp8_format, grad_fp8_format
         self.power_2_scale = power_2_scale
+        self.input_fp8_format = "e4m3"    # E4M3 x E5M2 is a cuBLASLt GEMM, E5M2 x E5M2 is not
         self.register_buffer("weight_data", w.data.view(torch.uint8))
         self.register_buffer("weight_data_t", w.data_t)
         self.register_buffer("weight_scale_inv", w.scale_inv)
@@ -92,9 +106,10 @@ class FrozenGroupedLinear(torch.nn.Module):
             super()._apply(fn, recurse)
         finally:
             for n, t in scales.items():
-                moved = fn(t)
-                self._buffers[n] = moved if moved.dtype == torch.float32 else \
-                    t.to(device=moved.device)
+                if t is not None:
+                    moved = fn(t)
+                    t = moved if moved.dtype == torch.float32 else t.to(device=moved.device)
+                self._buffers[n] = t
         return self
 
     def extra_repr(self) -> str:
@@ -112,9 +127,10 @@ class FrozenGroupedLinear(torch.nn.Module):
         xs, splits = self._inputs(inp, m_splits, list_mode, row_index is not None)
         if row_index is not None:
             check_row_index(row_index, xs[0], sum(splits))
-        # (traced by torch.compile without the cache: the counts are constants of the graph)
-        plan = (_padding.__wrapped__ if torch.compiler.is_compiling() else _padding)(
-            splits, xs[0].device)
+        if not self.input_grad and torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+            raise ValueError("inp: requires a gradient, but the layer was built with "
+                             "input_grad=False (no transposed weights kept)")
+        plan = _padding(splits, xs[0].device)
         if plan is not None and list_mode and len(xs) > 1:
             xs = [torch.cat(xs)]               # one tokens tensor for the cast's gather
         y = _FrozenFn.apply(self, splits, plan, list_mode and plan is None, row_index, *xs)
@@ -123,6 +139,10 @@ class FrozenGroupedLinear(torch.nn.Module):
     def backward_dw(self) -> None:
         """Nothing to do (no weight gradient): for callers that run every expert layer's
         deferred weight gradients (``MoEFeedForward.backward_dw``)."""
+
+    def need_backward_dw(self) -> bool:
+        """False: no weight gradient is ever deferred (as ``GroupedLinear``'s)."""
+        return False
 
     def _inputs(self, inp, m_splits, list_mode, gather=False):
         """The input tensors (a list, or the one tensor) and the host counts, checked; with
@@ -140,13 +160,9 @@ class FrozenGroupedLinear(torch.nn.Module):
             if m_splits is None:
                 raise ValueError("m_splits: required with a single input tensor")
             xs = [inp]
-            if isinstance(m_splits, torch.Tensor):
-                m_splits = m_splits.tolist()          # a sync on a CUDA tensor (documented)
-            splits = tuple(int(m) for m in m_splits)
+            splits = tuple(GroupedLinear._host_splits(m_splits))   # a tensor: read back
             if len(splits) != E:
                 raise ValueError(f"m_splits: expected {E} counts, got {len(splits)}")
-            if min(splits) < 0:
-                raise ValueError(f"m_splits: counts must be >= 0, got {list(splits)}")
         for i, x in enumerate(xs):
             name = f"inp[{i}]" if list_mode else "inp"
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
@@ -163,11 +179,12 @@ class FrozenGroupedLinear(torch.nn.Module):
         return [x.contiguous() for x in xs], splits
 
 
-@functools.lru_cache(maxsize=256)
-def _padding(splits: tuple, device: torch.device):
+@functools.lru_cache(maxsize=16)
+def _host_padding(splits: tuple, pinned: bool):
     """``None`` when every count is a multiple of 8; else ``(padded counts, gather index of the
-    padded rows (-1: a pad row), each real row's padded position)``, the two index tensors on
-    ``device``, made once per counts and device (from pinned memory: no sync)."""
+    padded rows (-1: a pad row), each real row's padded position)``, the two indices as host
+    tensors (pinned for a copy to a GPU), made once per counts (a small cache: routed counts
+    change every step, but a block's two layers share theirs)."""
     if all(m % ROW_MULTIPLE == 0 for m in splits):
         return None
     padded = tuple(-(-m // ROW_MULTIPLE) * ROW_MULTIPLE for m in splits)
@@ -179,9 +196,20 @@ def _padding(splits: tuple, device: torch.device):
         keep[src:src + m] = np.arange(dst, dst + m)
         src, dst = src + m, dst + mp
     idx, keep = torch.from_numpy(idx), torch.from_numpy(keep)
-    if device.type == "cuda":
-        idx, keep = (t.pin_memory().to(device, non_blocking=True) for t in (idx, keep))
-    return padded, idx, keep
+    return (padded, idx.pin_memory(), keep.pin_memory()) if pinned else (padded, idx, keep)
+
+
+def _padding(splits: tuple, device: torch.device):
+    """:func:`_host_padding`'s plan with its indices on ``device``: on a GPU copied on the
+    current stream from pinned memory (no sync; in order with the work that reads them). Under
+    torch.compile the indices are made in the graph (constants; no pinned memory there)."""
+    if torch.compiler.is_compiling():
+        plan = _host_padding.__wrapped__(splits, False)
+        return None if plan is None else (plan[0], plan[1].to(device), plan[2].to(device))
+    plan = _host_padding(splits, device.type == "cuda")
+    if plan is None or device.type != "cuda":
+        return plan
+    return (plan[0], *(t.to(device, non_blocking=True) for t in plan[1:]))
 
 
 class _FrozenFn(torch.autograd.Function):
@@ -198,9 +226,9 @@ class _FrozenFn(torch.autograd.Function):
         experts = xs if list_cast else [xs[0]] if gather is not None else \
             list(torch.split(xs[0], list(splits)))
         data, _, si, _, _ = cops.eager.fp8_block_quantize(
-            experts, layer.fp8_format, 1, 16, True, False, _CPU_CAST_BACKEND[0], 0.0,
+            experts, layer.input_fp8_format, 1, 16, True, False, _CPU_CAST_BACKEND[0], 0.0,
             layer.power_2_scale, gather, list(padded) if gather is not None else None)
-        y = cops.eager.fp8_fprop(data, si, layer.fp8_format, layer.weight_data,
+        y = cops.eager.fp8_fprop(data, si, layer.input_fp8_format, layer.weight_data,
                                  layer.weight_scale_inv, layer.fp8_format, [], list(padded),
                                  xs[0].dtype, False, 1, 2)
         if layer.bias is not None:        # frozen: added to the padded rows too, then dropped
@@ -212,6 +240,7 @@ class _FrozenFn(torch.autograd.Function):
         return y if keep is None else y.index_select(0, keep)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         layer, splits = ctx.layer, ctx.splits
         padded, pad_idx, keep = (splits, None, None) if ctx.plan is None else ctx.plan
