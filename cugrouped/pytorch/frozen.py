@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from ..ops.block_scaled_weights import block_scaled_weights
 from . import _custom_ops as cops
 from ._gather import check_row_index, scatter_rows
-from .grouped_linear import _CPU_CAST_BACKEND, GroupedLinear
+from .grouped_linear import _CPU_CAST_BACKEND, GroupedLinear, apply_keeping_float32
 
 __all__ = ["FrozenGroupedLinear"]
 
@@ -100,16 +100,8 @@ class FrozenGroupedLinear(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """``module.to(...)``, ``.cuda()``, ``.bfloat16()``...: the block scales follow the
         device but stay float32 (the GEMMs read float32); the bias follows dtypes too."""
-        names = ("weight_scale_inv", "weight_scale_inv_t")
-        scales = {n: self._buffers.pop(n) for n in names}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for n, t in scales.items():
-                if t is not None:
-                    moved = fn(t)
-                    t = moved if moved.dtype == torch.float32 else t.to(device=moved.device)
-                self._buffers[n] = t
+        apply_keeping_float32(self, super()._apply, fn, recurse,
+                              ("weight_scale_inv", "weight_scale_inv_t"))
         return self
 
     def extra_repr(self) -> str:

@@ -86,6 +86,21 @@ def cpu_cast_backend(name: str):
         _CPU_CAST_BACKEND[0] = old
 
 
+def apply_keeping_float32(module, apply, fn, recurse, names) -> None:
+    """``module._apply`` (``apply``: the base class's) with the float32 buffers ``names``
+    (FP8 scales and state, which the kernels read as float32) moved by ``fn`` to its device but
+    never cast to another dtype (``.bfloat16()``)."""
+    kept = {n: module._buffers.pop(n) for n in names}
+    try:
+        apply(fn, recurse)
+    finally:
+        for n, t in kept.items():
+            if t is not None:
+                moved = fn(t)
+                t = moved if moved.dtype == torch.float32 else t.to(device=moved.device)
+            module._buffers[n] = t
+
+
 class GroupedLinear(torch.nn.Module):
     """E independent linear layers applied to E groups of rows (TransformerEngine-compatible).
 
@@ -367,18 +382,8 @@ class GroupedLinear(torch.nn.Module):
         """``module.to(...)``, ``.cuda()``, ``.bfloat16()``...: the FP8 state follows the device
         but stays float32 (the scale update and the casts read float32); a cached FP8 copy of
         the weights is dropped."""
-        names = ("amax_history", "amax", "scale", "scale_inv")
-        state = {n: self._buffers.pop(f"fp8_{n}") for n in names}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for n, t in state.items():
-                if t is not None:
-                    moved = fn(t)
-                    if moved.dtype != torch.float32:          # a dtype cast: move, don't cast
-                        moved = t.to(device=moved.device)
-                    t = moved
-                self._buffers[f"fp8_{n}"] = t
+        apply_keeping_float32(self, super()._apply, fn, recurse,
+                              [f"fp8_{n}" for n in ("amax_history", "amax", "scale", "scale_inv")])
         self._fp8_weight_cache = self._grad_acc_cache = None
         return self
 
