@@ -17,11 +17,11 @@ import numpy as np
 
 from .._array import array_kind
 from ..grouped_block_fp8 import BLOCK, GroupedBlockFP8
+from ..grouped_fp8 import FP8_FORMATS
 
 __all__ = ["block_scaled_weights"]
 
-_TORCH_FP8 = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-_NUMPY_FP8 = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_FP8_DTYPE_FORMATS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}   # torch's and ml_dtypes'
 
 
 def _as_list(arg, name: str):
@@ -52,7 +52,7 @@ def _describe(a) -> str:
 def _format_of(a, fp8_format: str | None, name: str) -> str:
     """The FP8 format of ``a``'s dtype (float8 types), or ``fp8_format`` for uint8 bytes."""
     dt = str(a.dtype).removeprefix("torch.")
-    fmt = (_TORCH_FP8 if array_kind(a) == "torch" else _NUMPY_FP8).get(dt)
+    fmt = _FP8_DTYPE_FORMATS.get(dt)
     if fmt is None and dt != "uint8":
         raise TypeError(f"{name}: expected FP8 data (float8_e4m3fn / float8_e5m2, or uint8 "
                         f"bytes with fp8_format=), got dtype {dt}")
@@ -84,7 +84,7 @@ def block_scaled_weights(data, scale_inv, *, fp8_format: str | None = None,
     inputs' kind and device)."""
     if not isinstance(columnwise, bool):
         raise TypeError(f"columnwise: expected a bool, got {columnwise!r}")
-    if fp8_format is not None and fp8_format not in ("e4m3", "e5m2"):
+    if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format: expected 'e4m3', 'e5m2' or None, got {fp8_format!r}")
     ws, ss = _as_list(data, "data"), _as_list(scale_inv, "scale_inv")
     if len(ss) != len(ws):
@@ -173,9 +173,11 @@ class _Lib:
         """Row-wise bytes in the dtype the casts return for this kind: torch's and ml_dtypes'
         float8 types; CuPy keeps uint8."""
         if self.kind == "torch":
-            return q.view(self.xp.float8_e4m3fn if fmt == "e4m3" else self.xp.float8_e5m2)
-        if self.kind == "numpy":
-            import ml_dtypes
+            from ..pytorch._adapters import FP8_TORCH_DTYPES
 
-            return q.view(ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2)
+            return q.view(FP8_TORCH_DTYPES[fmt])
+        if self.kind == "numpy":
+            from ..reference.fp8 import fp8_dtype
+
+            return q.view(fp8_dtype(fmt))
         return q

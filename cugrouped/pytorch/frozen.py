@@ -9,8 +9,8 @@ each block's amax, as DeepSeek-V3 quantizes activations; ``power_2_scale=True`` 
 TransformerEngine's power-of-two scales) and runs the block-scaled fprop; backward casts the
 output gradient the same way and runs dgrad on the weights' transposed copy. The block-scaled
 GEMMs take token counts in multiples of 8: the layer pads each expert's rows itself, in the
-cast (pad rows are index -1 of its gather: zero rows it writes, no padded copy of the input),
-and drops them from the output and the input gradient (one ``index_select`` each) when a count
+cast (pad rows are index -1 of its gather: zero rows it writes, no padded copy of a tensor
+input; a list input is concatenated once), and drops them from the output and the input gradient (one ``index_select`` each) when a count
 needs it. Hopper (sm_90) with cuBLAS 12.9+ on the GPU; CPU tensors run the casts on the
 emulator and the GEMMs on the reference, bit for bit what the GPU's casts give.
 """
@@ -48,7 +48,8 @@ class FrozenGroupedLinear(torch.nn.Module):
     E5M2 GEMM). The input is cast to E4M3. ``input_grad=False`` (inference) keeps no transposed
     copy of the weights (half the memory); the input may then not require a gradient.
 
-    ``forward(inp, m_splits=None)`` as :class:`GroupedLinear`'s: a list of ``(m_i, k)`` tensors
+    ``forward(inp, m_splits=None, row_index=None)`` as :class:`GroupedLinear`'s: a list of
+    ``(m_i, k)`` tensors
     gives a list of ``(m_i, n)`` outputs, one ``(sum m_i, k)`` tensor with ``m_splits`` (host
     ints; an integer tensor is read back, a sync) one ``(sum m_i, n)`` tensor; in the input's
     dtype (float32, bfloat16 or float16). The FP8 buffers are the module's buffers (``.to()``,

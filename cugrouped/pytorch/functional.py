@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from ..grouped_block_fp8 import MX_DIMS, GroupedBlockFP8, GroupedMXFP8, result_type, scale_dtype
-from ..grouped_fp8 import GroupedFP8
+from ..grouped_fp8 import GroupedFP8, GroupedSplits
 from ..ops import _cast_inputs
 from ..ops import block_cast_transpose as _bct
 from ..ops import pad_cast_transpose as _pct
@@ -22,9 +22,6 @@ from ._adapters import FP8_TORCH_DTYPES, TORCH_DTYPES, launch_context, to_array
 
 __all__ = ["multi_pad_cast_transpose", "multi_block_cast_transpose", "multi_mxfp8_cast_transpose",
            "grouped_gemm"]
-
-_FIELDS = ("data", "data_t", "amax", "scale", "scale_inv", "column_sums")   # GroupedFP8 buffers
-
 
 def _arr(t):
     """Zero-copy NumPy view of a CPU tensor (1-byte tensors as uint8 bytes), or None."""
@@ -68,7 +65,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             scale=torch.empty(E, **f32) if scale is None else scale,
             scale_inv=torch.empty(E, **f32), fp8_format=fp8_format, k=k, align=align,
             column_sums=torch.empty((E, k), **f32) if column_sums else None)
-    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in _FIELDS})
+    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in GroupedFP8._BUFFERS})
     with launch_context(dev):
         res = _pct.cast_arrays(
             xs, splits, fp8_format=fp8_format, scale=conv(scale), margin=margin, align=align,
@@ -170,8 +167,7 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
             m_splits=(), m_pad_splits=(), fp8_format=fp8_format, k=g.k, align=align,
             block_scaling_dim=block_scaling_dim,
             column_sums=torch.empty((g.num_experts, g.k), **f32) if column_sums else None)
-    fields = ("data", "data_t", "scale_inv", "scale_inv_t", "column_sums")
-    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in fields})
+    views = dataclasses.replace(out, **{f: conv(getattr(out, f)) for f in out._BUFFERS})
     with launch_context(dev):
         res = _bct.block_cast_arrays(
             xs, splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim, align=align,
@@ -237,7 +233,7 @@ def _host_view(a):
     """Torch CPU tensors (alone, in lists, in a cast's result) as zero-copy NumPy views."""
     if isinstance(a, torch.Tensor):
         return _arr(a)
-    if isinstance(a, (GroupedFP8, GroupedBlockFP8)):     # GroupedMXFP8 too
+    if isinstance(a, GroupedSplits):        # every cast's result: its array fields
         return dataclasses.replace(a, **{f: _host_view(getattr(a, f)) for f in a._BUFFERS})
     if isinstance(a, (list, tuple)):
         return type(a)(_host_view(v) for v in a)

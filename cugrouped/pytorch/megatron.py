@@ -86,13 +86,14 @@ class MegatronGroupedLinear(GroupedLinear):
         if tp > 1 and bias:     # fc2's would be added by every rank before the sum
             raise ValueError(f"bias: expert layers with biases need expert tensor-parallel "
                              f"size 1 (Megatron's rule), got expert tensor-parallel size {tp}")
-        if tp > 1 and parallel_mode in ("column", "row"):   # as TEGroupedLinear: this rank's
-            name, size = ("output_size", output_size) if parallel_mode == "column" else \
-                ("input_size", input_size)                   # shard (the dispatcher
-            if size % tp:                                    # communicates)
+        if tp > 1 and parallel_mode in ("column", "row"):
+            # as TEGroupedLinear: this rank's shard (the dispatcher communicates)
+            column = parallel_mode == "column"
+            name, size = ("output_size", output_size) if column else ("input_size", input_size)
+            if size % tp:
                 raise ValueError(f"{name}: {size} is not divisible by the expert "
                                  f"tensor-parallel size {tp}")
-            if parallel_mode == "column":
+            if column:
                 output_size //= tp
             else:
                 input_size //= tp
