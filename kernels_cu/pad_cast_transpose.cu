@@ -37,6 +37,7 @@
 #include "fp8.cuh"
 #include "block_scan.cuh"
 #include "segment.cuh"
+#include "activation.cuh"
 
 #ifndef CG_PCT_MAX_EXPERTS
 #define CG_PCT_MAX_EXPERTS 64
@@ -151,23 +152,48 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 //     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
 // Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
 // 48 registers plus a 4-byte spill for float16 CAST_AMAX on sm_90 (compile-check, NVRTC 13.0).
+// The gated activation (ACT) holds both halves' words of a full tile: 3 blocks (<= 80
+// registers) for 16-bit input, 2 (<= 128) for float32, which spilled 4 bytes at 80 on sm_89 and
+// sm_90 (NVRTC 13.0).
+constexpr int pct_act_min_blocks(InDtype in) { return in == InDtype::F32 ? 2 : 3; }
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || __CUDA_ARCH__ >= 1000)
 constexpr bool kPctF32ColsumNeedsMore = true;
 #else
 constexpr bool kPctF32ColsumNeedsMore = false;
 #endif
-constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather = false) {
-    return gather ? (mode == PctMode::AMAX_ONLY && !colsum ? 5
+constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather = false,
+                             Act act = Act::NONE) {
+    return act != Act::NONE ? pct_act_min_blocks(in)
+         : gather ? (mode == PctMode::AMAX_ONLY && !colsum ? 5
                      : in == InDtype::F32 && colsum ? (mode == PctMode::CAST_AMAX ? 2 : 3) : 4)
          : mode == PctMode::AMAX_ONLY && !colsum ? 6
          : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
          : 4;
 }
 
+// A segment of the gated activation's second half that is not part of a full tile, widened to
+// float: `n` valid elements (the rest read as 0), one vector load when whole and aligned (the
+// first half's loads below are the same, written out: as a call they cost the float32 amax-only
+// kernel an 8-byte spill on sm_100).
+template <InDtype IN>
+CG_DEVICE void load_unpack(const void* src, i64 n, float (&v)[PCT_SEG]) {
+    using Traits = InTraits<IN>;
+    if (n >= PCT_SEG && aligned16(src)) {
+        uint4 w[Traits::words];
+        Traits::load_raw(src, w);
+        Traits::unpack(w, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < PCT_SEG; ++j) v[j] = j < n ? Traits::load(src, j) : 0.f;
+    }
+}
+
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
 // write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
-template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false>
-__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER))
+template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false,
+          Act ACT = Act::NONE>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER, ACT))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           const float amax_epsilon,  // AMAX_ONLY: compute_scale's options
                           const i32 power_2_scale,
@@ -183,7 +209,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     using Traits = InTraits<IN>;
     constexpr bool kCast = MODE != PctMode::AMAX_ONLY;
     constexpr bool kAmax = MODE != PctMode::CAST;
+    constexpr bool kGated = ACT != Act::NONE;
     static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
+    static_assert(!kGated || (!COLSUM && !GATHER), "the activation has no column sums or gather");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];   // columns placed by tile_col
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];   // indexed by seg_col
@@ -236,9 +264,12 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // paths then run the same conversion code, so the bits cannot differ.
     float local_amax = 0.f;
     float csum[PCT_SEG];
+    // (The gated activation's second half starts k columns to the right: aligned too.)
     const bool full_tile = row0 + PCT_TILE_M <= m && col0 + PCT_TILE_K <= k && aligned16(x.in) &&
-                           (x.ld * Traits::bytes) % 16 == 0;
+                           (x.ld * Traits::bytes) % 16 == 0 &&
+                           (!kGated || (k * Traits::bytes) % 16 == 0);
     uint4 raw[PCT_SEG_ITERS][Traits::words];
+    uint4 raw_b[kGated ? PCT_SEG_ITERS : 1][Traits::words];
     if (full_tile) {
 #pragma unroll
         for (int it = 0; it < PCT_SEG_ITERS; ++it) {
@@ -246,6 +277,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
             const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
             Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
+            if constexpr (kGated)
+                Traits::load_raw(segment_src<Traits::bytes, false>(x, grow, gcol + k), raw_b[it]);
         }
     }
 #pragma unroll
@@ -256,8 +289,10 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         const i64 grow = row0 + r;
         const i64 gcol = col0 + c;
         float v[PCT_SEG];
+        float vb[kGated ? PCT_SEG : 1];
         if (full_tile) {
             Traits::unpack(raw[it], v);
+            if constexpr (kGated) Traits::unpack(raw_b[it], vb);
         } else if (grow < m && gcol < k) {
             // (a gathered zero row reads kZeroSegment: 64 bytes of zeros, 16-byte aligned)
             const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);
@@ -270,12 +305,23 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                 for (int j = 0; j < PCT_SEG; ++j)
                     v[j] = gcol + j < k ? Traits::load(src, j) : 0.f;
             }
+            if constexpr (kGated)
+                load_unpack<IN>(segment_src<Traits::bytes, false>(x, grow, gcol + k), k - gcol, vb);
         } else {
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;
-        }
+            if constexpr (kGated) {
 #pragma unroll
-        for (int j = 0; j < PCT_SEG; ++j) v[j] = ftz(v[j]);
+                for (int j = 0; j < PCT_SEG; ++j) vb[j] = 0.f;
+            }
+        }
+        if constexpr (kGated) {   // the activation of a padding element (a = b = 0) is 0
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) v[j] = activate<ACT>(v[j], vb[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) v[j] = ftz(v[j]);
+        }
         if (kAmax) {
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));

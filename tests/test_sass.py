@@ -157,6 +157,38 @@ def test_gather_keeps_wide_loads_issued_together(gather_sass, dtype, mode, colsu
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
 
 
+@pytest.fixture(scope="module", params=ARCHS)
+def act_sass(request):
+    """The activation kernels (swiglu before the cast, a module of their own)."""
+    return _compiled(pct.ACT_KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("mode", ["AMAX_ONLY", "CAST", "CAST_AMAX"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_loads_both_halves_together_without_spilling(act_sass, dtype, mode):
+    """The swiglu variants read both halves [a | b] with 16-byte loads, a full tile's all
+    issued before any is used (twice the plain kernel's), convert with the hardware F2FP from
+    sm_89 on, keep off local memory within their launch bounds (80 registers, float32 128), and
+    compute exp themselves (no MUFU.EX2: the hardware's approximation has no CPU twin)."""
+    arch, by_name, resources = act_sass
+    loads = 8 if dtype == "float32" else 4
+    for fmt in FORMATS:
+        name = pct.kernel_name(dtype, fmt, mode, activation="swiglu")
+        text = by_name[name]
+        ops = _sass.memory_ops(text)
+        assert ops["LDG.E.128"] == 4 * loads, ops      # (a, b) x (full tile, other tiles)
+        assert _sass.longest_load_run(text) == 2 * loads
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        assert "MUFU.EX2" not in text
+        cap = 128 if dtype == "float32" else 80
+        assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
+        f2fp = ops.get(f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C", 0)
+        if mode != "AMAX_ONLY" and int(arch) >= 89:
+            assert 16 <= f2fp <= 18, ops
+        else:
+            assert f2fp == 0, ops
+
+
 # ------------------------------------------------------------------------------------------------
 # The block-scaled cast (kernels_cu/block_cast_transpose.cu): 128 x 128 tiles, 4 segments a thread.
 

@@ -32,6 +32,7 @@ BASE_FLAGS = (
     "-fvisibility=hidden",          # else function-static __shared__ of templates are process-wide
     "-fno-strict-aliasing",         # kernels reinterpret_cast between vector types
     "-fstack-clash-protection",
+    "-ffp-contract=off",            # a * b + c is two roundings, as in the kernels' _rn arithmetic
     "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0",   # _longjmp between fiber stacks
     "-Wno-unused-function", "-Wno-unused-variable",
 )

@@ -16,6 +16,7 @@ import numpy as np
 from .. import _jit
 from .._array import DeviceLikeHost, array_kind, as_bytes, as_view, data_ptr, is_contiguous
 from ..grouped_fp8 import FP8_FORMATS, GroupedFP8
+from ..reference.activation import ACTIVATIONS
 from . import _cast_inputs, _launch
 from ._cast_inputs import GroupedInput, row_stride
 from ._launch import ChunkLaunch
@@ -26,7 +27,8 @@ __all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "TILE_K", "THREADS", "group_dtype", "KERNEL_SPEC", "GATHER_KERNEL_SPEC", "kernel_name",
            "GEMM_K_MULTIPLE",
            "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
-           "check_out_format", "check_out_kind"]
+           "check_out_format", "check_out_kind", "ACTIVATIONS", "check_activation",
+           "normalized_input", "ACT_KERNEL_SPEC"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -39,18 +41,36 @@ _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 _MODES = ("AMAX_ONLY", "CAST", "CAST_AMAX")
 # Column sums are taken in the pass that computes amax: only these modes have a column-sum variant.
 _COLSUM_MODES = ("AMAX_ONLY", "CAST_AMAX")
+# What the kernel can apply to its input before the cast (ACTIVATIONS; None: nothing), by the
+# name of its template argument (kernels_cu/activation.cuh).
+_ACT = {"swiglu": "SWIGLU"}
+
+
+def check_activation(activation, column_sums: bool = False, gather: bool = False) -> None:
+    """``activation``: one of :data:`ACTIVATIONS`; not with column sums (a gradient's dbias) or
+    ``row_index`` (the permute before fc1), which the activation between fc1 and fc2 never needs."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if activation is not None and (column_sums or gather):
+        raise ValueError(f"activation: {activation!r} does not go with "
+                         f"{'column_sums' if column_sums else 'row_index'} (the activation "
+                         "between fc1 and fc2 needs neither)")
 
 
 @functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
-                gather: bool = False) -> str:
-    """The instantiation for one launch. Column sums and the gather (``row_index``) are template
-    parameters (``COLSUM``, ``GATHER``, default false), so the common kernels carry no registers
-    for them; the names of those keep the three-argument spelling."""
+                gather: bool = False, activation: str | None = None) -> str:
+    """The instantiation for one launch. Column sums, the gather (``row_index``) and the
+    activation are template parameters (``COLSUM``, ``GATHER``, ``ACT``; default false, false,
+    none), so the common kernels carry no registers for them; the names of those keep the
+    three-argument spelling."""
     if column_sums and mode not in _COLSUM_MODES:
         raise ValueError(f"mode: column sums are computed in {_COLSUM_MODES}, got {mode!r}")
+    check_activation(activation, column_sums, gather)
     tail = ", true, true" if column_sums and gather else ", false, true" if gather else \
         ", true" if column_sums else ""
+    if activation is not None:
+        tail = f", false, false, cg::Act::{_ACT[activation]}"
     return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
             f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{tail}>")
 
@@ -67,6 +87,12 @@ KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
 # only when a caller passes row_index.
 GATHER_KERNEL_SPEC = _jit.register("pad_cast_transpose_gather", _jit.KernelSpec(
     source="pad_cast_transpose.cu", name_expressions=_instantiations(True)))
+# The activation (fc1's gated unit before fc2's cast), likewise compiled when first used:
+# 3 dtypes x 2 formats x 3 modes.
+ACT_KERNEL_SPEC = _jit.register("pad_cast_transpose_swiglu", _jit.KernelSpec(
+    source="pad_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, m, activation="swiglu") for d in _IN for f in _FMT
+                           for m in _MODES)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,6 +178,19 @@ def check_options(fp8_format: str, margin: int, align: int, rowwise: bool = True
         raise ValueError("rowwise, columnwise: at least one must be True")
 
 
+def normalized_input(inputs, m_splits, dtype=None, splits_on_device=None, row_index=None,
+                     activation=None) -> GroupedInput:
+    """:func:`._cast_inputs.normalize_inputs`, with ``k`` the width of the output: half the
+    input's for ``"swiglu"`` (its halves ``[a | b]``; an odd width is refused)."""
+    g = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device, row_index)
+    if activation is None:
+        return g
+    if g.k % 2:
+        raise ValueError(f"inputs: activation {activation!r} needs an even number of columns "
+                         f"(the halves [a | b]), got {g.k}")
+    return dataclasses.replace(g, k=g.k // 2)
+
+
 def check_amax_accumulate(amax_accumulate, scale, out) -> None:
     """``amax_accumulate`` merges into ``out.amax``: delayed scaling only (a given ``scale``; the
     scale of current scaling comes from this call's amax alone), with an ``out`` to merge into."""
@@ -191,7 +230,8 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                              dtype: str | None = None, splits_on_device: bool | None = None,
                              backend: str | None = None,
                              amax_accumulate: bool = False, amax_epsilon: float = 0.0,
-                             power_2_scale: bool = False, row_index=None) -> GroupedFP8:
+                             power_2_scale: bool = False, row_index=None,
+                             activation: str | None = None) -> GroupedFP8:
     """Pad, cast to FP8 and transpose every expert's rows in one pass; return a :class:`GroupedFP8`.
 
     Parameters
@@ -242,6 +282,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         counts as 0, as on the GPU with ``-ftz=true``) instead of overwriting it, in the same single
         launch. An expert without tokens contributes 0, so it leaves a non-negative ``old`` as it
         is. For a pending amax that several forwards merge into before one scale update.
+    activation : None, or ``"swiglu"``: cast ``silu(a) * b`` of each row's halves ``[a | b]``
+        (fc1's output, ``2k`` columns, becomes fc2's FP8 input of ``k`` columns) in the same pass;
+        the activation's high-precision output is never written, ``amax`` is the activation's.
+        Its float32 arithmetic is the same on every backend
+        (:mod:`cugrouped.reference.activation`), within 2.5 ulps of the exact silu. Not with
+        ``column_sums`` or ``row_index``.
     dtype : re-tag integer carriers (a CuPy ``uint16`` array holding bfloat16 bits: ``"bfloat16"``).
     backend : ``"cuda"``, ``"emulate"`` (the same CUDA source on the CPU), ``"reference"`` (NumPy),
         or None for ``"cuda"`` with device arrays and ``"reference"`` with host arrays.
@@ -257,31 +303,33 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
                         column_sums=column_sums, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend,
                         amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-                        power_2_scale=power_2_scale, row_index=row_index)
+                        power_2_scale=power_2_scale, row_index=row_index, activation=activation)
     return cast_arrays(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                        align=align, rowwise=rowwise, columnwise=columnwise,
                        column_sums=column_sums, out=out, dtype=dtype,
                        splits_on_device=splits_on_device, backend=backend,
                        amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-                       power_2_scale=power_2_scale, row_index=row_index)
+                       power_2_scale=power_2_scale, row_index=row_index, activation=activation)
 
 
 def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0, align=16,
                 rowwise=True, columnwise=True, column_sums=False, out=None, dtype=None,
                 splits_on_device=None, backend=None,
                 normalized: GroupedInput | None = None, amax_accumulate=False,
-                amax_epsilon=0.0, power_2_scale=False, row_index=None) -> GroupedFP8:
+                amax_epsilon=0.0, power_2_scale=False, row_index=None,
+                activation=None) -> GroupedFP8:
     """The op on arrays of any kind, without the torch dispatch: NumPy / CuPy in, NumPy / CuPy
     out; CUDA torch tensors are read through their pointers, which is how the torch front
     (:mod:`cugrouped.pytorch.functional`) calls it, with every output given as torch ``out=``
     buffers (uint8 ``data`` / ``data_t``). A caller that has already checked the options and
-    run :func:`._cast_inputs.normalize_inputs` on exactly these ``inputs`` / ``m_splits`` passes
-    its result as ``normalized`` (the torch front does, to size its outputs): the O(E) checks
-    run once."""
+    run :func:`normalized_input` on exactly these ``inputs`` / ``m_splits`` / ``activation``
+    passes its result as ``normalized`` (the torch front does, to size its outputs): the O(E)
+    checks run once."""
     if normalized is None:
         check_options(fp8_format, margin, align, rowwise, columnwise, column_sums)
-        normalized = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device,
-                                                   row_index)
+        check_activation(activation, column_sums, row_index is not None)
+        normalized = normalized_input(inputs, m_splits, dtype, splits_on_device, row_index,
+                                      activation)
     g = normalized
     eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
     check_scale_and_out(g, align, rowwise, columnwise, column_sums, scale, out, amax_accumulate,
@@ -295,7 +343,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         return ref(inputs, m_splits, fp8_format=fp8_format, scale=scale, margin=margin,
                    align=align, rowwise=rowwise, columnwise=columnwise, column_sums=column_sums,
                    out=out, dtype=dtype, amax_accumulate=amax_accumulate,
-                   amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, row_index=row_index)
+                   amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, row_index=row_index,
+                   activation=activation)
     xp = DeviceLikeHost if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
@@ -310,7 +359,8 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         if g.m_dev is not None:
             res.m_splits, res.m_pad_splits = g.m_dev.owner, None
         _launch_all(backend, g, res, plans, align, mode, fp8_format,
-                    (margin, eps, bool(power_2_scale)), column_sums, bool(amax_accumulate))
+                    (margin, eps, bool(power_2_scale)), column_sums, bool(amax_accumulate),
+                    activation)
     if backend == "emulate" and res.data is not None:
         import ml_dtypes
 
@@ -320,7 +370,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
 
 
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
-                rule: tuple, column_sums, amax_accumulate=False) -> None:
+                rule: tuple, column_sums, amax_accumulate=False, activation=None) -> None:
     """``rule``: ``(margin, amax_epsilon, power_2_scale)``, how the amax pass computes scales."""
     gather = g.row_index is not None
     for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
@@ -334,8 +384,10 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
-            _run(backend, kernel_name(g.dtype, fp8_format, p, cs is not None, gather), chunk, arg,
-                 g.k, align, rule, ptrs, cs, amax_accumulate, gather)
+            name = kernel_name(g.dtype, fp8_format, p, cs is not None, gather, activation)
+            spec = (ACT_KERNEL_SPEC if activation else GATHER_KERNEL_SPEC if gather
+                    else KERNEL_SPEC)
+            _run(backend, spec, name, chunk, arg, g.k, align, rule, ptrs, cs, amax_accumulate)
 
 
 def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out,
@@ -482,9 +534,8 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
         np.uint64(data_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
 
 
-def _run(backend, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
-         amax_accumulate=False, gather=False) -> None:
-    spec = GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
+def _run(backend, spec, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
+         amax_accumulate=False) -> None:
     grid = chunk.grid
     _launch.note_launch(backend, name, grid, THREADS)
     if backend == "cuda":

@@ -34,7 +34,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, splits_on_device=None, backend=None,
                              amax_accumulate=False, amax_epsilon=0.0,
-                             power_2_scale=False, row_index=None) -> GroupedFP8:
+                             power_2_scale=False, row_index=None, activation=None) -> GroupedFP8:
     """:func:`cugrouped.multi_pad_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes).
 
@@ -45,11 +45,12 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     _pct.check_out_kind(out, GroupedFP8)
     _pct.check_amax_accumulate(amax_accumulate, scale, out)   # it merges into out.amax
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, scale)
+    _pct.check_activation(activation, column_sums, row_index is not None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
     # Checks and sizes first: bad input raises before anything is allocated or launched.
-    g = _cast_inputs.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
+    g = _pct.normalized_input(xs, splits, tag, splits_on_device, row_index, activation)
     rows, col_bytes = _pct.output_sizes(g, align)
     E, k = g.num_experts, g.k
     # a given scale's kind is checked here; its dtype, shape and device by the op
@@ -72,7 +73,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
             rowwise=rowwise, columnwise=columnwise, column_sums=column_sums, out=views, dtype=tag,
             splits_on_device=splits_on_device, backend=backend, normalized=g,
             amax_accumulate=amax_accumulate, amax_epsilon=amax_epsilon,
-            power_2_scale=power_2_scale, row_index=row_index)
+            power_2_scale=power_2_scale, row_index=row_index, activation=activation)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from ..grouped_fp8 import GroupedFP8
+from . import activation as ract
 from . import fp8 as rfp8
 
 __all__ = ["multi_pad_cast_transpose", "column_sums_in_kernel_order", "merge_amax"]
@@ -83,10 +84,12 @@ def gather_rows(tokens, row_index, dtype, k: int) -> np.ndarray:
 def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=0,
                              align=16, rowwise=True, columnwise=True, column_sums=False, out=None,
                              dtype=None, backend=None, amax_accumulate=False, amax_epsilon=0.0,
-                             power_2_scale=False, row_index=None) -> GroupedFP8:
-    """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only."""
-    from ..ops._cast_inputs import check_scale_options, normalize_inputs  # the op's checks
-    from ..ops.pad_cast_transpose import check_amax_accumulate, check_out_format, padded_splits
+                             power_2_scale=False, row_index=None, activation=None) -> GroupedFP8:
+    """Same signature and result as :func:`cugrouped.multi_pad_cast_transpose`, NumPy arrays only
+    (``activation``: :func:`cugrouped.reference.activation.apply` on each expert's rows)."""
+    from ..ops._cast_inputs import check_scale_options  # the op's checks
+    from ..ops.pad_cast_transpose import (check_activation, check_amax_accumulate,
+                                          check_out_format, normalized_input, padded_splits)
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
@@ -94,12 +97,14 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", scale=
     if out is not None:
         check_out_format(out, fp8_format)
     eps = check_scale_options(amax_epsilon, power_2_scale, scale)
-    g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
+    check_activation(activation, column_sums, row_index is not None)
+    g = normalized_input(inputs, m_splits, dtype, row_index=row_index, activation=activation)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
     if row_index is not None:
         inputs, m_splits, dtype = gather_rows(inputs, row_index, dtype, g.k), g.m_splits, None
-    xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
+    xs = [ract.apply(rfp8.ftz(rfp8.to_float32(a)), activation)
+          for a in _expert_arrays(inputs, m_splits, dtype)]
     E, k = len(xs), g.k
     m_pad = padded_splits(g.m_splits, align)
     amax = np.array([rfp8.amax_of(x) for x in xs], dtype=np.float32)
