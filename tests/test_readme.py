@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each document, and a name for each of its Python blocks in order (what it shows)
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
              "docs/ops.md": ("ops_preamble", "delayed", "block", "checkpoint", "mx"),
-             "docs/pytorch.md": ("megatron", "permute"),
+             "docs/pytorch.md": ("megatron", "permute", "swiglu"),
              "cugrouped/emulate/README.md": ("emulator", "access")}
 
 
@@ -45,6 +45,7 @@ def test_documents_have_the_examples():
     assert "block_scaled_weights" in python_blocks("docs/ops.md")[3]
     assert "CugroupedSpecProvider" in python_blocks("docs/pytorch.md")[0]
     assert "row_index" in python_blocks("docs/pytorch.md")[1]
+    assert "input_activation" in python_blocks("docs/pytorch.md")[2]
 
 
 def run_blocks(gpu: bool) -> dict:
@@ -163,6 +164,10 @@ def check_examples(seen: dict) -> None:
     # the permute folded in: the routed rows' outputs, the gradient summed back onto the tokens
     assert tuple(permute["y"].shape) == (136, 128)
     assert tuple(permute["tokens"].grad.shape) == (64, 256)
+    # the activation folded into fc2: fc1's 2 x 512 columns in, the gradient back to x
+    sw = seen["swiglu"]
+    assert tuple(sw["y"].shape) == (136, 256) and tuple(sw["x"].grad.shape) == (136, 256)
+    assert sw["fc2"].input_activation == "swiglu" and sw["fc2"].weight0.grad is not None
 
 
 def _listed_signatures(doc: str) -> list[tuple[str, str]]:

@@ -132,9 +132,11 @@ def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int 
 # ---------------------------------------------------------------------------------------------
 # Cast: pad + FP8 cast + transpose (+ amax, + column sums) of all experts, one op.
 
-def _quantize_shapes(xs, align, rowwise, columnwise, column_sums, m_splits=None):
-    """Output shapes; ``m_splits`` (a gather) gives the experts' rows instead of ``xs``."""
-    k = xs[0].shape[1]
+def _quantize_shapes(xs, align, rowwise, columnwise, column_sums, m_splits=None,
+                     activation=None):
+    """Output shapes; ``m_splits`` (a gather) gives the experts' rows instead of ``xs``; a gated
+    ``activation`` halves the width."""
+    k = xs[0].shape[1] // 2 if activation is not None else xs[0].shape[1]
     counts = list(m_splits) if m_splits is not None else [x.shape[0] for x in xs]
     rows = sum(counts)
     col_bytes = k * sum(padded(m, align) for m in counts)
@@ -149,7 +151,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
                  amax_out: Optional[torch.Tensor], offset: int, cast_backend: str,
                  accumulate_amax: bool = False, amax_epsilon: float = 0.0,
                  power_2_scale: bool = False, row_index: Optional[torch.Tensor] = None,
-                 m_splits: Optional[List[int]] = None
+                 m_splits: Optional[List[int]] = None, activation: Optional[str] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``multi_pad_cast_transpose`` of the experts ``xs`` (2-D, one dtype, one k).
 
@@ -160,7 +162,8 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     update zeroes it) by the cast kernel itself (``amax_accumulate``, no extra launch; delayed
     scaling only). ``amax_epsilon``, ``power_2_scale``: current scaling's options (QParams).
     ``row_index`` with ``m_splits`` (the fused permute): ``xs`` is ``[tokens]`` and the experts'
-    rows are ``tokens[row_index]``, ``m_splits`` each.
+    rows are ``tokens[row_index]``, ``m_splits`` each. ``activation`` (``"swiglu"``): cast the
+    activation of each row's halves ``[a | b]`` (``xs`` have twice the output's columns).
     Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
@@ -168,7 +171,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     E = len(m_splits) if gather else len(xs)
     dev = xs[0].device
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
-                                              m_splits if gather else None)
+                                              m_splits if gather else None, activation)
     data = torch.empty(s_data, dtype=torch.uint8, device=dev)
     data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
@@ -183,7 +186,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     scale_buf = sc if sc is not None else torch.empty(s_e, dtype=torch.float32, device=dev)
     out = GroupedFP8(data=data if rowwise else None, data_t=data_t if columnwise else None,
                      m_splits=(), m_pad_splits=(), amax=amax, scale=scale_buf, scale_inv=scale_inv,
-                     fp8_format=fp8_format, k=xs[0].shape[1], align=align,
+                     fp8_format=fp8_format, k=s_data[1], align=align,
                      column_sums=colsum if column_sums else None)
     # the torch front of the op: zero-copy views of these buffers, torch's current stream
     _functional.multi_pad_cast_transpose(
@@ -191,16 +194,17 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
         scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
         backend=_backend(xs[0], cast_backend), amax_accumulate=merge, amax_epsilon=amax_epsilon,
-        power_2_scale=power_2_scale, row_index=row_index)
+        power_2_scale=power_2_scale, row_index=row_index, activation=activation)
     return data, data_t, scale_inv, colsum
 
 
 @fp8_quantize.register_fake
 def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, amax_out, offset,
       cast_backend, accumulate_amax=False, amax_epsilon=0.0, power_2_scale=False, row_index=None,
-      m_splits=None):
+      m_splits=None, activation=None):
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
-                                              m_splits if row_index is not None else None)
+                                              m_splits if row_index is not None else None,
+                                              activation)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
             torch.empty(s_e, dtype=torch.float32, device=dev),

@@ -55,6 +55,10 @@ class _Config:
     # gradient goes out as one tensor (no per-expert grads stacked again) and whose attributes
     # (main_grad flags, lazy main_grad) stand for every expert
     stacked: tuple = (False, False)
+    # "swiglu": the inputs are fc1's outputs [a | b] (2k columns) and the FP8 cast applies
+    # silu(a) * b (per-tensor FP8 with the default backward only; GroupedLinear applies it in
+    # torch otherwise); backward keeps the inputs and returns their gradient (dswiglu)
+    activation: str | None = None
 
     def counts(self) -> tuple[int, int, int]:
         """How many input tensors carry the inputs, the weights and the biases."""
@@ -174,7 +178,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
                 x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
                 False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend,
-                True, *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
+                True, *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None,
+                cfg.activation)
             w_data, w_t, w_si = wq
             x_si_t, w_si_t = x_si, w_si
         y = cops.eager.fp8_fprop(x_data, x_si, cfg.fmt_fwd, w_data, w_si, cfg.fmt_fwd,
@@ -198,7 +203,10 @@ class _GroupedLinearFn(torch.autograd.Function):
             ws if mode == "high_precision" else (w_data, w_si)
         ctx.state, ctx.x_kind, ctx.nx_saved = state, x_kind, len(x_saved)
         ctx.num_tokens = xs[0].shape[0]
-        ctx.save_for_backward(*x_saved, *w_saved, *((row_index,) if cfg.gather else ()))
+        # the activation's inputs, for its gradient (last: never with the gather)
+        pre = xs if cfg.activation is not None and need_dgrad else ()
+        ctx.n_pre = len(pre)
+        ctx.save_for_backward(*x_saved, *w_saved, *((row_index,) if cfg.gather else ()), *pre)
         return y
 
     @staticmethod
@@ -245,6 +253,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             return [(d.t() @ x).to(w_dtype) for d, x in zip(dy_list, x_list)]
 
         saved = ctx.saved_tensors
+        if cfg.activation is not None and ctx.n_pre:
+            saved, pre = saved[:-ctx.n_pre], saved[-ctx.n_pre:]
         if cfg.gather:
             saved, row_index = saved[:-1], saved[-1]
         if not cfg.fp8 or cfg.bwd_mode in ("high_precision", "dequantized"):
@@ -344,6 +354,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         dxs = [None] * nx
         if dx is not None and cfg.gather:      # back to the tokens: the permute's adjoint
             dxs = [scatter_rows(dx, row_index, ctx.num_tokens)]
+        elif dx is not None and cfg.activation is not None:     # through the activation
+            parts = _split(dx, m_splits) if cfg.list_mode else [dx]
+            dxs = [swiglu_backward(x, d) for x, d in zip(pre, parts)]
         elif dx is not None:
             dxs = _split(dx, m_splits) if cfg.list_mode else [dx]
         grads = [None, None, *dxs, *(dws if dws is not None else [None] * nw)]
@@ -354,6 +367,24 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` over the halves ``[a | b]`` of the last dim, in torch (Megatron's gated
+    linear unit): what :class:`GroupedLinear` computes when its cast cannot apply the activation."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(a) * b
+
+
+def swiglu_backward(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``swiglu`` at ``x`` (``(m, 2k)``) for the output gradient ``g``
+    (``(m, k)``), computed in float32 and returned in ``x``'s dtype:
+    ``[g * b * s * (1 + a * (1 - s)) | g * a * s]`` with ``s = sigmoid(a)``."""
+    a, b = x.float().chunk(2, dim=-1)
+    g = g.float()
+    s = torch.sigmoid(a)
+    ga = g * b * s * (1 + a * (1 - s))
+    return torch.cat([ga, g * (a * s)], dim=-1).to(x.dtype)
 
 
 def _stacked(g) -> torch.Tensor:

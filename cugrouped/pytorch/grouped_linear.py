@@ -37,8 +37,7 @@ import torch
 from ..ops._cast_inputs import rows_readable
 from . import _custom_ops as cops
 from ._grouped_linear_fn import (_check_main_grad, _Config, _GroupedLinearFn, _split, _WgradStore,
-                                 main_grad_dtype,
-                                 num_e4m3, update_scales)
+                                 main_grad_dtype, num_e4m3, swiglu, update_scales)
 from ._gather import check_row_index, gather_rows
 from .checkpoint import delayed_scale_for, recomputing
 from .fp8_state import INPUT, WEIGHT, DelayedScalingState
@@ -169,6 +168,15 @@ class GroupedLinear(torch.nn.Module):
         before it). Refused with ``DelayedScaling``, as in TransformerEngine; no effect
         without FP8.
     name : str or None  TransformerEngine's label for its debug tools; kept as ``self.name``.
+    input_activation : None or ``"swiglu"``  (cugrouped's own) the layer's input is fc1's output
+        ``[a | b]``, ``2 * in_features`` wide, and the layer applies ``silu(a) * b`` to it: fc2
+        of a gated MLP taking fc1's output as it is. With per-tensor FP8 (``DelayedScaling``,
+        ``Float8CurrentScaling``) and the default backward, the cast kernel computes the
+        activation in float32 as it casts (``multi_pad_cast_transpose(activation="swiglu")``),
+        so its high-precision output is never written, and backward returns the input's
+        gradient from the dgrad (``swiglu_backward``, float32); otherwise (no FP8, block
+        scaling, backward overrides, ``save_original_input``) torch computes ``F.silu(a) * b``
+        first. Not with ``row_index``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
@@ -180,8 +188,13 @@ class GroupedLinear(torch.nn.Module):
                  ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
                  ub_name: str | None = None, delay_wgrad_compute: bool = False,
                  save_original_input: bool = False, single_grouped_weight: bool = False,
-                 single_grouped_bias: bool = False, name: str | None = None):
+                 single_grouped_bias: bool = False, name: str | None = None,
+                 input_activation: str | None = None):
         super().__init__()
+        if input_activation not in (None, "swiglu"):
+            raise ValueError(f"input_activation: expected None or 'swiglu', got "
+                             f"{input_activation!r}")
+        self.input_activation = input_activation
         for arg, v in (("single_grouped_weight", single_grouped_weight),
                         ("single_grouped_bias", single_grouped_bias)):
             if not isinstance(v, bool):
@@ -344,7 +357,9 @@ class GroupedLinear(torch.nn.Module):
         single = "".join(f", {n}=True" for n in ("single_grouped_weight", "single_grouped_bias")
                          if getattr(self, n))
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.use_bias}{single}")
+                f"out_features={self.out_features}, bias={self.use_bias}{single}" +
+                (f", input_activation={self.input_activation!r}" if self.input_activation
+                 else ""))
 
     # -- delayed-scaling state (saved in state_dict as extra state) ---------------------------
     def fp8_state(self) -> DelayedScalingState | None:
@@ -434,10 +449,12 @@ class GroupedLinear(torch.nn.Module):
         self._set_state(DelayedScalingState.from_dict(state, self._weight_params()[0].device))
 
     # -- forward ------------------------------------------------------------------------------
-    def _check_input(self, inp, m_splits, rows=None):
+    def _check_input(self, inp, m_splits, rows=None, k=None):
         """(splits, first tensor); ``rows``: the rows ``m_splits`` must count when they are not
-        ``inp``'s (a gather)."""
-        E, k = self.num_gemms, self.in_features
+        ``inp``'s (a gather); ``k``: the width of ``inp`` (default ``in_features``)."""
+        E, k = self.num_gemms, k or self.in_features
+        kname = f"in_features={k}" if k == self.in_features else \
+            f"2 * in_features={k} for input_activation {self.input_activation!r}"
         w0 = self._weight_params()[0]
         if isinstance(inp, (list, tuple)):
             if len(inp) != E:
@@ -446,7 +463,7 @@ class GroupedLinear(torch.nn.Module):
                 if not isinstance(x, torch.Tensor):
                     raise TypeError(f"inp[{i}]: expected a torch.Tensor, got {type(x).__name__}")
                 if x.dim() != 2 or x.shape[1] != k:
-                    raise ValueError(f"inp[{i}]: expected shape (m_{i}, in_features={k}), got "
+                    raise ValueError(f"inp[{i}]: expected shape (m_{i}, {kname}), got "
                                      f"{tuple(x.shape)}")
                 if x.dtype != inp[0].dtype:
                     raise TypeError(f"inp[{i}]: dtype {x.dtype} differs from inp[0]'s {inp[0].dtype}")
@@ -462,8 +479,8 @@ class GroupedLinear(torch.nn.Module):
                 raise TypeError(f"inp: expected a tensor or a list of tensors, got "
                                 f"{type(inp).__name__}")
             if inp.dim() < 2 or inp.shape[-1] != k:
-                raise ValueError(f"inp: expected shape (sum(m_splits), in_features={k}) or "
-                                 f"(..., in_features={k}) with sum(m_splits) rows in all, got "
+                raise ValueError(f"inp: expected shape (sum(m_splits), {kname}) or "
+                                 f"(..., {kname}) with sum(m_splits) rows in all, got "
                                  f"{tuple(inp.shape)}")
             rows = inp.numel() // k if rows is None else rows
             if m_splits is None:
@@ -593,18 +610,26 @@ class GroupedLinear(torch.nn.Module):
                                "the weight gradient for backward_dw(), a side effect a compiled "
                                "graph cannot hold); compile without it")
         gather = False
+        recipe = get_fp8_recipe()
+        if self.input_activation is not None:
+            if row_index is not None:
+                raise ValueError("row_index: not with input_activation (the permute goes before "
+                                 "fc1, the activation after it)")
+            inp, activation = self._activation_input(inp, m_splits, recipe)
+        else:
+            activation = None
         if row_index is not None:
             m_splits = self._host_splits(m_splits) if m_splits is not None else None  # one sync
             inp, gather = self._gather_input(inp, m_splits, row_index)
-        splits, first = self._check_input(inp, m_splits,
-                                          rows=row_index.shape[0] if gather else None)
-        list_mode = isinstance(inp, (list, tuple))
         E, k, n = self.num_gemms, self.in_features, self.out_features
+        width = 2 * k if activation is not None else k       # of the input
+        splits, first = self._check_input(inp, m_splits,
+                                          rows=row_index.shape[0] if gather else None, k=width)
+        list_mode = isinstance(inp, (list, tuple))
         out_shape = None
         if not list_mode and inp.dim() != 2:    # (..., k) -> (rows, k), as TransformerEngine
             out_shape = (*inp.shape[:-1], n)
-            inp = first = inp.reshape(-1, k)
-        recipe = get_fp8_recipe()
+            inp = first = inp.reshape(-1, width)
         ws, all_bs = self.weights(), self.biases()
         b_whole = self.bias if self.single_grouped_bias else None
         xs = tuple(inp) if list_mode else (inp,)
@@ -652,7 +677,7 @@ class GroupedLinear(torch.nn.Module):
             y = self._forward_fp8(recipe, splits, xs, ws, bs, (w_in, b_in),
                                   (fuse, lazy, main_grads),
                                   list_mode, is_first_microbatch, first, accumulate,
-                                  row_index if gather else None)
+                                  row_index if gather else None, activation)
         if list_mode:
             out = list(torch.split(y, list(splits)))
         else:
@@ -836,8 +861,24 @@ class GroupedLinear(torch.nn.Module):
             not recipe.override_linear_precision[2]
         return (inp, True) if fused else (gather_rows(inp, row_index), False)
 
+    def _activation_input(self, inp, m_splits, recipe):
+        """(input, activation for the cast): fc1's output as it is when the FP8 cast can apply
+        ``input_activation`` (per-tensor scaling, the default backward), else the activation
+        computed here in torch (and None)."""
+        k2 = 2 * self.in_features
+        self._check_input(inp, m_splits, k=k2)     # the width the user gave, named as such
+        if recipe is not None and not isinstance(recipe, BLOCK_RECIPES) and \
+                not self.save_original_input and \
+                getattr(recipe, "backward_override", None) is None and \
+                not recipe.override_linear_precision[2]:
+            return inp, self.input_activation
+        if isinstance(inp, (list, tuple)):
+            return [swiglu(x) for x in inp], None
+        return swiglu(inp), None
+
     def _forward_fp8(self, recipe, splits, xs, ws, bs, inputs, fused, list_mode,
-                     is_first_microbatch, first, accumulate_main_grad, row_index=None):
+                     is_first_microbatch, first, accumulate_main_grad, row_index=None,
+                     activation=None):
         E, k, n = self.num_gemms, self.in_features, self.out_features
         fuse, lazy, main_grads = fused
         fm = getattr(recipe, "feature_multiple", 16)    # MXFP8: whole 32-element scale blocks
@@ -899,7 +940,7 @@ class GroupedLinear(torch.nn.Module):
                       self.save_original_input, self._grad_accumulators(), lazy,
                       _qparams(recipe, "fp8_quant_fwd_inp"), _qparams(recipe, "fp8_quant_bwd_grad"),
                       row_index is not None, _fast_accum(recipe),
-                      recipe.block_dims if block else (), self._stacked())
+                      recipe.block_dims if block else (), self._stacked(), activation)
         w_in, b_in = inputs
         return _GroupedLinearFn.apply(cfg, splits, *xs, *w_in, *b_in, *wq, *state, *main_grads,
                                       *((row_index,) if row_index is not None else ()))

@@ -365,6 +365,10 @@ class MoEFeedForward(torch.nn.Module):
         all-to-all's send order); with ``all_to_all="single"`` fc1 then reads the received rows
         through the experts' order, so the regrouped copy (and the padded one, under the block
         recipes) is never made either: the same bits as without.
+    fuse_activation : with ``activation="swiglu"``, fc2 takes fc1's output as it is and applies
+        the activation in its FP8 cast (``GroupedLinear(input_activation="swiglu")``: float32
+        arithmetic, its high-precision output never written; per-tensor FP8 recipes, else
+        torch computes it). False: ``F.silu(a) * b`` in torch before fc2 always.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
@@ -383,7 +387,8 @@ class MoEFeedForward(torch.nn.Module):
                  *, activation: str = "swiglu", normalize_topk: bool = True, bias: bool = False,
                  router_bias: bool = False, group=None, params_dtype: torch.dtype | None = None,
                  device="cuda", delay_wgrad_compute: bool = False,
-                 all_to_all: str = "per_expert", fuse_permute: bool = False):
+                 all_to_all: str = "per_expert", fuse_permute: bool = False,
+                 fuse_activation: bool = True):
         super().__init__()
         device = check_params_args(params_dtype, device)
         if activation not in ACTIVATIONS:
@@ -394,6 +399,8 @@ class MoEFeedForward(torch.nn.Module):
         if not isinstance(fuse_permute, bool):
             raise TypeError(f"fuse_permute: expected a bool, got {fuse_permute!r}")
         self.fuse_permute = fuse_permute
+        if not isinstance(fuse_activation, bool):
+            raise TypeError(f"fuse_activation: expected a bool, got {fuse_activation!r}")
         rank, size = _group_rank_size(group)
         if num_experts % size:
             raise ValueError(f"num_experts: expected a multiple of the expert-parallel group size "
@@ -410,7 +417,9 @@ class MoEFeedForward(torch.nn.Module):
                                  device=device, delay_wgrad_compute=delay_wgrad_compute)
         self.fc2 = GroupedLinear(L, ffn_hidden_size, hidden_size, bias=bias,
                                  params_dtype=params_dtype, device=device,
-                                 delay_wgrad_compute=delay_wgrad_compute)
+                                 delay_wgrad_compute=delay_wgrad_compute,
+                                 input_activation="swiglu" if fuse_activation and
+                                 activation == "swiglu" else None)
 
     def backward_dw(self) -> None:
         """The experts' deferred weight gradients of the oldest pending backward (fc2's, then
@@ -443,6 +452,14 @@ class MoEFeedForward(torch.nn.Module):
             return _GATED[self.activation](a) * b
         return _PLAIN[self.activation](h)
 
+    def _fc2(self, h, m_splits=None):
+        """fc2 of the activation of fc1's output ``h`` (one tensor with ``m_splits``, or a
+        list): the activation is fc2's cast's when fc2 takes it (``input_activation``; a
+        replaced fc2 may not), else computed here first."""
+        if getattr(self.fc2, "input_activation", None) != self.activation:
+            h = [self._act(t) for t in h] if isinstance(h, list) else self._act(h)
+        return self.fc2(h) if m_splits is None else self.fc2(h, m_splits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected shape (..., hidden_size={self.hidden_size}), got "
@@ -471,7 +488,7 @@ class MoEFeedForward(torch.nn.Module):
                                        device=x.device).index_copy_(0, dest, row_index)
                 inverse = dest[plan.inverse]         # the combine reads around the pad rows
             h = self.fc1(x, m_splits, row_index=row_index)
-            y_sorted = self.fc2(self._act(h), m_splits)
+            y_sorted = self._fc2(h, m_splits)
             return unpermute_tokens(y_sorted, plan, probs, inverse).reshape(shape)
         x_sorted = permute_tokens(x, plan)
         if W == 1:
@@ -549,7 +566,7 @@ class MoEFeedForward(torch.nn.Module):
                                    device=dev).index_copy_(0, dest, row_index)
             where = dest[where]
         h = self.fc1(received, m_splits, row_index=row_index)
-        y = self.fc2(self._act(h), m_splits)
+        y = self._fc2(h, m_splits)
         return y.index_select(0, where)
 
     def _experts(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -560,5 +577,5 @@ class MoEFeedForward(torch.nn.Module):
         if align > 1:      # (an expert already at a multiple is not copied)
             xs = [F.pad(t, (0, 0, 0, -m % align)) if m % align else t for t, m in zip(xs, counts)]
         h = self.fc1(xs)
-        ys = self.fc2([self._act(t) for t in h])
+        ys = self._fc2(list(h))
         return [y[:m] for y, m in zip(ys, counts)] if align > 1 else ys
