@@ -174,7 +174,7 @@ class GroupedLinear(torch.nn.Module):
         ``Float8CurrentScaling``) and the default backward, the cast kernel computes the
         activation in float32 as it casts (``multi_pad_cast_transpose(activation="swiglu")``),
         so its high-precision output is never written, and backward returns the input's
-        gradient from the dgrad (``swiglu_backward``, float32); otherwise (no FP8, block
+        gradient from the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, block
         scaling, backward overrides, ``save_original_input``) torch computes ``F.silu(a) * b``
         first. Not with ``row_index``.
     """
