@@ -183,8 +183,9 @@ def _run_sections(what: str, quick: bool, rows: list[dict], section, on_gpu: boo
 
         section("gemm-host", bench_host_loop, rows)
     if not on_gpu:
-        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select, "
-                           "block-scaled and MXFP8 casts vs torch eager/compile",
+        skipped = {"cast": "cast vs torch eager/compile, fused permute vs index_select, fused "
+                           "SwiGLU vs torch's activation first, block-scaled and MXFP8 casts vs "
+                           "torch eager/compile",
                    "gemm": "gemm vs the torch peers, block-scaled and MXFP8 vs per-tensor FP8 "
                            "GEMMs",
                    "layer": "layer forward+backward vs bf16 and torch, block vs current scaling"}
@@ -214,6 +215,9 @@ def _run_sections(what: str, quick: bool, rows: list[dict], section, on_gpu: boo
     if what in ("cast", "all"):
         section("cast-compile", bench_cast, quick, rows, ("torch-compile",))
         section("permute-cast", bench_permute_cast, quick, rows)
+        from .swiglu import bench_swiglu_cast
+
+        section("swiglu-cast", bench_swiglu_cast, quick, rows)
         section("block-cast", bench_block_cast, quick, rows)
     if what in ("gemm", "all"):
         section("block-gemm", bench_block_gemm, quick, rows)
