@@ -169,8 +169,10 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="input_activation: expected None or 'swiglu'"):
         GroupedLinear(E, K, N, device="cpu", input_activation="gelu")
     fused, _ = pair()
-    with pytest.raises(ValueError, match=r"2 \* in_features=64 for input_activation 'swiglu'"):
+    with pytest.raises(ValueError, match=r"inp: .*2 \* in_features=64\) for input_activation"):
         fused(torch.randn(57, K), SPLITS)
+    with pytest.raises(TypeError, match=r"inp\[0\]: expected a torch.Tensor"):
+        fused([np.zeros((2, 2 * K))] * 3)
     with pytest.raises(ValueError, match=r"inp\[1\].*2 \* in_features=64"):
         fused([torch.randn(m, 2 * K) for m in SPLITS[:1]] + [torch.randn(0, K),
                                                           torch.randn(37, 2 * K)])

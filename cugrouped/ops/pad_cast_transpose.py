@@ -286,7 +286,7 @@ def multi_pad_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3",
         (fc1's output, ``2k`` columns, becomes fc2's FP8 input of ``k`` columns) in the same pass;
         the activation's high-precision output is never written, ``amax`` is the activation's.
         Its float32 arithmetic is the same on every backend
-        (:mod:`cugrouped.reference.activation`), within 2.5 ulps of the exact silu. Not with
+        (:mod:`cugrouped.reference.activation`), within 2.5 ulps of the exact silu for ``a >= -88`` (-0 below). Not with
         ``column_sums`` or ``row_index``.
     dtype : re-tag integer carriers (a CuPy ``uint16`` array holding bfloat16 bits: ``"bfloat16"``).
     backend : ``"cuda"``, ``"emulate"`` (the same CUDA source on the CPU), ``"reference"`` (NumPy),

@@ -176,7 +176,9 @@ class GroupedLinear(torch.nn.Module):
         so its high-precision output is never written, and backward returns the input's
         gradient from the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, block
         scaling, backward overrides, ``save_original_input``) torch computes ``F.silu(a) * b``
-        first. Not with ``row_index``.
+        first, in the input's dtype. Under ``torch.autocast`` the fused path reads the input
+        after the layer's cast to the autocast dtype, as any input (fc1's output already is in
+        it). Not with ``row_index``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
@@ -866,7 +868,16 @@ class GroupedLinear(torch.nn.Module):
         ``input_activation`` (per-tensor scaling, the default backward), else the activation
         computed here in torch (and None)."""
         k2 = 2 * self.in_features
-        self._check_input(inp, m_splits, k=k2)     # the width the user gave, named as such
+        # the width, named as such (the rest of the checks, counts included, come after: one
+        # host read of device counts per call)
+        for i, x in enumerate(inp if isinstance(inp, (list, tuple)) else [inp]):
+            name = f"inp[{i}]" if isinstance(inp, (list, tuple)) else "inp"
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.dim() < 2 or x.shape[-1] != k2:
+                raise ValueError(f"{name}: expected shape (..., 2 * in_features={k2}) for "
+                                 f"input_activation {self.input_activation!r}, got "
+                                 f"{tuple(x.shape)}")
         if recipe is not None and not isinstance(recipe, BLOCK_RECIPES) and \
                 not self.save_original_input and \
                 getattr(recipe, "backward_override", None) is None and \
