@@ -47,6 +47,11 @@
 // row_index[first_e + r], first_e the rows of the experts before it; an index outside the
 // matrix reads as a zero row. The permuted high-precision copy is never written.
 //
+// With ACT (template parameter; 1-D blocks and MXFP8, without GATHER and COLSUM) X_e has 2k
+// columns [a | b] and the kernel casts activate(a, b) (activation.cuh): each segment's two
+// halves are loaded and activated as the tile is read, and the tile is float32 from then on (the
+// block scales are the activation's).
+//
 // The grid is a flat list of 128 x 128 tiles (one 2-D block; 128 row blocks and 128 column blocks
 // of 1-D); expert e owns tiles [tile_start[e], tile_start[e+1]), row-major over (tile row, tile
 // column). An empty expert owns none: it has no bytes and no scales.
@@ -54,6 +59,7 @@
 #include "fp8.cuh"
 #include "block_scan.cuh"
 #include "segment.cuh"
+#include "activation.cuh"
 
 #ifndef CG_BCT_MAX_EXPERTS
 #define CG_BCT_MAX_EXPERTS 64
@@ -182,6 +188,8 @@ CG_DEVICE void bct_plan_from_device_counts(const BctGroup& g, i64 k, i64 align, 
 // except 2-D blocks of 16-bit input: 80 (3 blocks). (1-D also keeps 16 column maxima live; at 80
 // its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
 constexpr int bct_min_blocks(InDtype in, int dims) { return in != InDtype::F32 && dims == 2 ? 3 : 2; }
+// With ACT the tile held in registers is the activation's float32 values, whatever the input.
+constexpr InDtype bct_tile_dtype(InDtype in, Act act) { return act != Act::NONE ? InDtype::F32 : in; }
 
 // MXFP8: cast the tile (in registers, raw) one 32-row band at a time: iteration `it`'s rows are
 // one column block, so each band is finished before the next is widened (keeping the whole tile
@@ -275,8 +283,9 @@ CG_DEVICE void bct_zero_empty_colsums(const i64* m, int num_experts, i64 k, floa
             for (i64 c = threadIdx.x; c < k; c += BCT_THREADS) colsum[j * k + c] = 0.f;
 }
 
-template <InDtype IN, Fp8Format FMT, int DIMS, bool GATHER = false, bool COLSUM = false>
-__global__ void __launch_bounds__(BCT_THREADS, bct_min_blocks(IN, DIMS))
+template <InDtype IN, Fp8Format FMT, int DIMS, bool GATHER = false, bool COLSUM = false,
+          Act ACT = Act::NONE>
+__global__ void __launch_bounds__(BCT_THREADS, bct_min_blocks(bct_tile_dtype(IN, ACT), DIMS))
 block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                             const float amax_epsilon, const i32 power_2_scale,
                             float* __restrict__ colsum,          // (experts, k) (COLSUM) or null
@@ -288,7 +297,12 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
                   "1-D (1 x 128), 2-D (128 x 128) or MXFP8 (1 x 32, E8M0) blocks");
     constexpr bool MX = DIMS == BCT_MX;
     constexpr int SINV_BYTES = MX ? 1 : 4;                        // an E8M0 byte or a float32
-    using Traits = InTraits<IN>;
+    constexpr bool kGated = ACT != Act::NONE;
+    static_assert(!kGated || (!GATHER && !COLSUM && DIMS != 2),
+                  "the activation: 1-D blocks or MXFP8, no gather, no column sums");
+    constexpr InDtype TILE = bct_tile_dtype(IN, ACT);
+    using InT = InTraits<IN>;                                     // the input's elements
+    using Traits = InTraits<TILE>;                                // the tile's, in registers
     __shared__ __align__(16) u8 tile[BCT_BLOCK][BCT_BLOCK];      // the column-wise bytes (tile_col)
     __shared__ float col_part[BCT_THREADS / 32][BCT_BLOCK];       // 1-D: per-warp column maxima
     __shared__ __align__(16) u8 mx_stage[2][MX_TILE_BYTES];      // MXFP8: the two scale tiles
@@ -318,7 +332,7 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
         if (t >= plan.tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
         e = expert_of_tile(plan.tile_start, g.num_experts, t);
         x = BctExpert{static_cast<const char*>(g.in[0]) +
-                          (GATHER ? 0 : plan.row[e] * g.ld[0] * Traits::bytes),
+                          (GATHER ? 0 : plan.row[e] * g.ld[0] * InT::bytes),
                       g.out_row[0] ? g.out_row[0] + plan.row[e] * k : nullptr,
                       g.out_col[0] ? g.out_col[0] + plan.col[e] : nullptr,
                       g.sinv_row[0] ? static_cast<char*>(g.sinv_row[0]) + plan.srow[e] * SINV_BYTES
@@ -347,26 +361,47 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     // m and k, rows 16-byte aligned: block-uniform) issues all its loads before anything else.
     uint4 raw[BCT_ITERS][Traits::words];
     const bool full_tile = row0 + BCT_BLOCK <= m && col0 + BCT_BLOCK <= k && aligned16(x.in) &&
-                           (x.ld * Traits::bytes) % 16 == 0;
-    if (full_tile) {   // one basic block of 16-byte loads (tests/test_sass.py)
+                           (x.ld * InT::bytes) % 16 == 0;
+    if constexpr (kGated) {
+        // Both halves of one iteration's segment, then their activation as float32 words
+        // (loading the whole tile's halves first would hold twice the tile in registers).
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
+            const bool in_rows = grow < m;
+            const char* row = static_cast<const char*>(x.in) + (in_rows ? grow * x.ld * InT::bytes : 0);
+            uint4 wa[InT::words], wb[InT::words];
+            load_segment<IN>(row + gcol * InT::bytes, in_rows ? ncol : 0, wa);
+            load_segment<IN>(row + (gcol + k) * InT::bytes, in_rows ? ncol : 0, wb);
+            float va[kSeg], vb[kSeg];
+            InT::unpack(wa, va);
+            InT::unpack(wb, vb);
+            u32 bits[kSeg];
+#pragma unroll
+            for (int j = 0; j < kSeg; ++j) bits[j] = f32_bits(activate<ACT>(va[j], vb[j]));
+#pragma unroll
+            for (int w = 0; w < Traits::words; ++w)
+                raw[it][w] = make_uint4(bits[4 * w], bits[4 * w + 1], bits[4 * w + 2], bits[4 * w + 3]);
+        }
+    } else if (full_tile) {   // one basic block of 16-byte loads (tests/test_sass.py)
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
+            InT::load_raw(segment_src<InT::bytes, GATHER>(x, grow, gcol), raw[it]);
         }
     } else {
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
             // (rows past m read nothing: not even their index)
-            const void* src = grow < m ? segment_src<Traits::bytes, GATHER>(x, grow, gcol)
+            const void* src = grow < m ? segment_src<InT::bytes, GATHER>(x, grow, gcol)
                                        : x.in;
             load_segment<IN>(src, grow < m ? ncol : 0, raw[it]);
         }
     }
 
     if (MX) {
-        mx_cast_tile<IN, FMT>(raw, x.out_row, m, k, row0, gcol, ncol, c, r_first,
+        mx_cast_tile<TILE, FMT>(raw, x.out_row, m, k, row0, gcol, ncol, c, r_first,
                               rowwise ? static_cast<u8*>(x.sinv_row) + local * MX_TILE_BYTES : nullptr,
                               columnwise ? static_cast<u8*>(x.sinv_col) +
                                                (tc * ceil_div(m, BCT_BLOCK) + tr) * MX_TILE_BYTES

@@ -34,7 +34,7 @@ BLOCK_TESTS=(tests/test_block_cast_transpose.py tests/test_grouped_gemm_block.py
              tests/test_pytorch_block_scaling.py tests/test_mxfp8_cast_transpose.py
              tests/test_grouped_gemm_mxfp8.py tests/test_pytorch_mxfp8.py
              tests/test_grouped_gemm_block_model.py tests/test_block_scaled_weights.py
-             tests/test_pytorch_frozen.py)
+             tests/test_pytorch_frozen.py tests/test_block_cast_swiglu.py)
 NOTEBOOKS_S="${CUGROUPED_GPU_NOTEBOOKS_S:-90}"
 cd "$ROOT"
 LOG="$OUT/gpu_check.log"

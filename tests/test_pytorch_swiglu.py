@@ -19,7 +19,7 @@ import cugrouped  # noqa: E402
 from cugrouped.pytorch import GroupedLinear, MoEFeedForward, fp8_autocast  # noqa: E402
 from cugrouped.pytorch._grouped_linear_fn import swiglu, swiglu_backward  # noqa: E402
 from cugrouped.pytorch.recipe import (DelayedScaling, Float8BlockScaling,  # noqa: E402
-                                      Float8CurrentScaling)
+                                      Float8CurrentScaling, MXFP8BlockScaling)
 from cugrouped.reference import activation as ract  # noqa: E402
 
 E, K, N = 3, 32, 48
@@ -115,9 +115,38 @@ def test_the_input_gradient_is_autograds_through_torchs_swiglu(dtype):
     assert torch.allclose(swiglu_backward(x64, g64), exact, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("recipe", ["block", "mxfp8"])
+def test_block_recipes_fuse_the_activation_too(recipe):
+    """Float8BlockScaling and MXFP8BlockScaling: the block casts apply the activation (their
+    1 x 128 / 1 x 32 scales are the activation's): the plain layer's bits on the reference
+    activation, gradients included."""
+    rec = Float8BlockScaling() if recipe == "block" else MXFP8BlockScaling()
+    torch.manual_seed(1)
+    k = 64                                             # MXFP8: whole 32-element blocks
+    fused = GroupedLinear(E, k, 64, bias=False, params_dtype=torch.float32, device="cpu",
+                          input_activation="swiglu")
+    plain = GroupedLinear(E, k, 64, bias=False, params_dtype=torch.float32, device="cpu")
+    plain.load_state_dict(fused.state_dict())
+    splits = [32, 0, 64]
+    x = torch.randn(sum(splits), 2 * k) * 3
+    a = x.numpy()
+    act = torch.from_numpy(ract.swiglu(a[:, :k], a[:, k:])).requires_grad_()
+    xf = x.clone().requires_grad_()
+    dy = torch.randn(sum(splits), 64)
+    with fp8_autocast(True, rec), cugrouped.record_launches() as launches:
+        y1 = fused(xf, splits)
+    with fp8_autocast(True, rec):
+        y2 = plain(act, splits)
+    assert any("Act::SWIGLU" in ln.kernel for ln in launches)
+    assert torch.equal(y1, y2)
+    y1.backward(dy)
+    y2.backward(dy)
+    assert all(torch.equal(p, q) for p, q in zip(grads(fused), grads(plain)))
+    assert torch.equal(xf.grad, swiglu_backward(x, act.grad))
+
+
 FALLBACKS = {
     "no fp8": None,
-    "block": Float8BlockScaling(),
     "hp_wgrad": DelayedScaling(override_linear_precision=(False, False, True)),
     "high_precision": Float8CurrentScaling(backward_override="high_precision"),
 }
@@ -129,7 +158,7 @@ def test_other_configurations_compute_the_activation_in_torch(name):
     rec = FALLBACKS.get(name, Float8CurrentScaling())
     if name == "save_original_input":
         fused.save_original_input = plain.save_original_input = True
-    splits = [16, 0, 32] if name == "block" else SPLITS
+    splits = SPLITS
     x = (torch.randn(sum(splits), 2 * K) * 3).requires_grad_()
     xp = x.detach().clone().requires_grad_()
     dy = torch.randn(sum(splits), N)

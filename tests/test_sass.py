@@ -251,6 +251,32 @@ def test_block_cast_gather_keeps_wide_loads_issued_together(block_gather_sass, d
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
 
 
+@pytest.fixture(scope="module", params=ARCHS)
+def block_act_sass(request):
+    return _compiled(bct.ACT_KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("dims", [1, MX_DIMS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_cast_swiglu_loads_whole_words_without_spilling(block_act_sass, dtype, dims):
+    """The swiglu variants of the block casts: both halves [a | b] read with 16-byte loads (one
+    iteration's two segments at a time: the tile is the activation's float32 values from then
+    on), the float32 tile's 64 + 64 hardware conversions on sm_89+, no local memory within 128
+    registers, and no MUFU.EX2 (the activation's exp has no hardware approximation)."""
+    arch, by_name, resources = block_act_sass
+    loads = 4 if dtype == "float32" else 2           # per half and iteration: 16 elements
+    for fmt in FORMATS:
+        name = bct.kernel_name(dtype, fmt, dims, activation="swiglu")
+        text = by_name[name]
+        ops = _sass.memory_ops(text)
+        assert ops["LDG.E.128"] == 4 * 2 * loads, ops        # 4 iterations x 2 halves
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        assert "MUFU.EX2" not in text
+        f2fp = sum(v for op, v in ops.items() if op.startswith("F2FP"))
+        assert f2fp == (64 if int(arch) >= 89 else 0), ops
+        assert resources[name].registers <= 128 and resources[name].spills == 0, resources[name]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_scatter_rows_reads_and_writes_whole_words(arch):
     """The MoE unpermute's sum: a thread's 4 columns of a row in one read-only (``.CONSTANT``)

@@ -24,10 +24,11 @@ from ..grouped_fp8 import FP8_FORMATS
 from . import _cast_inputs, _launch
 from ._cast_inputs import GroupedInput, row_stride
 from ._launch import ChunkLaunch
-from .pad_cast_transpose import check_out_format, check_out_kind, padded_splits
+from .pad_cast_transpose import (check_activation, check_out_format, check_out_kind,
+                                 normalized_input, padded_splits)
 
 __all__ = ["multi_block_cast_transpose", "block_cast_arrays", "kernel_name", "KERNEL_SPEC",
-           "GATHER_KERNEL_SPEC",
+           "GATHER_KERNEL_SPEC", "ACT_KERNEL_SPEC",
            "group_dtype", "block_tile_counts", "plan_block_launches",
            "plan_block_launches_device", "block_output_sizes", "check_block_options", "check_out",
            "check_public_dims",
@@ -43,16 +44,27 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
+def check_activation_dims(block_scaling_dim) -> None:
+    """The activation casts an activation: 1 x 128 blocks or MXFP8, not a weight's 128 x 128."""
+    if block_scaling_dim == 2:
+        raise ValueError("activation: casts fc2's input, an activation: block_scaling_dim=1 (or "
+                         "MXFP8), not 2 (128 x 128 blocks are for weights)")
+
+
 @functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: bool = False,
-                column_sums: bool = False) -> str:
+                column_sums: bool = False, activation: str | None = None) -> str:
     """The instantiation for one launch (``block_scaling_dim`` 1, 2 or ``MX_DIMS``: MXFP8); the
-    gather (``row_index``) and the column sums are template parameters (``GATHER``, ``COLSUM``,
-    default false); the gather variants live in a module of their own, compiled only when used,
-    and have no column sums."""
+    gather (``row_index``), the column sums and the activation are template parameters
+    (``GATHER``, ``COLSUM``, ``ACT``; default false, false, none); the gather and activation
+    variants live in modules of their own, compiled only when used, and have no column sums."""
     if gather and column_sums:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
+    check_activation(activation, column_sums, gather)
     tail = ", true" if gather else ", false, true" if column_sums else ""
+    if activation is not None:
+        check_activation_dims(block_scaling_dim)
+        tail = f", false, false, cg::Act::{activation.upper()}"
     return (f"cg::block_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
             f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}{tail}>")
 
@@ -67,6 +79,11 @@ KERNEL_SPEC = _jit.register("block_cast_transpose", _jit.KernelSpec(
     source="block_cast_transpose.cu", name_expressions=_instantiations(False)))
 GATHER_KERNEL_SPEC = _jit.register("block_cast_transpose_gather", _jit.KernelSpec(
     source="block_cast_transpose.cu", name_expressions=_instantiations(True)))
+# fc1's gated unit before fc2's cast (activations: 1-D blocks and MXFP8): 3 dtypes x 2 formats x 2
+ACT_KERNEL_SPEC = _jit.register("block_cast_transpose_swiglu", _jit.KernelSpec(
+    source="block_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, n, activation="swiglu") for d in _IN for f in _FMT
+                           for n in (1, MX_DIMS))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +226,8 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                                power_2_scale: bool = True, out=None, dtype: str | None = None,
                                splits_on_device: bool | None = None,
                                backend: str | None = None, row_index=None,
-                               column_sums: bool = False) -> GroupedBlockFP8:
+                               column_sums: bool = False,
+                               activation: str | None = None) -> GroupedBlockFP8:
     """Pad, cast to block-scaled FP8 and transpose every expert's rows in one pass; return a
     :class:`~cugrouped.GroupedBlockFP8`.
 
@@ -235,6 +253,10 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     row); the permuted copy is never written.
     ``column_sums``: also return each expert's float32 column sums of the unscaled input
     (``(E, k)``; dbias of a gradient), in the same pass and a fixed order (not with ``row_index``).
+    ``activation``: ``"swiglu"`` casts ``silu(a) * b`` of each row's halves ``[a | b]`` (``2k``
+    input columns, ``k`` output columns), as :func:`cugrouped.multi_pad_cast_transpose` does;
+    the block scales are the activation's. 1-D blocks only; not with ``row_index`` or
+    ``column_sums``.
     """
     check_public_dims(block_scaling_dim)
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
@@ -246,28 +268,32 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                         columnwise=columnwise, amax_epsilon=amax_epsilon,
                         power_2_scale=power_2_scale, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend, row_index=row_index,
-                        column_sums=column_sums)
+                        column_sums=column_sums, activation=activation)
     return block_cast_arrays(inputs, m_splits, fp8_format=fp8_format,
                              block_scaling_dim=block_scaling_dim, align=align, rowwise=rowwise,
                              columnwise=columnwise, amax_epsilon=amax_epsilon,
                              power_2_scale=power_2_scale, out=out, dtype=dtype,
                              splits_on_device=splits_on_device, backend=backend,
-                             row_index=row_index, column_sums=column_sums)
+                             row_index=row_index, column_sums=column_sums, activation=activation)
 
 
 def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1, align=16,
                       rowwise=True, columnwise=True, amax_epsilon=0.0, power_2_scale=True,
                       out=None, dtype=None, splits_on_device=None, backend=None,
                       normalized: GroupedInput | None = None, row_index=None,
-                      column_sums=False) -> GroupedBlockFP8:
+                      column_sums=False, activation=None) -> GroupedBlockFP8:
     """The op on arrays of any kind without the torch dispatch (NumPy / CuPy in and out; CUDA
-    torch tensors through their pointers, all outputs given as ``out=``: the torch front)."""
+    torch tensors through their pointers, all outputs given as ``out=``: the torch front, which
+    passes the :func:`.pad_cast_transpose.normalized_input` it sized them from)."""
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     if column_sums and row_index is not None:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
+    check_activation(activation, column_sums, row_index is not None)
+    if activation is not None:
+        check_activation_dims(block_scaling_dim)
     if normalized is None:
-        normalized = _cast_inputs.normalize_inputs(inputs, m_splits, dtype, splits_on_device,
-                                                   row_index)
+        normalized = normalized_input(inputs, m_splits, dtype, splits_on_device, row_index,
+                                      activation)
     g = normalized
     eps = _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     if out is not None:
@@ -281,7 +307,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
         return ref(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim,
                    align=align, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
                    power_2_scale=power_2_scale, out=out, dtype=dtype, row_index=row_index,
-                   column_sums=column_sums)
+                   column_sums=column_sums, activation=activation)
     xp = DeviceLikeHost if backend == "emulate" else __import__("cupy")
     if g.m_dev is not None:
         plans = plan_block_launches_device(g.num_experts, g.total_rows, g.k)
@@ -291,11 +317,13 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
         res = _outputs(g, xp, fp8_format, block_scaling_dim, align, rowwise, columnwise, out,
                        column_sums)
         gather = g.row_index is not None
-        name = kernel_name(g.dtype, fp8_format, block_scaling_dim, gather, bool(column_sums))
+        name = kernel_name(g.dtype, fp8_format, block_scaling_dim, gather, bool(column_sums),
+                           activation)
+        spec = ACT_KERNEL_SPEC if activation else GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
         for chunk, arg in zip(plans, _packed_groups(g, res, plans, align, block_scaling_dim)):
             cs = res.column_sums[chunk.first:chunk.first + chunk.count] if column_sums else None
             if chunk.grid:
-                _run(backend, name, chunk, arg, g.k, align, eps, bool(power_2_scale), gather, cs)
+                _run(backend, spec, name, chunk, arg, g.k, align, eps, bool(power_2_scale), cs)
             elif cs is not None:       # only empty experts: no tile to write their zero sums
                 cs[...] = 0
     if backend == "emulate" and res.data is not None:
@@ -401,9 +429,8 @@ def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool,
         tuple(np.uint64(data_ptr(a)) for a in ptrs)
 
 
-def _run(backend, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,
-         gather=False, colsum=None) -> None:
-    spec = GATHER_KERNEL_SPEC if gather else KERNEL_SPEC
+def _run(backend, spec, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,
+         colsum=None) -> None:
     _launch.note_launch(backend, name, chunk.grid, THREADS)
     if backend == "cuda":
         args = cuda_arguments(arg, k, align, eps, power_2_scale, colsum, chunk.grid)

@@ -21,7 +21,8 @@ def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
                                rowwise: bool = True, columnwise: bool = True, out=None,
                                dtype: str | None = None, splits_on_device: bool | None = None,
                                backend: str | None = None, row_index=None,
-                               column_sums: bool = False) -> GroupedMXFP8:
+                               column_sums: bool = False,
+                               activation: str | None = None) -> GroupedMXFP8:
     """Pad, cast to MXFP8 and transpose every expert's rows in one pass; return a
     :class:`~cugrouped.GroupedMXFP8`.
 
@@ -36,7 +37,8 @@ def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
     ``align``: each expert's tokens padded to a divisor of 128; the GEMMs need 32 (a whole
     scale block), as TransformerEngine's MoE padding for MXFP8 does. The other arguments are
     :func:`cugrouped.multi_block_cast_transpose`'s (``row_index``: the fused MoE permute;
-    ``column_sums``: dbias in the same pass). One launch per 64 experts, no host sync.
+    ``column_sums``: dbias in the same pass; ``activation``: ``"swiglu"`` of the input's halves
+    ``[a | b]``, as there). One launch per 64 experts, no host sync.
     """
     first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
     if array_kind(first) == "torch":
@@ -45,8 +47,9 @@ def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format: str = "e4m3
         return torch_op(inputs, m_splits, fp8_format=fp8_format, align=align, rowwise=rowwise,
                         columnwise=columnwise, out=out, dtype=dtype,
                         splits_on_device=splits_on_device, backend=backend, row_index=row_index,
-                        column_sums=column_sums)
+                        column_sums=column_sums, activation=activation)
     return block_cast_arrays(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=MX_DIMS,
                              align=align, rowwise=rowwise, columnwise=columnwise, out=out,
                              dtype=dtype, splits_on_device=splits_on_device, backend=backend,
-                             row_index=row_index, column_sums=column_sums)
+                             row_index=row_index, column_sums=column_sums,
+                             activation=activation)

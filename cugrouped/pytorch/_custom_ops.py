@@ -216,11 +216,12 @@ def _scale_dtype(block_dims: int) -> torch.dtype:
     return getattr(torch, scale_dtype(block_dims).name)
 
 
-def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None, column_sums=False):
+def _block_shapes(xs, block_dims, align, rowwise, columnwise, m_splits=None, column_sums=False,
+                  activation=None):
     """Output shapes of fp8_block_quantize, in plain integer arithmetic: under torch.compile the
     token counts are symbolic once they vary (no caches, no NumPy here). ``m_splits`` (a
-    gather) gives the experts' rows instead of ``xs``."""
-    k = xs[0].shape[1]
+    gather) gives the experts' rows instead of ``xs``; a gated ``activation`` halves the width."""
+    k = xs[0].shape[1] // 2 if activation is not None else xs[0].shape[1]
     rows = data_t = sinv = sinv_t = 0
     for m in (m_splits if m_splits is not None else [x.shape[0] for x in xs]):
         mp = padded(m, align)
@@ -236,7 +237,8 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
                        rowwise: bool, columnwise: bool, cast_backend: str,
                        amax_epsilon: float = 0.0, power_2_scale: bool = True,
                        row_index: Optional[torch.Tensor] = None,
-                       m_splits: Optional[List[int]] = None, column_sums: bool = False
+                       m_splits: Optional[List[int]] = None, column_sums: bool = False,
+                       activation: Optional[str] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
     """``multi_block_cast_transpose`` of the experts ``xs`` (Float8BlockScaling; ``block_dims``
@@ -244,11 +246,13 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
     data_t (bytes,) uint8 or (0,), scale_inv, scale_inv_t, column_sums (E, k) float32 or (0,
     k))``, the block scales flat in TransformerEngine's layouts (float32; MXFP8: E8M0 bytes,
     uint8) and empty for a copy not asked for. ``row_index`` with ``m_splits`` (the fused
-    permute): ``xs`` is ``[tokens]``."""
+    permute): ``xs`` is ``[tokens]``. ``activation`` (``"swiglu"``): cast the activation of
+    each row's halves ``[a | b]``."""
     gather = row_index is not None
     dev = xs[0].device
     s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
-                                                   m_splits if gather else None, column_sums)
+                                                   m_splits if gather else None, column_sums,
+                                                   activation)
     u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
     sdt = dict(dtype=_scale_dtype(block_dims), device=dev)
     data, data_t = torch.empty(s_data, **u8), torch.empty(s_t, **u8)
@@ -258,7 +262,7 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
                           data=data if rowwise else None, data_t=data_t if columnwise else None,
                           scale_inv=sinv if rowwise else None,
                           scale_inv_t=sinv_t if columnwise else None, m_splits=(),
-                          m_pad_splits=(), fp8_format=fp8_format, k=xs[0].shape[1], align=align,
+                          m_pad_splits=(), fp8_format=fp8_format, k=s_data[1], align=align,
                           block_scaling_dim=block_dims,
                           column_sums=colsum if column_sums else None)
     _functional._block_cast(
@@ -266,16 +270,16 @@ def fp8_block_quantize(xs: List[torch.Tensor], fp8_format: str, block_dims: int,
         fp8_format=fp8_format, block_scaling_dim=block_dims, align=align,
         rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
         power_2_scale=power_2_scale, out=out, backend=_backend(xs[0], cast_backend),
-        row_index=row_index, column_sums=column_sums)
+        row_index=row_index, column_sums=column_sums, activation=activation)
     return data, data_t, sinv, sinv_t, colsum
 
 
 @fp8_block_quantize.register_fake
 def _(xs, fp8_format, block_dims, align, rowwise, columnwise, cast_backend, amax_epsilon=0.0,
-      power_2_scale=True, row_index=None, m_splits=None, column_sums=False):
+      power_2_scale=True, row_index=None, m_splits=None, column_sums=False, activation=None):
     s_data, s_t, s_si, s_sit, s_cs = _block_shapes(xs, block_dims, align, rowwise, columnwise,
                                                    m_splits if row_index is not None else None,
-                                                   column_sums)
+                                                   column_sums, activation)
     dev = xs[0].device
     sdt = _scale_dtype(block_dims)
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),

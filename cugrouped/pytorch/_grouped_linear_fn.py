@@ -56,8 +56,8 @@ class _Config:
     # (main_grad flags, lazy main_grad) stand for every expert
     stacked: tuple = (False, False)
     # "swiglu": the inputs are fc1's outputs [a | b] (2k columns) and the FP8 cast applies
-    # silu(a) * b (per-tensor FP8 with the default backward only; GroupedLinear applies it in
-    # torch otherwise); backward keeps the inputs and returns their gradient (dswiglu)
+    # silu(a) * b (FP8 with the default backward only; GroupedLinear applies it in torch
+    # otherwise); backward keeps the inputs and returns their gradient (swiglu_backward)
     activation: str | None = None
 
     def counts(self) -> tuple[int, int, int]:
@@ -172,7 +172,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             x_data, x_t, x_si, x_si_t, _ = cops.eager.fp8_block_quantize(
                 x_list, cfg.fmt_fwd, cfg.block[0], cops.token_align(cfg.block[0]), True, need_wgrad,
                 cfg.cast_backend,
-                *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None)
+                *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None, False,
+                cfg.activation)
             w_data, w_t, w_si, w_si_t = wq
         else:
             x_data, x_t, x_si, _ = cops.eager.fp8_quantize(

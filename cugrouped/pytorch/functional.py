@@ -119,7 +119,8 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None, splits_on_device=None,
-                               backend=None, row_index=None, column_sums=False) -> GroupedBlockFP8:
+                               backend=None, row_index=None, column_sums=False,
+                               activation=None) -> GroupedBlockFP8:
     """:func:`cugrouped.multi_block_cast_transpose` for torch tensors; returns torch tensors
     (``data`` as ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``data_t`` as ``uint8`` bytes,
     the scales float32), all allocated by torch, computed on its current stream."""
@@ -128,33 +129,37 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
                        align=align, rowwise=rowwise, columnwise=columnwise,
                        amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, out=out,
                        dtype=dtype, splits_on_device=splits_on_device, backend=backend,
-                       row_index=row_index, column_sums=column_sums)
+                       row_index=row_index, column_sums=column_sums, activation=activation)
 
 
 def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", align=32,
                                rowwise=True, columnwise=True, out=None, dtype=None,
                                splits_on_device=None, backend=None, row_index=None,
-                               column_sums=False) -> GroupedMXFP8:
+                               column_sums=False, activation=None) -> GroupedMXFP8:
     """:func:`cugrouped.multi_mxfp8_cast_transpose` for torch tensors: as
     :func:`multi_block_cast_transpose`, the E8M0 scales as ``uint8`` tensors."""
     return _block_cast(inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=MX_DIMS,
                        align=align, rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype,
                        splits_on_device=splits_on_device, backend=backend, row_index=row_index,
-                       column_sums=column_sums)
+                       column_sums=column_sums, activation=activation)
 
 
 def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, rowwise=True,
                 columnwise=True, amax_epsilon=0.0, power_2_scale=True, out=None, dtype=None,
-                splits_on_device=None, backend=None, row_index=None, column_sums=False):
+                splits_on_device=None, backend=None, row_index=None, column_sums=False,
+                activation=None):
     """Both block-scaled casts on torch tensors (``block_scaling_dim`` 1, 2 or ``MX_DIMS``)."""
     _bct.check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise,
                              column_sums)
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     _pct.check_out_kind(out, result_type(block_scaling_dim))
+    _pct.check_activation(activation, column_sums, row_index is not None)
+    if activation is not None:
+        _bct.check_activation_dims(block_scaling_dim)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs
-    g = _cast_inputs.normalize_inputs(xs, splits, tag, splits_on_device, row_index)
+    g = _pct.normalized_input(xs, splits, tag, splits_on_device, row_index, activation)
     if out is None:
         sz = _bct.block_output_sizes(g.m_splits, g.k, align, block_scaling_dim, g.num_experts,
                                      g.total_rows)
@@ -174,7 +179,8 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
             xs, splits, fp8_format=fp8_format, block_scaling_dim=block_scaling_dim, align=align,
             rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
             power_2_scale=power_2_scale, out=views, dtype=tag, splits_on_device=splits_on_device,
-            backend=backend, normalized=g, row_index=row_index, column_sums=column_sums)
+            backend=backend, normalized=g, row_index=row_index, column_sums=column_sums,
+            activation=activation)
     return dataclasses.replace(
         res,
         data=out.data.view(torch.uint8).view(FP8_TORCH_DTYPES[fp8_format]) if rowwise else None,

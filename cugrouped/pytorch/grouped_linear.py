@@ -170,13 +170,12 @@ class GroupedLinear(torch.nn.Module):
     name : str or None  TransformerEngine's label for its debug tools; kept as ``self.name``.
     input_activation : None or ``"swiglu"``  (cugrouped's own) the layer's input is fc1's output
         ``[a | b]``, ``2 * in_features`` wide, and the layer applies ``silu(a) * b`` to it: fc2
-        of a gated MLP taking fc1's output as it is. With per-tensor FP8 (``DelayedScaling``,
-        ``Float8CurrentScaling``) and the default backward, the cast kernel computes the
-        activation in float32 as it casts (``multi_pad_cast_transpose(activation="swiglu")``),
-        so its high-precision output is never written, and backward returns the input's
-        gradient from the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, block
-        scaling, backward overrides, ``save_original_input``) torch computes ``F.silu(a) * b``
-        first, in the input's dtype. Under ``torch.autocast`` the fused path reads the input
+        of a gated MLP taking fc1's output as it is. With FP8 (every recipe) and the default
+        backward, the cast kernel computes the activation in float32 as it casts
+        (``activation="swiglu"`` of the per-tensor, block and MXFP8 casts), so its
+        high-precision output is never written, and backward returns the input's gradient from
+        the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, backward overrides,
+        ``save_original_input``) torch computes ``F.silu(a) * b`` first, in the input's dtype. Under ``torch.autocast`` the fused path reads the input
         after the layer's cast to the autocast dtype, as any input (fc1's output already is in
         it). Not with ``row_index``.
     """
@@ -865,7 +864,7 @@ class GroupedLinear(torch.nn.Module):
 
     def _activation_input(self, inp, m_splits, recipe):
         """(input, activation for the cast): fc1's output as it is when the FP8 cast can apply
-        ``input_activation`` (per-tensor scaling, the default backward), else the activation
+        ``input_activation`` (any FP8 recipe with the default backward), else the activation
         computed here in torch (and None)."""
         k2 = 2 * self.in_features
         # the width, named as such (the rest of the checks, counts included, come after: one
@@ -878,8 +877,7 @@ class GroupedLinear(torch.nn.Module):
                 raise ValueError(f"{name}: expected shape (..., 2 * in_features={k2}) for "
                                  f"input_activation {self.input_activation!r}, got "
                                  f"{tuple(x.shape)}")
-        if recipe is not None and not isinstance(recipe, BLOCK_RECIPES) and \
-                not self.save_original_input and \
+        if recipe is not None and not self.save_original_input and \
                 getattr(recipe, "backward_override", None) is None and \
                 not recipe.override_linear_precision[2]:
             return inp, self.input_activation

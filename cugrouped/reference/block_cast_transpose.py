@@ -23,6 +23,7 @@ import numpy as np
 
 from ..grouped_block_fp8 import (BLOCK, MX_BLOCK, MX_DIMS, GroupedBlockFP8, GroupedMXFP8,
                                  block_scale_shapes, mx_swizzle, result_type, scale_dtype)
+from . import activation as ract
 from . import fp8 as rfp8
 from .pad_cast_transpose import _expert_arrays, copy_into, gather_rows
 
@@ -131,24 +132,29 @@ def _expert(x, m_pad, fmt, dims, eps, p2):
 def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling_dim=1,
                                align=16, rowwise=True, columnwise=True, amax_epsilon=0.0,
                                power_2_scale=True, out=None, dtype=None,
-                               backend=None, row_index=None, column_sums=False) -> GroupedBlockFP8:
+                               backend=None, row_index=None, column_sums=False,
+                               activation=None) -> GroupedBlockFP8:
     """Same signature and result as :func:`cugrouped.multi_block_cast_transpose`, NumPy only
     (``block_scaling_dim=MX_DIMS``: :func:`multi_mxfp8_cast_transpose`'s MXFP8, which has no
     ``amax_epsilon`` or ``power_2_scale``)."""
-    from ..ops.block_cast_transpose import check_block_options
-    from ..ops._cast_inputs import check_scale_options, normalize_inputs
-    from ..ops.pad_cast_transpose import padded_splits
+    from ..ops._cast_inputs import check_scale_options
+    from ..ops.block_cast_transpose import check_activation_dims, check_block_options
+    from ..ops.pad_cast_transpose import check_activation, normalized_input, padded_splits
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
-    g = normalize_inputs(inputs, m_splits, dtype, row_index=row_index)
+    check_activation(activation, column_sums, row_index is not None)
+    if activation is not None:
+        check_activation_dims(block_scaling_dim)
+    g = normalized_input(inputs, m_splits, dtype, row_index=row_index, activation=activation)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
     if row_index is not None:      # the permute: rows gathered, a negative index a zero row
         inputs, m_splits, dtype = gather_rows(inputs, row_index, dtype, g.k), g.m_splits, None
-    xs = [rfp8.ftz(rfp8.to_float32(a)) for a in _expert_arrays(inputs, m_splits, dtype)]
+    xs = [ract.apply(rfp8.ftz(rfp8.to_float32(a)), activation)
+          for a in _expert_arrays(inputs, m_splits, dtype)]
     m_pad = padded_splits(g.m_splits, align)
     parts = [_expert(x, mp, fp8_format, block_scaling_dim, eps, power_2_scale)
              for x, mp in zip(xs, m_pad)]
@@ -178,9 +184,9 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
 
 def multi_mxfp8_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", align=32, rowwise=True,
                                columnwise=True, out=None, dtype=None, backend=None,
-                               row_index=None, column_sums=False) -> GroupedMXFP8:
+                               row_index=None, column_sums=False, activation=None) -> GroupedMXFP8:
     """Same signature and result as :func:`cugrouped.multi_mxfp8_cast_transpose`, NumPy only."""
     return multi_block_cast_transpose(
         inputs, m_splits, fp8_format=fp8_format, block_scaling_dim=MX_DIMS, align=align,
         rowwise=rowwise, columnwise=columnwise, out=out, dtype=dtype, backend=backend,
-        row_index=row_index, column_sums=column_sums)
+        row_index=row_index, column_sums=column_sums, activation=activation)
