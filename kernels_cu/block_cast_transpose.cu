@@ -189,7 +189,9 @@ CG_DEVICE void bct_plan_from_device_counts(const BctGroup& g, i64 k, i64 align, 
 // its 16-bit variants spilled 32 to 156 bytes on sm_80..sm_90.)
 constexpr int bct_min_blocks(InDtype in, int dims) { return in != InDtype::F32 && dims == 2 ? 3 : 2; }
 // With ACT the tile held in registers is the activation's float32 values, whatever the input.
-constexpr InDtype bct_tile_dtype(InDtype in, Act act) { return act != Act::NONE ? InDtype::F32 : in; }
+constexpr InDtype bct_tile_dtype(InDtype in, Act act) {
+    return act != Act::NONE ? InDtype::F32 : in;
+}
 
 // MXFP8: cast the tile (in registers, raw) one 32-row band at a time: iteration `it`'s rows are
 // one column block, so each band is finished before the next is widened (keeping the whole tile
@@ -369,7 +371,8 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
             const bool in_rows = grow < m;
-            const char* row = static_cast<const char*>(x.in) + (in_rows ? grow * x.ld * InT::bytes : 0);
+            const char* row = static_cast<const char*>(x.in) +
+                              (in_rows ? grow * x.ld * InT::bytes : 0);
             uint4 wa[InT::words], wb[InT::words];
             load_segment<IN>(row + gcol * InT::bytes, in_rows ? ncol : 0, wa);
             load_segment<IN>(row + (gcol + k) * InT::bytes, in_rows ? ncol : 0, wb);
@@ -381,7 +384,8 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
             for (int j = 0; j < kSeg; ++j) bits[j] = f32_bits(activate<ACT>(va[j], vb[j]));
 #pragma unroll
             for (int w = 0; w < Traits::words; ++w)
-                raw[it][w] = make_uint4(bits[4 * w], bits[4 * w + 1], bits[4 * w + 2], bits[4 * w + 3]);
+                raw[it][w] = make_uint4(bits[4 * w], bits[4 * w + 1], bits[4 * w + 2],
+                                        bits[4 * w + 3]);
         }
     } else if (full_tile) {   // one basic block of 16-byte loads (tests/test_sass.py)
 #pragma unroll

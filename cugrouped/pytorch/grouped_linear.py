@@ -175,9 +175,9 @@ class GroupedLinear(torch.nn.Module):
         (``activation="swiglu"`` of the per-tensor, block and MXFP8 casts), so its
         high-precision output is never written, and backward returns the input's gradient from
         the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, backward overrides,
-        ``save_original_input``) torch computes ``F.silu(a) * b`` first, in the input's dtype. Under ``torch.autocast`` the fused path reads the input
-        after the layer's cast to the autocast dtype, as any input (fc1's output already is in
-        it). Not with ``row_index``.
+        ``save_original_input``) torch computes ``F.silu(a) * b`` first, in the input's dtype.
+        Under ``torch.autocast`` the fused path reads the input after the layer's cast to the
+        autocast dtype, as any input (fc1's output already is in it). Not with ``row_index``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
