@@ -15,14 +15,12 @@ twin (cugrouped.reference.activation), bit for bit, and both against float64.
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
+from _host_harness import build_harness
 from cugrouped.reference import activation as ract
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,22 +39,13 @@ class Harness:
         bits = [np.ascontiguousarray(b, dtype=np.uint32) for b in bits]
         out = np.empty(bits[0].size, np.uint32)
         ptrs = [b.ctypes.data_as(u32p) for b in bits]
-        getattr(self.lib, name)(*ptrs[:1], *ptrs[1:], bits[0].size, out.ctypes.data_as(u32p))
+        getattr(self.lib, name)(*ptrs, bits[0].size, out.ctypes.data_as(u32p))
         return out
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Harness:
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) to build tests/activation_sweep.cpp")
-    so = tmp_path_factory.mktemp("activation_sweep") / "libactivation_sweep.so"
-    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fno-fast-math",
-           "-ffp-contract=off", "-shared", "-fPIC", f"-I{ROOT / 'kernels_cu'}", str(HARNESS),
-           "-o", str(so)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
-    return Harness(so)
+    return Harness(build_harness(tmp_path_factory, HARNESS))
 
 
 def _bits(values) -> np.ndarray:

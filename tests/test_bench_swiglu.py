@@ -43,7 +43,7 @@ def test_rows_on_a_model_gpu(monkeypatch, capsys):
                                          "torch-swiglu+torch-eager"]
     assert [r["ms"] for r in rows] == pytest.approx([1.0, 1.6, 3.9], abs=1e-9)
     fused = rows[0]
-    nbytes = bs.swiglu_cast_bytes(cfg.tokens, cfg.ffn,
+    nbytes = bs.swiglu_cast_bytes(cfg.tokens, cfg.k,
                                   sum(bs.pct.padded_splits(cfg.m_splits(), 16)), 50 << 20)
     assert fused["gbs"] == pytest.approx(nbytes / 1.0 / 1e6)
     assert [r.get("speedup_of_cugrouped") for r in rows[1:]] == pytest.approx([1.6, 3.9])

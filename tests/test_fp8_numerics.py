@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import io
-import os
 import pathlib
 import re
-import shutil
-import subprocess
 import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from _host_harness import build_harness
 from cugrouped.reference import fp8 as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -128,15 +126,7 @@ class Harness:
 
 @pytest.fixture(scope="session")
 def harness(tmp_path_factory) -> Harness:
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) to build tests/fp8_sweep.cpp")
-    so = tmp_path_factory.mktemp("fp8_sweep") / "libfp8_sweep.so"
-    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fno-fast-math",
-           "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS}", str(HARNESS), "-o", str(so)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
-    return Harness(so)
+    return Harness(build_harness(tmp_path_factory, HARNESS))
 
 
 # ------------------------------------------------------------------------------------------------

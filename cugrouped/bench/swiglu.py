@@ -3,35 +3,21 @@ activation computed first by torch, then cast by cugrouped or by the torch eager
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .cast import _torch_peers
-from .common import copy_bandwidth_gbs, l2_cache_bytes, moe_splits, time_together
+from .cast import CastConfig, _torch_peers
+from .common import copy_bandwidth_gbs, l2_cache_bytes, time_together
 
 
-@dataclasses.dataclass(frozen=True)
-class SwigluConfig:
-    """fc2's input of E experts: ``tokens`` routed rows of fc1's ``2 * ffn`` outputs."""
-
-    name: str
-    experts: int
-    ffn: int
-    tokens: int
-    jagged: bool
-
-    def m_splits(self) -> list[int]:
-        return moe_splits(self.experts, self.tokens, self.jagged, self.experts * 7919 + self.ffn)
-
-
+# fc2's input of E experts: ``tokens`` routed rows of fc1's ``2 k`` outputs (k: the experts'
+# ffn size)
 SWIGLU_CONFIGS = (
-    SwigluConfig("dsv3-E8-jagged", 8, 2048, 16384, True),        # moe_intermediate_size 2048
-    SwigluConfig("dsv3-E8-equal", 8, 2048, 65536, False),
-    SwigluConfig("qwen3-E16-equal", 16, 768, 40960, False),      # Qwen3-30B-A3B's experts
-    SwigluConfig("mixtral-E8-jagged", 8, 14336, 4096, True),
-    SwigluConfig("fine-E64-jagged", 64, 2048, 8192, True),
+    CastConfig("dsv3-E8-jagged", 8, 2048, 16384, True),        # moe_intermediate_size 2048
+    CastConfig("dsv3-E8-equal", 8, 2048, 65536, False),
+    CastConfig("qwen3-E16-equal", 16, 768, 40960, False),      # Qwen3-30B-A3B's experts
+    CastConfig("mixtral-E8-jagged", 8, 14336, 4096, True),
+    CastConfig("fine-E64-jagged", 64, 2048, 8192, True),
 )
 QUICK_SWIGLU = SWIGLU_CONFIGS[:1] + SWIGLU_CONFIGS[3:4]
 
@@ -44,8 +30,8 @@ def swiglu_cast_bytes(tokens: int, ffn: int, padded_rows: int, l2_bytes: int) ->
     return x * (2 if x > l2_bytes else 1) + tokens * ffn + padded_rows * ffn
 
 
-def _inputs(cfg: SwigluConfig, copies: int, torch) -> list:
-    return [torch.randn((cfg.tokens, 2 * cfg.ffn), device="cuda", dtype=torch.bfloat16)
+def _inputs(cfg: CastConfig, copies: int, torch) -> list:
+    return [torch.randn((cfg.tokens, 2 * cfg.k), device="cuda", dtype=torch.bfloat16)
             for _ in range(copies)]
 
 
@@ -69,7 +55,7 @@ def bench_swiglu_cast(quick: bool, rows: list[dict]) -> None:
     act = _activation(torch)
     for cfg in configs:
         m_splits = cfg.m_splits()
-        copies = max(2, int(np.ceil(256e6 / (cfg.tokens * 2 * cfg.ffn * 2))))   # > L2 in turn
+        copies = max(2, int(np.ceil(256e6 / (cfg.tokens * 2 * cfg.k * 2))))   # > L2 in turn
         hs = _inputs(cfg, copies, torch)
         eager, _ = _torch_peers(cfg, None, m_splits, compile_peer=False)
         impls = {
@@ -80,7 +66,7 @@ def bench_swiglu_cast(quick: bool, rows: list[dict]) -> None:
             "torch-swiglu+torch-eager": lambda i: eager(act(hs[i % copies])),
         }
         fused_ms = None
-        nbytes = swiglu_cast_bytes(cfg.tokens, cfg.ffn, sum(pct.padded_splits(m_splits, 16)), l2)
+        nbytes = swiglu_cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)), l2)
         for impl, t in time_together(impls, 30).items():
             ms, hus = t.ms, t.host_us
             row = dict(op="swiglu-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
