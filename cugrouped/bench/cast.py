@@ -208,20 +208,29 @@ def bench_permute_cast(quick: bool, rows: list[dict]) -> None:
                 xt[i % copies].index_select(0, idx), m_splits),
             "index_select+torch-eager": lambda i: eager(xt[i % copies].index_select(0, idx)),
         }
-        fused_ms = None
+        # (the read model of permute_cast_bytes)
         nbytes = permute_cast_bytes(T, sum(m_splits), cfg.k, sum(pct.padded_splits(m_splits, 16)), l2)
-        for impl, t in time_together(impls, 30).items():
-            ms, hus = t.ms, t.host_us
-            row = dict(op="permute-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus, top_k=top_k, **t.columns())
-            if fused_ms is None:
-                fused_ms = ms
-                gbs = nbytes / ms / 1e6        # the read model of permute_cast_bytes
-                row.update(gbs=gbs, pct_copy_bw=100 * gbs / bw)
-                note = f"{gbs:7.0f} GB/s {row['pct_copy_bw']:5.1f}% of copy"
-            else:
-                row.update(speedup_of_cugrouped=ms / fused_ms)
-                note = f"fused is {ms / fused_ms:5.2f}x faster"
-            rows.append(row)
-            print(f"{cfg.name:<22} permute top-{top_k} {impl:<25} {ms:8.3f} ms {note} "
-                  f"(host {hus:6.1f} us/call)")
+        record_fused(rows, time_together(impls, 30), "permute-cast", cfg.name, nbytes, bw,
+                     f"permute top-{top_k}", top_k=top_k)
+
+
+def record_fused(rows: list[dict], timed: dict, op: str, config: str, nbytes: int, bw: float,
+                 label: str, **extra) -> None:
+    """The rows of a fused op timed together with its unfused peers (current scaling): the
+    first of ``timed`` is the fused one, its GB/s from ``nbytes`` and the copy bandwidth ``bw``;
+    each other one gets its time over the fused one's."""
+    fused_ms = None
+    for impl, t in timed.items():
+        ms, hus = t.ms, t.host_us
+        row = dict(op=op, config=config, scaling="current", impl=impl, ms=ms, host_us=hus,
+                   **extra, **t.columns())
+        if fused_ms is None:
+            fused_ms = ms
+            gbs = nbytes / ms / 1e6
+            row.update(gbs=gbs, pct_copy_bw=100 * gbs / bw)
+            note = f"{gbs:7.0f} GB/s {row['pct_copy_bw']:5.1f}% of copy"
+        else:
+            row.update(speedup_of_cugrouped=ms / fused_ms)
+            note = f"fused is {ms / fused_ms:5.2f}x faster"
+        rows.append(row)
+        print(f"{config:<22} {label} {impl:<25} {ms:8.3f} ms {note} (host {hus:6.1f} us/call)")

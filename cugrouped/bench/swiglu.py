@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .cast import CastConfig, _torch_peers
+from .cast import CastConfig, _torch_peers, record_fused
 from .common import copy_bandwidth_gbs, l2_cache_bytes, time_together
 
 
@@ -65,20 +65,6 @@ def bench_swiglu_cast(quick: bool, rows: list[dict]) -> None:
                 act(hs[i % copies]), m_splits),
             "torch-swiglu+torch-eager": lambda i: eager(act(hs[i % copies])),
         }
-        fused_ms = None
         nbytes = swiglu_cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)), l2)
-        for impl, t in time_together(impls, 30).items():
-            ms, hus = t.ms, t.host_us
-            row = dict(op="swiglu-cast", config=cfg.name, scaling="current", impl=impl, ms=ms,
-                       host_us=hus, **t.columns())
-            if fused_ms is None:
-                fused_ms = ms
-                gbs = nbytes / ms / 1e6
-                row.update(gbs=gbs, pct_copy_bw=100 * gbs / bw)
-                note = f"{gbs:7.0f} GB/s {row['pct_copy_bw']:5.1f}% of copy"
-            else:
-                row.update(speedup_of_cugrouped=ms / fused_ms)
-                note = f"fused is {ms / fused_ms:5.2f}x faster"
-            rows.append(row)
-            print(f"{cfg.name:<22} swiglu {impl:<25} {ms:8.3f} ms {note} "
-                  f"(host {hus:6.1f} us/call)")
+        record_fused(rows, time_together(impls, 30), "swiglu-cast", cfg.name, nbytes, bw,
+                     "swiglu")
