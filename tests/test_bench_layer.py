@@ -117,26 +117,32 @@ def test_every_timed_step_runs_on_cpu_tensors():
     with cpu_cast_backend("reference"):
         layer, impls = bl.layer_steps(cfg, "cpu", torch.float32, copies=2)
         names = [i[0] for i in impls]
-        assert names[0] == bl.REFERENCE_IMPL and len(set(names)) == len(names) == 11
+        assert names[0] == bl.REFERENCE_IMPL and len(set(names)) == len(names) == 13
         assert "torch-grouped_mm-bf16" in names
-        out, permuted = {}, {}
+        out, permuted, gated = {}, {}, {}
         for name, precision, form, step in impls:
-            assert precision in bl.PRECISIONS and form in ("tensor", "list", "permute")
+            assert precision in bl.PRECISIONS and form in ("tensor", "list", "permute", "swiglu")
             step(1)
             y, grads = step(1)
             y = torch.cat(y) if form == "list" else y
             dx = torch.cat(grads[:cfg.experts]) if form == "list" else grads[0]
             dw = grads[-1] if grads[-1].dim() == 3 else grads[-cfg.experts:]   # _grouped_mm: (E, n, k)
             rows = cfg.tokens // 2 if form == "permute" else cfg.tokens
-            assert y.shape == (cfg.tokens, cfg.n) and dx.shape == (rows, cfg.k)
+            width = 2 * cfg.k if form == "swiglu" else cfg.k      # fc1's [a | b] output
+            assert y.shape == (cfg.tokens, cfg.n) and dx.shape == (rows, width)
             assert all(g.shape == (cfg.n, cfg.k) for g in dw)
-            (permuted if form == "permute" else out)[name] = (y.detach(), dx, dw)
+            {"permute": permuted, "swiglu": gated}.get(form, out)[name] = (y.detach(), dx, dw)
     # the fused permute and index_select + the layer: the same step, bit for bit (float32)
     a, b = permuted["cugrouped-fp8-delayed-permute"], permuted["index_select+cugrouped-fp8-delayed"]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert all(torch.equal(u, v) for u, v in zip(a[2], b[2]))
     ref = out["cugrouped-bf16-tensor"]
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    # the activation in the cast and in torch first: the same step to FP8 precision
+    a, b = gated["cugrouped-fp8-delayed-swiglu"], gated["torch-swiglu+cugrouped-fp8-delayed"]
+    close = lambda u, v: float((u - v).norm()) <= 0.02 * float(v.norm())  # noqa: E731
+    assert close(a[0], b[0]) and close(a[1], b[1])
+    assert all(close(u, v) for u, v in zip(a[2], b[2]))     # (an empty expert's: zeros)
     for name, (y, dx, dw) in out.items():
         if "fp8" in name:
             assert rel(y, ref[0]) < 0.1 and rel(dx, ref[1]) < 0.1, name
@@ -169,7 +175,8 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     gpu = _model_gpu.ModelGPU(monkeypatch)
     cost = {"cugrouped-fp8-delayed-tensor": 2.0, "cugrouped-bf16-tensor": 3.0,
             "torch-linear-loop-bf16": 5.0, "cugrouped-fp8-delayed-permute": 2.2,
-            "index_select+cugrouped-fp8-delayed": 2.75}
+            "index_select+cugrouped-fp8-delayed": 2.75, "cugrouped-fp8-delayed-swiglu": 2.4,
+            "torch-swiglu+cugrouped-fp8-delayed": 3.6}
     y_ref = torch.ones(4)
 
     def step(impl, y):
@@ -185,7 +192,8 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
 
     def layer_steps(cfg, device, dtype, copies):
         impls = [(impl, "bf16" if "bf16" in impl else "fp8-delayed",
-                  "permute" if "permute" in impl or "index_select" in impl else "tensor",
+                  "permute" if "permute" in impl or "index_select" in impl else
+                  "swiglu" if "swiglu" in impl else "tensor",
                   step(impl, y_ref if "bf16" in impl else y_ref * 1.01)) for impl in cost]
         impls.insert(1, ("cugrouped-fp8-current-tensor", "fp8-current", "tensor", fails))
         return None, impls
@@ -212,5 +220,9 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     assert got["torch-linear-loop-bf16"]["speedup_of_cugrouped_fp8"] == pytest.approx(2.5)
     assert got["index_select+cugrouped-fp8-delayed"]["speedup_of_fused_permute"] == \
         pytest.approx(1.25)
+    assert got["torch-swiglu+cugrouped-fp8-delayed"]["speedup_of_fused_swiglu"] == \
+        pytest.approx(1.5)
+    assert "pct_roofline" not in got["cugrouped-fp8-delayed-swiglu"]
+    assert "pct_roofline" in got["cugrouped-fp8-delayed-tensor"]
     assert got["cugrouped-fp8-delayed-tensor"]["rel_err_vs_bf16"] == pytest.approx(0.01)
     assert "rel_err_vs_bf16" not in got["cugrouped-fp8-delayed-permute"]

@@ -22,6 +22,12 @@ tensors in, E views of one buffer out. Two more rows time the MoE permute in fro
 makes it): ``cugrouped-fp8-delayed-permute`` passes ``row_index`` to the layer (the cast kernel
 gathers; the tokens' gradient is summed back in backward), ``index_select+cugrouped-fp8-delayed``
 permutes first (``index_select``, whose backward is the same sum) -- their outputs are equal.
+Two more time the gated activation in front of the layer as fc2 of a SwiGLU MLP (``swiglu``
+input: fc1's ``(sum m_i, 2k)`` output): ``cugrouped-fp8-delayed-swiglu`` is
+``GroupedLinear(input_activation="swiglu")`` (the cast applies the activation; backward returns
+the gradient of fc1's output), ``torch-swiglu+cugrouped-fp8-delayed`` computes ``F.silu(a) * b``
+first (their outputs agree to FP8 precision; no roofline column: the byte model is the plain
+layer's).
 Rows report ms (CUDA events, median after warm-up, the implementations of a config timed in
 turn: :func:`.common.time_together`), TFLOP/s, % of the measured dense peak (FP8 peak for FP8
 rows, bf16 for the rest), % of the roofline ``max(flops / peak, bytes / copy bandwidth)`` with
@@ -138,6 +144,10 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     torch.manual_seed(seed)
     layer = GroupedLinear(cfg.experts, cfg.k, cfg.n, bias=False, params_dtype=dtype, device=device)
     params = layer.weights()
+    # fc2 of a SwiGLU MLP on the same weights, taking fc1's [a | b] output as it is
+    fc2 = GroupedLinear(cfg.experts, cfg.k, cfg.n, bias=False, params_dtype=dtype, device=device,
+                        input_activation="swiglu")
+    fc2.load_state_dict(layer.state_dict())
     sets = []
     for _ in range(copies):
         x = torch.randn(T, cfg.k, generator=gen, device=device).to(dtype)
@@ -188,6 +198,23 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     for st in sets:
         st["tokens"] = torch.randn(n_tok, cfg.k, generator=gen, device=device).to(dtype)
         st["tokens"].requires_grad_()
+        st["h"] = torch.randn(T, 2 * cfg.k, generator=gen, device=device).to(dtype)
+        st["h"].requires_grad_()
+
+    def swiglu_step(fused):
+        weights = fc2.weights() if fused else params
+
+        def step(i):
+            s = sets[i % copies]
+            with fp8_autocast(fp8_recipe=recipes["fp8-delayed"]):
+                if fused:
+                    y = fc2(s["h"], m_splits)
+                else:
+                    a, b = s["h"].chunk(2, dim=-1)
+                    y = layer(torch.nn.functional.silu(a) * b, m_splits)
+                grads = torch.autograd.grad(y, [s["h"], *weights], s["dy"], allow_unused=True)
+            return y, grads
+        return step
 
     def permute_step(fused):
         def step(i):
@@ -213,6 +240,9 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     impls.append(("cugrouped-fp8-delayed-permute", "fp8-delayed", "permute", permute_step(True)))
     impls.append(("index_select+cugrouped-fp8-delayed", "fp8-delayed", "permute",
                   permute_step(False)))
+    impls.append(("cugrouped-fp8-delayed-swiglu", "fp8-delayed", "swiglu", swiglu_step(True)))
+    impls.append(("torch-swiglu+cugrouped-fp8-delayed", "fp8-delayed", "swiglu",
+                  swiglu_step(False)))
     return layer, impls
 
 
@@ -269,7 +299,8 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
         timed = time_together({impl: step for impl, _, _, step in impls
                                if not isinstance(outputs[impl], Exception)}, runs,
                               host_runs=host_reps)
-        ours = fused_ms = None
+        ours = None
+        fused = {}                                  # form -> the fused row's ms
         for impl, precision, form, step in impls:
             if impl not in timed:
                 continue
@@ -277,31 +308,32 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
             ms, host = t.ms, t.host_us
             tflops = flops / ms / 1e9
             peak = peaks["fp8" if precision.startswith("fp8") else "bf16"]
-            pct_roof = roofline_pct(ms, flops, layer_bytes(cfg, precision, l2), peak, bw)
             row = dict(op="layer", config=cfg.name, impl=impl, precision=precision, input=form,
-                       ms=ms, tflops=tflops, pct_peak=100 * tflops / peak,
-                       pct_roofline=pct_roof, host_us=host,
+                       ms=ms, tflops=tflops, pct_peak=100 * tflops / peak, host_us=host,
                        host_us_per_expert=host / cfg.experts, experts=cfg.experts, tokens=T,
                        k=cfg.k, n=cfg.n, **t.columns())
-            same_input = form != "permute"          # the permute rows read other tensors
+            if form != "swiglu":                    # (the byte model is the plain layer's)
+                row["pct_roofline"] = roofline_pct(ms, flops, layer_bytes(cfg, precision, l2),
+                                                   peak, bw)
+            same_input = form not in ("permute", "swiglu")   # these rows read other tensors
             if precision.startswith("fp8") and same_input and isinstance(ref_y, torch.Tensor):
                 row["rel_err_vs_bf16"] = _rel_err(outputs[impl], ref_y)
             if impl == REFERENCE_IMPL:
                 ours = ms
-            elif impl == "cugrouped-fp8-delayed-permute":
-                fused_ms = ms
-            elif form == "permute" and fused_ms:     # the explicit permute against the fused
-                row["speedup_of_fused_permute"] = ms / fused_ms
+            elif impl.startswith("cugrouped-") and form in ("permute", "swiglu"):
+                fused[form] = ms                     # the fused one of its pair
+            elif form in fused:                      # the explicit step against the fused one
+                row[f"speedup_of_fused_{form}"] = ms / fused[form]
             elif ours is not None:
                 row["speedup_of_cugrouped_fp8"] = ms / ours
             rows.append(row)
-            extra = f" cugrouped-fp8 {row['speedup_of_cugrouped_fp8']:5.2f}x faster" \
-                if "speedup_of_cugrouped_fp8" in row else \
-                f" fused permute {row['speedup_of_fused_permute']:5.2f}x faster" \
-                if "speedup_of_fused_permute" in row else ""
+            extra = "".join(f" {label} {row[key]:5.2f}x faster" for key, label in (
+                ("speedup_of_cugrouped_fp8", "cugrouped-fp8"),
+                ("speedup_of_fused_permute", "fused permute"),
+                ("speedup_of_fused_swiglu", "fused swiglu")) if key in row)
             err = f" err {row['rel_err_vs_bf16']:.3f}" if "rel_err_vs_bf16" in row else ""
-            print(f"{cfg.name:<24} {impl:<30} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
-                  f"{row['pct_roofline']:5.1f}% of roofline, host {row['host_us_per_expert']:6.1f} "
-                  f"us/expert{err}{extra}")
+            roof = f"{row['pct_roofline']:5.1f}% of roofline, " if "pct_roofline" in row else ""
+            print(f"{cfg.name:<24} {impl:<34} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
+                  f"{roof}host {row['host_us_per_expert']:6.1f} us/expert{err}{extra}")
         del layer, impls, outputs, ref_y
         torch.cuda.empty_cache()
