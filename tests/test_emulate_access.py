@@ -263,6 +263,13 @@ CASTS = {
     "block 128x128": lambda xs: cg.multi_block_cast_transpose(xs, block_scaling_dim=2,
                                                                backend="emulate"),
     "mxfp8": lambda xs: cg.multi_mxfp8_cast_transpose(xs, backend="emulate"),
+    # the fused SwiGLU: the 256 columns are [a | b], the outputs 128 wide
+    "per-tensor swiglu": lambda xs: cg.multi_pad_cast_transpose(
+        xs, scale=np.full(len(xs), 2.0, np.float32), backend="emulate", activation="swiglu"),
+    "block 1x128 swiglu": lambda xs: cg.multi_block_cast_transpose(xs, backend="emulate",
+                                                                   activation="swiglu"),
+    "mxfp8 swiglu": lambda xs: cg.multi_mxfp8_cast_transpose(xs, backend="emulate",
+                                                             activation="swiglu"),
 }
 
 
@@ -286,7 +293,7 @@ def test_cast_kernels_access_properties(kind):
     col_stores = [s for s in sites if s.space == "global" and s.kind == "store" and s.size == 16
                   and s.bytes == res.data_t.nbytes]
     assert len(col_stores) == 1 and col_stores[0].efficiency > 0.75, report
-    if kind == "mxfp8":   # the E8M0 scale tiles too: staged, then 16 bytes per lane
+    if kind.startswith("mxfp8"):   # the E8M0 scale tiles too: staged, then 16 bytes per lane
         others = [s for s in sites if s.space == "global" and s.kind == "store"
                   and s is not col_stores[0]]
         assert others and all(s.size == 16 and s.efficiency == 1.0 for s in others), report
