@@ -147,6 +147,7 @@ def test_block_recipes_fuse_the_activation_too(recipe):
 
 FALLBACKS = {
     "no fp8": None,
+    "2-D input blocks": Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
     "hp_wgrad": DelayedScaling(override_linear_precision=(False, False, True)),
     "high_precision": Float8CurrentScaling(backward_override="high_precision"),
 }
@@ -158,7 +159,7 @@ def test_other_configurations_compute_the_activation_in_torch(name):
     rec = FALLBACKS.get(name, Float8CurrentScaling())
     if name == "save_original_input":
         fused.save_original_input = plain.save_original_input = True
-    splits = SPLITS
+    splits = [16, 0, 32] if "blocks" in name else SPLITS     # (block GEMMs: multiples of 8)
     x = (torch.randn(sum(splits), 2 * K) * 3).requires_grad_()
     xp = x.detach().clone().requires_grad_()
     dy = torch.randn(sum(splits), N)

@@ -322,8 +322,9 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
                 ours = ms
             elif impl.startswith("cugrouped-") and form in ("permute", "swiglu"):
                 fused[form] = ms                     # the fused one of its pair
-            elif form in fused:                      # the explicit step against the fused one
-                row[f"speedup_of_fused_{form}"] = ms / fused[form]
+            elif form in ("permute", "swiglu"):      # the explicit step against the fused one
+                if form in fused:                    # (not against the plain layer's work)
+                    row[f"speedup_of_fused_{form}"] = ms / fused[form]
             elif ours is not None:
                 row["speedup_of_cugrouped_fp8"] = ms / ours
             rows.append(row)

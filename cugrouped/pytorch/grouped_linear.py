@@ -170,12 +170,14 @@ class GroupedLinear(torch.nn.Module):
     name : str or None  TransformerEngine's label for its debug tools; kept as ``self.name``.
     input_activation : None or ``"swiglu"``  (cugrouped's own) the layer's input is fc1's output
         ``[a | b]``, ``2 * in_features`` wide, and the layer applies ``silu(a) * b`` to it: fc2
-        of a gated MLP taking fc1's output as it is. With FP8 (every recipe) and the default
-        backward, the cast kernel computes the activation in float32 as it casts
+        of a gated MLP taking fc1's output as it is. With FP8 (every recipe; block scaling with
+        1 x 128 input blocks) and the default backward, the cast kernel computes the
+        activation in float32 as it casts
         (``activation="swiglu"`` of the per-tensor, block and MXFP8 casts), so its
         high-precision output is never written, and backward returns the input's gradient from
         the dgrad (``swiglu_backward``: autograd's ops); otherwise (no FP8, backward overrides,
-        ``save_original_input``) torch computes ``F.silu(a) * b`` first, in the input's dtype.
+        ``save_original_input`` with current scaling, 128 x 128 input blocks) torch computes
+        ``F.silu(a) * b`` first, in the input's dtype.
         Under ``torch.autocast`` the fused path reads the input after the layer's cast to the
         autocast dtype, as any input (fc1's output already is in it). Not with ``row_index``.
     """
@@ -877,9 +879,12 @@ class GroupedLinear(torch.nn.Module):
                 raise ValueError(f"{name}: expected shape (..., 2 * in_features={k2}) for "
                                  f"input_activation {self.input_activation!r}, got "
                                  f"{tuple(x.shape)}")
+        # (an input cast in 128 x 128 blocks, Float8BlockScaling(x_block_scaling_dim=2), has no
+        # activation variant: the activation's kernels cast 1 x 128 and 1 x 32 blocks)
         if recipe is not None and not self.save_original_input and \
                 getattr(recipe, "backward_override", None) is None and \
-                not recipe.override_linear_precision[2]:
+                not recipe.override_linear_precision[2] and \
+                not (isinstance(recipe, BLOCK_RECIPES) and recipe.block_dims[0] == 2):
             return inp, self.input_activation
         if isinstance(inp, (list, tuple)):
             return [swiglu(x) for x in inp], None

@@ -367,8 +367,8 @@ class MoEFeedForward(torch.nn.Module):
         recipes) is never made either: the same bits as without.
     fuse_activation : with ``activation="swiglu"``, fc2 takes fc1's output as it is and applies
         the activation in its FP8 cast (``GroupedLinear(input_activation="swiglu")``: float32
-        arithmetic, its high-precision output never written; with FP8 and the default backward,
-        else torch computes it). False: ``F.silu(a) * b`` in torch before fc2 always.
+        arithmetic, its high-precision output never written; with FP8 and the default backward:
+        see ``GroupedLinear``'s ``input_activation``). False: ``F.silu(a) * b`` in torch first.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
     counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
