@@ -370,12 +370,12 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            const bool in_rows = grow < m;
-            const char* row = static_cast<const char*>(x.in) +
-                              (in_rows ? grow * x.ld * InT::bytes : 0);
+            const bool in_rows = grow < m;       // (rows past m read nothing)
             uint4 wa[InT::words], wb[InT::words];
-            load_segment<IN>(row + gcol * InT::bytes, in_rows ? ncol : 0, wa);
-            load_segment<IN>(row + (gcol + k) * InT::bytes, in_rows ? ncol : 0, wb);
+            load_segment<IN>(in_rows ? segment_src<InT::bytes, false>(x, grow, gcol) : x.in,
+                             in_rows ? ncol : 0, wa);
+            load_segment<IN>(in_rows ? segment_src<InT::bytes, false>(x, grow, gcol + k) : x.in,
+                             in_rows ? ncol : 0, wb);
             float va[kSeg], vb[kSeg];
             InT::unpack(wa, va);
             InT::unpack(wb, vb);

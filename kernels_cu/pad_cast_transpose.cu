@@ -172,23 +172,6 @@ constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather 
          : 4;
 }
 
-// A segment of the gated activation's second half that is not part of a full tile, widened to
-// float: `n` valid elements (the rest read as 0), one vector load when whole and aligned (the
-// first half's loads below are the same, written out: as a call they cost the float32 amax-only
-// kernel an 8-byte spill on sm_100).
-template <InDtype IN>
-CG_DEVICE void load_unpack(const void* src, i64 n, float (&v)[PCT_SEG]) {
-    using Traits = InTraits<IN>;
-    if (n >= PCT_SEG && aligned16(src)) {
-        uint4 w[Traits::words];
-        Traits::load_raw(src, w);
-        Traits::unpack(w, v);
-    } else {
-#pragma unroll
-        for (int j = 0; j < PCT_SEG; ++j) v[j] = j < n ? Traits::load(src, j) : 0.f;
-    }
-}
-
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
 // write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
 template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false,
@@ -305,8 +288,11 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                 for (int j = 0; j < PCT_SEG; ++j)
                     v[j] = gcol + j < k ? Traits::load(src, j) : 0.f;
             }
-            if constexpr (kGated)
-                load_unpack<IN>(segment_src<Traits::bytes, false>(x, grow, gcol + k), k - gcol, vb);
+            if constexpr (kGated) {   // (segment.cuh's per-segment load: n valid elements)
+                uint4 w[Traits::words];
+                load_segment<IN>(segment_src<Traits::bytes, false>(x, grow, gcol + k), k - gcol, w);
+                Traits::unpack(w, vb);
+            }
         } else {
 #pragma unroll
             for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;

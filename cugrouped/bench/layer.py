@@ -136,6 +136,7 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     import torch
 
     from ..pytorch import DelayedScaling, Float8CurrentScaling, Format, GroupedLinear, fp8_autocast
+    from ..pytorch._grouped_linear_fn import swiglu
 
     dtype = dtype or torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -210,8 +211,7 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
                 if fused:
                     y = fc2(s["h"], m_splits)
                 else:
-                    a, b = s["h"].chunk(2, dim=-1)
-                    y = layer(torch.nn.functional.silu(a) * b, m_splits)
+                    y = layer(swiglu(s["h"]), m_splits)
                 grads = torch.autograd.grad(y, [s["h"], *weights], s["dy"], allow_unused=True)
             return y, grads
         return step

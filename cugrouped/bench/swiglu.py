@@ -36,9 +36,9 @@ def _inputs(cfg: CastConfig, copies: int, torch) -> list:
 
 
 def _activation(torch):
-    def swiglu(h):
-        a, b = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(a) * b
+    """What users compute before the cast: the layer's own torch fallback, ``F.silu(a) * b``."""
+    from ..pytorch._grouped_linear_fn import swiglu
+
     return swiglu
 
 

@@ -44,9 +44,12 @@ _IN = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _FMT = {"e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def check_activation_dims(block_scaling_dim) -> None:
-    """The activation casts an activation: 1 x 128 blocks or MXFP8, not a weight's 128 x 128."""
-    if block_scaling_dim == 2:
+def check_block_activation(activation, block_scaling_dim, column_sums=False,
+                           gather=False) -> None:
+    """:func:`.pad_cast_transpose.check_activation`, and the activation casts an activation:
+    1 x 128 blocks or MXFP8, not a weight's 128 x 128."""
+    check_activation(activation, column_sums, gather)
+    if activation is not None and block_scaling_dim == 2:
         raise ValueError("activation: casts fc2's input, an activation: block_scaling_dim=1 (or "
                          "MXFP8), not 2 (128 x 128 blocks are for weights)")
 
@@ -60,10 +63,9 @@ def kernel_name(in_dtype: str, fp8_format: str, block_scaling_dim: int, gather: 
     variants live in modules of their own, compiled only when used, and have no column sums."""
     if gather and column_sums:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
-    check_activation(activation, column_sums, gather)
+    check_block_activation(activation, block_scaling_dim, column_sums, gather)
     tail = ", true" if gather else ", false, true" if column_sums else ""
     if activation is not None:
-        check_activation_dims(block_scaling_dim)
         tail = f", false, false, cg::Act::{activation.upper()}"
     return (f"cg::block_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
             f"cg::Fp8Format::{_FMT[fp8_format]}, {int(block_scaling_dim)}{tail}>")
@@ -288,9 +290,7 @@ def block_cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", block_scaling
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     if column_sums and row_index is not None:
         raise ValueError("column_sums: not with row_index (gradients are not gathered)")
-    check_activation(activation, column_sums, row_index is not None)
-    if activation is not None:
-        check_activation_dims(block_scaling_dim)
+    check_block_activation(activation, block_scaling_dim, column_sums, row_index is not None)
     if normalized is None:
         normalized = normalized_input(inputs, m_splits, dtype, splits_on_device, row_index,
                                       activation)

@@ -153,9 +153,7 @@ def _block_cast(inputs, m_splits=None, *, fp8_format, block_scaling_dim, align, 
                              column_sums)
     _cast_inputs.check_scale_options(amax_epsilon, power_2_scale, None)
     _pct.check_out_kind(out, result_type(block_scaling_dim))
-    _pct.check_activation(activation, column_sums, row_index is not None)
-    if activation is not None:
-        _bct.check_activation_dims(block_scaling_dim)
+    _bct.check_block_activation(activation, block_scaling_dim, column_sums, row_index is not None)
     dev, xs, tag, conv, splits = _torch_inputs(inputs, m_splits, dtype, splits_on_device)
     if isinstance(row_index, torch.Tensor) and dev.type != "cuda":
         row_index = to_array(row_index)[0]          # a zero-copy view, as the inputs

@@ -17,8 +17,9 @@ and this twin give the same bits:
 
 Each operation is flushed like the GPU's (denormal results to a zero of their sign). The result
 is within 2.5 float32 ulps of the exact silu for every ``a >= -88`` (2.44 at worst; ``exp``
-within 1 ulp); below -88 it is -0, where the exact value is below 5.4e-37 in magnitude. Not bit-equal to torch's ``F.silu`` (whose
-``expf`` differs between CPU and GPU anyway). tests/test_activation.py measures it.
+within 1 ulp); below -88 it is -0, where the exact value is below 5.4e-37 in magnitude. Not
+bit-equal to torch's ``F.silu`` (whose ``expf`` differs between CPU and GPU anyway).
+tests/test_activation.py measures it.
 """
 
 from __future__ import annotations

@@ -138,16 +138,14 @@ def multi_block_cast_transpose(inputs, m_splits=None, *, fp8_format="e4m3", bloc
     (``block_scaling_dim=MX_DIMS``: :func:`multi_mxfp8_cast_transpose`'s MXFP8, which has no
     ``amax_epsilon`` or ``power_2_scale``)."""
     from ..ops._cast_inputs import check_scale_options
-    from ..ops.block_cast_transpose import check_activation_dims, check_block_options
-    from ..ops.pad_cast_transpose import check_activation, normalized_input, padded_splits
+    from ..ops.block_cast_transpose import check_block_activation, check_block_options
+    from ..ops.pad_cast_transpose import normalized_input, padded_splits
 
     if backend not in (None, "reference"):
         raise ValueError(f"backend: the reference twin only runs backend='reference', got {backend!r}")
     check_block_options(fp8_format, block_scaling_dim, align, rowwise, columnwise, column_sums)
     eps = check_scale_options(amax_epsilon, power_2_scale, None)
-    check_activation(activation, column_sums, row_index is not None)
-    if activation is not None:
-        check_activation_dims(block_scaling_dim)
+    check_block_activation(activation, block_scaling_dim, column_sums, row_index is not None)
     g = normalized_input(inputs, m_splits, dtype, row_index=row_index, activation=activation)
     if g.on_device:
         raise ValueError("inputs: the reference needs host (NumPy) arrays")
