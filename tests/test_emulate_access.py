@@ -41,7 +41,10 @@ def aligned(n: int, dtype, fill=0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def patterns():
-    return EmuModule(path="access_patterns.cu", include_dirs=(KDIR,),
+    # one worker, as traced launches run: the pattern kernels race on purpose (a shared array
+    # written twice, the second put() of block 1 landing in block 0's rows of y), so with two
+    # OS threads the plain run's bits could depend on which block finished last
+    return EmuModule(path="access_patterns.cu", include_dirs=(KDIR,), workers=1,
                      name_expressions=("global_patterns", "shared_patterns"))
 
 
