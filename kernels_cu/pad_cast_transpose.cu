@@ -317,11 +317,14 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
         }
         if (kCast) {
+            // the padding rows (v = +0) are zero bytes whatever the scale: a NaN or infinite one
+            // would make them NaN, a negative one -0 (0x80), so they are scaled by +0 instead
+            const float sr = grow < m ? s : 0.f;
             u32 packed[4];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * s), ftz(v[4 * w + 1] * s));
-                const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * s), ftz(v[4 * w + 3] * s));
+                const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * sr), ftz(v[4 * w + 1] * sr));
+                const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * sr), ftz(v[4 * w + 3] * sr));
                 packed[w] = lo | (hi << 16);
             }
             const uint4 q = make_uint4(packed[0], packed[1], packed[2], packed[3]);

@@ -1157,6 +1157,37 @@ def test_a_nan_scale_gives_the_gpus_nan_bits(backend):
     assert got.scale_inv[1] == 0.5
     assert (got.data.view(np.uint8) == 0x7F).all()          # experts 0 and 2: every byte NaN
     assert got.amax[0] == np.abs(xs[0]).max() and np.isfinite(got.amax).all()
+    # the transposed copy's padding rows stay zero bytes (0 times a NaN or infinite scale would
+    # be NaN: the GPU wrote 0x7F there until the first GPU run, 2026-12-04, showed it)
+    assert_same_bits(got, reference.multi_pad_cast_transpose(xs, scale=scale), "NaN scale")
+    inf = np.full(3, np.inf, np.float32)
+    assert_same_bits(cugrouped.multi_pad_cast_transpose(xs, scale=inf, backend=backend),
+                     reference.multi_pad_cast_transpose(xs, scale=inf), "infinite scale")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("variant", ["plain", "gather", "swiglu"])
+def test_padding_is_zero_whatever_the_scale(variant, fmt):
+    """The transposed copy's padding columns are 0x00 for a NaN, inf, negative or -0 given scale
+    (fp8(0 * s) would be 0x7F / 0x80): the reference's bits, emulator and reference alike."""
+    scale = np.array([np.nan, -2.0, np.inf, np.array([0xFFC00001], np.uint32).view(np.float32)[0],
+                      -0.0], np.float32)
+    m = [70, 9, 33, 1, 5]
+    kw = dict(scale=scale, fp8_format=fmt)
+    if variant == "gather":
+        tok = make_inputs([40], 32, "float32", 6)[0]
+        idx = np.arange(sum(m)) % 41 - 1          # some -1: zero rows (data), not padding
+        args, kw = (tok, m), dict(kw, row_index=idx)
+    else:
+        xs = make_inputs(m, 64 if variant == "swiglu" else 32, "bfloat16", 5)
+        args = (xs,)
+        if variant == "swiglu":
+            kw["activation"] = "swiglu"
+    got = cugrouped.multi_pad_cast_transpose(*args, backend="emulate", **kw)
+    want = reference.multi_pad_cast_transpose(*args, **kw)
+    assert_same_bits(got, want, f"{variant}/{fmt}")
+    for i, mi in enumerate(m):
+        assert not np.asarray(got.columnwise(i)).view(np.uint8)[:, mi:].any(), i
 
 
 @pytest.mark.gpu
