@@ -40,8 +40,10 @@ def deq(t, fmt, si):
 
 
 def scaled_mm(a, fa, sa, b_colmajor, fb, sb, out_dtype):
-    return torch._scaled_mm(f8(a, fa), f8(b_colmajor, fb), scale_a=sa.float(), scale_b=sb.float(),
-                            out_dtype=out_dtype)
+    # scales cloned: element i of an (E,) scale_inv is not 16-byte aligned, and cuBLASLt refuses
+    # such a scale pointer (torch passes it as it is)
+    return torch._scaled_mm(f8(a, fa), f8(b_colmajor, fb), scale_a=sa.float().clone(),
+                            scale_b=sb.float().clone(), out_dtype=out_dtype)
 
 
 def rms(e):

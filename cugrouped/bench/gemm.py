@@ -217,6 +217,11 @@ def _torch_peers(cfg: GemmBench, m_splits, sets, device: str = "cuda"):
         t["wT8"] = f8(W.data_t, e4).view(E_, k, n)
         t["xT8"], t["dyT8"] = f8(X.data_t, e4), f8(DY.data_t, e5)
         t["sx"], t["sdy"], t["sw"] = (torch.from_dlpack(g.scale_inv) for g in (X, DY, W))
+        # the loop's scales: one tensor per expert, as a user's per-expert FP8 tensors hold them
+        # (cuBLASLt refuses a scale pointer that is not 16-byte aligned, as element e of one
+        # (E,) array is: cugrouped copies such scales to aligned slots itself)
+        t["sx1"], t["sdy1"], t["sw1"] = ([v[e].clone() for e in range(E_)]
+                                         for v in (t["sx"], t["sdy"], t["sw"]))
         t["x16"] = torch.from_dlpack(s["x"]).to(torch.bfloat16)
         t["dy16"] = torch.from_dlpack(s["dy"]).to(torch.bfloat16)
         t["w16"] = torch.from_dlpack(s["w"]).to(torch.bfloat16)
@@ -232,13 +237,13 @@ def _torch_peers(cfg: GemmBench, m_splits, sets, device: str = "cuda"):
 
     def sm_fprop(i):
         t = t_(i)
-        return [torch._scaled_mm(t["x8"][po[e]:po[e + 1]], t["w8"][e].t(), t["sx"][e], t["sw"][e],
+        return [torch._scaled_mm(t["x8"][po[e]:po[e + 1]], t["w8"][e].t(), t["sx1"][e], t["sw1"][e],
                                  out_dtype=bf, use_fast_accum=True) for e in live]
 
     def sm_dgrad(i):
         t = t_(i)
-        return [torch._scaled_mm(t["dy8"][po[e]:po[e + 1]], t["wT8"][e].t(), t["sdy"][e], t["sw"][e],
-                                 out_dtype=bf) for e in live]
+        return [torch._scaled_mm(t["dy8"][po[e]:po[e + 1]], t["wT8"][e].t(), t["sdy1"][e],
+                                 t["sw1"][e], out_dtype=bf) for e in live]
 
     def sm_wgrad(i):
         t = t_(i)
@@ -247,7 +252,8 @@ def _torch_peers(cfg: GemmBench, m_splits, sets, device: str = "cuda"):
             mp = m_pad[e]
             dyT = t["dyT8"][n * co[e]:n * co[e + 1]].view(n, mp)
             xT = t["xT8"][k * co[e]:k * co[e + 1]].view(k, mp)
-            out.append(torch._scaled_mm(dyT, xT.t(), t["sdy"][e], t["sx"][e], out_dtype=torch.float32))
+            out.append(torch._scaled_mm(dyT, xT.t(), t["sdy1"][e], t["sx1"][e],
+                                        out_dtype=torch.float32))
         return out
 
     peers["torch-scaled_mm-loop"] = {"fprop": sm_fprop, "dgrad": sm_dgrad, "wgrad": sm_wgrad}
@@ -469,7 +475,8 @@ def host_loop_state(compute_capability: int = 90):
     return gg._DeviceState(
         0, compute_capability, ctypes.c_void_p(0), [_FakeStream(0x1000 + i) for i in range(gg.NUM_STREAMS)],
         [0x7F0000000000 + (i << 26) for i in range(gg.NUM_STREAMS)], lambda: _FakeStream(0),
-        _FakeEvent, lambda *a: HeuristicResult(), matmul, lambda ptr, nbytes, stream: None)
+        _FakeEvent, lambda *a: HeuristicResult(), matmul, lambda ptr, nbytes, stream: None,
+        lambda *args: None, lambda nbytes: 0x7D0000000000)
 
 
 def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> None:

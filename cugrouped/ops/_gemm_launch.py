@@ -15,8 +15,8 @@ from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
 from ._gemm_grouped import _launch_grouped, path_for
 from ._gemm_memo import Checked, prepared_out
-from ._gemm_plan import (ExpertGemm, Problem, VecPlan, as_blocks, block_scaling_unsupported,
-                         shape_signature, workspace_bytes_for)
+from ._gemm_plan import (SCALE_POINTER_ALIGN, ExpertGemm, Problem, VecPlan, as_blocks,
+                         block_scaling_unsupported, shape_signature, workspace_bytes_for)
 
 # Side streams the per-expert loop is spread over (TransformerEngine uses 4).
 NUM_STREAMS = 4
@@ -40,11 +40,12 @@ HEURISTIC_CACHE_SIZE = 1 << 14
 
 class _DeviceState:
     """Per device: the cuBLASLt handle, side streams with a workspace each, reusable events, the
-    shape templates, and the device calls (``heuristic``, ``matmul``, ``memset``, stream/event
-    functions), injectable so that the host loop can be timed without a GPU."""
+    shape templates, and the device calls (``heuristic``, ``matmul``, ``memset``, ``memcpy2d``,
+    ``scale_scratch``, stream/event functions), injectable so that the host loop can be timed
+    without a GPU."""
 
     def __init__(self, device: int, compute_capability: int, handle, streams, workspace_ptrs,
-                 current_stream, make_event, heuristic, matmul, memset):
+                 current_stream, make_event, heuristic, matmul, memset, memcpy2d, scale_scratch):
         self.device = device
         self.compute_capability = int(compute_capability)
         self.workspace_bytes = workspace_bytes_for(self.compute_capability)
@@ -60,6 +61,10 @@ class _DeviceState:
         self.heuristic = heuristic
         self.matmul = matmul
         self.memset = memset
+        # (dst, dpitch, src, spitch, width, height, stream): a device-to-device cudaMemcpy2DAsync
+        self.memcpy2d = memcpy2d
+        # nbytes -> a 16-byte aligned device buffer of the current stream, kept for reuse
+        self.scale_scratch = scale_scratch
         self.templates: dict[Any, dict] = {}
         self.alpha = ctypes.c_float(1.0)
         self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
@@ -82,7 +87,8 @@ class _DeviceState:
         st = cls(device, cc, handle.handle, streams, [w.data.ptr for w in keep],
                  cupy.cuda.get_current_stream, lambda: cupy.cuda.Event(disable_timing=True),
                  _real_heuristic(handle), lib().cublasLtMatmul,
-                 lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream))
+                 lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream),
+                 _memcpy2d, lambda nb: _launch.device_scratch("gemm scales", nb).data.ptr)
         st._keep = (handle, keep)  # owners of the handle and workspaces
         from ..cublaslt import has_grouped_gemm, version
 
@@ -100,6 +106,13 @@ class _DeviceState:
             self._keep = self._keep + (buf,)
             ws = self.caller_ws[stream_ptr] = buf.data.ptr
         return ws
+
+
+def _memcpy2d(dst, dpitch, src, spitch, width, height, stream):
+    import cupy
+
+    cupy.cuda.runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                                    cupy.cuda.runtime.memcpyDeviceToDevice, stream)
 
 
 def _real_heuristic(handle):
@@ -195,8 +208,17 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
         templates = st.templates[config] = {}
     rows = vp.launch_rows
-    descs = _D.expert_descs(config, rows[-1][0] + 1)
     recorders = _launch._recorders.get()
+    if vp.misaligned_scales:
+        # per-tensor scales cuBLASLt would refuse, copied to 16-byte slots on the caller's stream
+        # before the fork (the side streams see them; the join orders the next call's copies
+        # after this call's GEMMs, so one scratch per stream is enough)
+        copies, rows = vp.realigned(st.scale_scratch(vp.scale_scratch_bytes))
+        for c in copies:
+            for log in recorders:
+                log.append(_launch.Launch("cuda", "cudaMemcpy2DAsync[scales]", 1, 1))
+            st.memcpy2d(c.dst, SCALE_POINTER_ALIGN, c.src, c.spitch, 4, c.height, caller.ptr)
+    descs = _D.expert_descs(config, rows[-1][0] + 1)
     matmul, handle, alpha = st.matmul, st.handle, ctypes.byref(st.alpha)
     beta = ctypes.byref(st.betas[vp.beta])
     wsb = st.workspace_bytes

@@ -283,14 +283,48 @@ class VecPlan:
         return self.ptrs[:, 0]
 
     @functools.cached_property
+    def misaligned_scales(self) -> bool:
+        """Per-tensor FP8 calls with an A or B scale pointer that cuBLASLt refuses (see
+        :data:`SCALE_POINTER_ALIGN`): the launch copies those scales first (:meth:`realigned`)."""
+        if self.config.a_scale_mode or self.config.b_scale_mode:
+            return False             # block scales: each expert's checked 16-byte aligned
+        return bool((self.ptrs[:, 4:6] % SCALE_POINTER_ALIGN).any())
+
+    @functools.cached_property
+    def _realigned(self) -> dict:
+        return {}
+
+    @functools.cached_property
+    def scale_scratch_bytes(self) -> int:
+        """The scratch :meth:`realigned` needs: a 16-byte slot per scale it copies."""
+        return SCALE_POINTER_ALIGN * sum(scale_slots(self.ptrs[:, c]) for c in (4, 5)
+                                         if (self.ptrs[:, c] % SCALE_POINTER_ALIGN).any())
+
+    def realigned(self, dst: int) -> tuple[tuple["ScaleCopy", ...], list[tuple]]:
+        """The copies that move the misaligned scale operands (A's, then B's) into a scratch
+        buffer at ``dst`` (:attr:`scale_scratch_bytes`, 16-byte aligned), and the
+        :attr:`launch_rows` that read them there. Kept for the last ``dst`` (one scratch per
+        stream: a hit in training's steady state)."""
+        hit = self._realigned.get(dst)
+        if hit is None:
+            ptrs, copies, base = self.ptrs.copy(), (), dst
+            for col in (4, 5):
+                if (ptrs[:, col] % SCALE_POINTER_ALIGN).any():
+                    more, ptrs[:, col] = scale_copies(ptrs[:, col], base)
+                    copies += more
+                    base += SCALE_POINTER_ALIGN * sum(c.height for c in more)
+            self._realigned.clear()
+            hit = self._realigned[dst] = (copies, _launch_rows(self.keys, ptrs))
+        return hit
+
+    @functools.cached_property
     def launch_rows(self) -> list[tuple]:
         """Per call: ``(expert, A, B, D, A scale, B scale, bias, key)``, the first seven as Python
         ints, ``key`` the shape signature (the call's row of ``keys``) as its bytes (what the
         launch loop reads; made once per plan). Bytes, not a tuple of 17 ints: half the time to
         make, and a bytes object keeps its hash where a tuple is hashed again on every lookup of
         its template (:func:`shape_signature` gives the tuple back)."""
-        keys, n = self.keys.tobytes(), 8 * self.keys.shape[1]
-        return [(*p, keys[i * n:i * n + n]) for i, p in enumerate(self.ptrs.tolist())]
+        return _launch_rows(self.keys, self.ptrs)
 
     def calls(self) -> tuple[ExpertGemm, ...]:
         t = self.config.transa, self.config.transb
@@ -298,6 +332,57 @@ class VecPlan:
                                 tuple(key[8:12]), self.beta, sa, sb, bias)
                      for key, (e, a, b, d, sa, sb, bias), (m, n, k)
                      in zip(self.keys.tolist(), self.ptrs.tolist(), self.mnk.tolist()))
+
+
+def _launch_rows(keys: np.ndarray, ptrs: np.ndarray) -> list[tuple]:
+    kb, n = keys.tobytes(), 8 * keys.shape[1]
+    return [(*p, kb[i * n:i * n + n]) for i, p in enumerate(ptrs.tolist())]
+
+
+# cuBLASLt refuses a per-tensor FP8 call whose A or B scale pointer is not 16-byte aligned:
+# cublasLtMatmul returns CUBLAS_STATUS_NOT_SUPPORTED (the heuristic never sees the pointers, so it
+# gives an algorithm first). Seen with cuBLASLt 13.1 on an H200 (2026-12-04) for every expert but
+# the first of an ``(E,)`` float32 ``scale_inv`` array, and for ``torch._scaled_mm`` given such an
+# element as its scale. The launch copies such scales to 16-byte slots first.
+SCALE_POINTER_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleCopy:
+    """One ``cudaMemcpy2DAsync`` of ``height`` float32 scales: from ``src + i * spitch`` to
+    ``dst + i * SCALE_POINTER_ALIGN``."""
+
+    dst: int
+    src: int
+    spitch: int
+    height: int
+
+
+def scale_copies(src: np.ndarray, dst: int) -> tuple[tuple[ScaleCopy, ...], np.ndarray]:
+    """The copies that put the float at each of the pointers ``src`` (int64, one per call) into
+    16-byte slots from ``dst``, and the calls' new pointers. Pointers into one array (the common
+    case: an ``(E,)`` ``scale_inv``, empty experts skipped or not) take one strided copy of the
+    span they cover, at their greatest common step; pointers all the same, one copy of one float;
+    anything else (or a span over twice the calls, plus 16), one copy per call."""
+    src = np.asarray(src, dtype=np.int64)
+    n = src.shape[0]
+    if n == 0:
+        return (), src.copy()
+    lo = int(src.min())
+    off = src - lo
+    step = int(np.gcd.reduce(off))
+    if step == 0:
+        return (ScaleCopy(dst, lo, 4, 1),), np.full(n, dst, dtype=np.int64)
+    height = int(off.max()) // step + 1
+    if step >= 4 and height <= 2 * n + 16:
+        return (ScaleCopy(dst, lo, step, height),), dst + SCALE_POINTER_ALIGN * (off // step)
+    new = dst + SCALE_POINTER_ALIGN * np.arange(n, dtype=np.int64)
+    return tuple(ScaleCopy(d, s, 4, 1) for d, s in zip(new.tolist(), src.tolist())), new
+
+
+def scale_slots(src: np.ndarray) -> int:
+    """The 16-byte slots :func:`scale_copies` fills for the pointers ``src``."""
+    return sum(c.height for c in scale_copies(src, 0)[0])
 
 
 def shape_signature(key: bytes) -> tuple[int, ...]:
