@@ -16,7 +16,8 @@ from cugrouped.ops.grouped_gemm import grouped_fprop, grouped_wgrad
 from test_grouped_gemm import OUT_DTYPES, _abs_sum, _assert_close
 
 pytest.register_assert_rewrite("_block_common")
-from _block_common import (FP8, check_copies_differ_and_wgrad_reads_the_transposed,  # noqa: E402
+from _block_common import (BLOCK_ACC_EPS, FP8,  # noqa: E402
+                           check_copies_differ_and_wgrad_reads_the_transposed,
                            check_descriptors_accept, check_gpu_passes_vs_reference,
                            check_host_loop_sets_every_experts_scales, check_memo_keys_by_buffers,
                            check_reference_bias_and_accumulate, check_reference_passes,
@@ -221,7 +222,7 @@ def test_gpu_block_bias_and_accumulate_into_main_grad():
     xs, ws = independent(hX, "rowwise"), independent(hW, "rowwise")
     y = grouped_fprop(X, W, bias, out_dtype="float16")
     want = grouped_fprop(hX, hW, cupy.asnumpy(bias), out_dtype="float16")
-    _assert_close(cupy.asnumpy(y), want, _abs_sum(xs, ws, "fprop"), "float16", 2**-11)
+    _assert_close(cupy.asnumpy(y), want, _abs_sum(xs, ws, "fprop"), "float16", BLOCK_ACC_EPS)
     main = [cupy.full((48, 256), 0.25, cupy.float32) for _ in range(3)]
     grouped_wgrad(X, DY, out=main, accumulate=True)
     hmain = [np.full((48, 256), 0.25, np.float32) for _ in range(3)]
@@ -229,7 +230,7 @@ def test_gpu_block_bias_and_accumulate_into_main_grad():
     xts, dyts = independent(hX, "columnwise"), independent(hDY, "columnwise")
     sums = _abs_sum(dyts, xts, "wgrad")
     for i in range(3):
-        _assert_close(cupy.asnumpy(main[i]), hmain[i], sums[i], "float32", 2**-11)
+        _assert_close(cupy.asnumpy(main[i]), hmain[i], sums[i], "float32", BLOCK_ACC_EPS)
 
 
 @pytest.mark.parametrize("kind", ["block", "mxfp8"])

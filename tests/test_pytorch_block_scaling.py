@@ -346,7 +346,7 @@ def test_gpu_block_scaling_fused_permute_with_pad_rows_matches_cpu():
     dy = (torch.randn(48, N) * 1e-2).to(torch.bfloat16)
     out = {}
     for name, layer, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, "cuda")):
-        t = tokens.to(dev).requires_grad_()
+        t = tokens.to(dev, copy=True).requires_grad_()  # a leaf: tokens.to("cpu") is tokens
         with fp8_autocast(fp8_recipe=RECIPE):
             y = layer(t, [16, 32], row_index=idx.to(dev))
         y.backward(dy.to(dev))

@@ -187,7 +187,7 @@ def test_gpu_layer_against_the_cpu_run():
     dy = torch.randn(45, N, generator=g).to(torch.bfloat16)
     outs = []
     for dev in ("cpu", "cuda"):
-        xi = x.to(dev).requires_grad_()
+        xi = x.to(dev, copy=True).requires_grad_()     # a leaf: x.to("cpu") is x itself
         y = layer.to(dev)(xi, [5, 0, 40])
         y.backward(dy.to(dev))
         outs.append((y.float().cpu(), xi.grad.float().cpu()))
