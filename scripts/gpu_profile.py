@@ -1,0 +1,258 @@
+"""Profile what the GPU check only times, in one device call (about 3 minutes on an H200):
+
+    python3 scripts/gpu_profile.py OUT_DIR
+
+1. ``ncu`` on the per-tensor cast (bf16 in, both copies, the dsv3-E8-jagged and fine-E64-jagged
+   bench shapes; delayed scaling's one launch and current scaling's two): speed of light, memory
+   workload, occupancy, warp states, launch statistics -> ``ncu_cast.txt``. ``--clock-control
+   none``: the card's clocks are left as they are. Then the cast bench over every config
+   (cugrouped alone, no torch peers) -> ``cast_all.txt``.
+2. The grouped GEMM loop's host time on this machine's CPU, split: the same operands again (the
+   memo hits) or rotated ones (checks and plan redone), one side stream or four, and a cProfile of
+   the hot path -> ``host_gemm.txt``.
+3. ``compute-sanitizer`` memcheck and racecheck over one small launch of every kernel family
+   (casts per-tensor / gathered / SwiGLU / block / MXFP8, column sums, scale update, the GEMM
+   loop) -> ``sanitizer.txt``.
+
+Each step has a time limit and reports how it ended; the summary goes to stdout. Nothing here
+asserts: the GPU tests do that (scripts/gpu_check.sh); this is for the performance work.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+PY = sys.executable
+
+CAST_SHAPES = ("dsv3-E8-jagged", "fine-E64-jagged")     # the quick bench's cast configs
+
+
+def _xp():
+    """CuPy, or NumPy for a dry run of the cases on the CPU (CUGROUPED_PROBE_DRY=1)."""
+    if os.environ.get("CUGROUPED_PROBE_DRY") == "1":
+        import numpy as np
+
+        return np
+    import cupy
+
+    return cupy
+
+
+def _sync(xp) -> None:
+    if xp.__name__ == "cupy":
+        xp.cuda.Device().synchronize()
+
+
+def case_cast() -> None:
+    """The launches ncu profiles: per shape, 2 warm-ups and 1 profiled launch of delayed scaling
+    (given scales: one CAST_AMAX launch), then current scaling (an AMAX pass and a CAST launch)."""
+    import numpy as np
+
+    import cugrouped
+    from cugrouped.bench.cast import CAST_CONFIGS
+
+    xp = _xp()
+    for cfg in (c for c in CAST_CONFIGS if c.name in CAST_SHAPES):
+        m = cfg.m_splits()
+        if xp is np:
+            m = [min(mi, 64) for mi in m]                          # a dry run stays small
+        x32 = np.random.default_rng(0).standard_normal((sum(m), cfg.k), dtype=np.float32)
+        x = xp.asarray((x32.view(np.uint32) >> 16).astype(np.uint16))          # bfloat16 bits
+        del x32
+        scale = xp.ones(cfg.experts, np.float32)
+        for _ in range(3):
+            cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16", scale=scale)
+        for _ in range(3):
+            cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16")
+        _sync(xp)
+        print(f"cast case {cfg.name}: {len(m)} experts, k={cfg.k}, {sum(m)} tokens", flush=True)
+
+
+def case_sanitize() -> None:
+    """One small launch of every kernel family, results synchronized (the sanitizer reports)."""
+    import numpy as np
+
+    import cugrouped
+
+    cupy = _xp()
+    rng = np.random.default_rng(0)
+    m = [37, 0, 64, 5]
+    xs = [cupy.asarray(rng.standard_normal((mi, 160)).astype(np.float32)) for mi in m]
+    x = cupy.concatenate(xs)
+    g = cugrouped.multi_pad_cast_transpose(xs, column_sums=True)
+    cugrouped.multi_pad_cast_transpose(x, m, scale=cupy.ones(4, np.float32))
+    cugrouped.multi_pad_cast_transpose(x[:, :80], m, activation="swiglu")
+    tok = cupy.asarray(rng.standard_normal((50, 160)).astype(np.float32))
+    idx = cupy.asarray((np.arange(sum(m)) % 51 - 1).astype(np.int64))
+    cugrouped.multi_pad_cast_transpose(tok, m, row_index=idx)
+    for dims in (1, 2):
+        cugrouped.multi_block_cast_transpose(xs, block_scaling_dim=dims, column_sums=True)
+    cugrouped.multi_mxfp8_cast_transpose(xs)
+    hist = cupy.zeros((4, 4), np.float32)
+    s, si = cupy.ones(4, np.float32), cupy.ones(4, np.float32)
+    cugrouped.update_scales(hist, g.amax, s, si)
+    w = cugrouped.multi_pad_cast_transpose(
+        [cupy.asarray(rng.standard_normal((32, 160)).astype(np.float32)) for _ in m], align=1)
+    dy = cugrouped.multi_pad_cast_transpose(
+        [cupy.asarray(rng.standard_normal((mi, 32)).astype(np.float32)) for mi in m],
+        fp8_format="e5m2")
+    cugrouped.grouped_fprop(g, w)
+    cugrouped.grouped_dgrad(dy, w)
+    cugrouped.grouped_wgrad(g, dy)
+    _sync(cupy)
+    print("sanitize case: every kernel family launched once", flush=True)
+
+
+def host_gemm(out: pathlib.Path) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    import cupy
+    import numpy as np
+
+    from cugrouped import grouped_fprop
+    from cugrouped.ops import _gemm_launch
+    from test_grouped_gemm import make_fp8
+
+    lines = []
+    from cugrouped.bench.common import moe_splits
+
+    for experts, k, n in ((8, 7168, 2048), (64, 2048, 1408)):
+        m = moe_splits(experts, 256 * experts, True, 1)
+        sets = [make_fp8(m, k, n, seed=s, xp=cupy)[:2] for s in range(2)]
+        y = cupy.empty((sum(m), n), cupy.uint16)
+        st = _gemm_launch._state(cupy.cuda.Device().id)
+        all_streams = (st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events)
+        for streams in (4, 1):
+            st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = (
+                v[:streams] for v in all_streams)
+            for rotate in (False, True):
+                for i in range(5):
+                    grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
+                cupy.cuda.Device().synchronize()
+                times = []
+                for i in range(50):
+                    cupy.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
+                    times.append(time.perf_counter() - t0)
+                us = float(np.median(times)) * 1e6
+                lines.append(f"grouped_fprop E={experts:3d} {streams} side stream(s), "
+                             f"{'rotated operands' if rotate else 'same operands   '}: "
+                             f"{us:7.1f} us per call, {us / experts:5.2f} us per expert")
+        st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = all_streams
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(100):
+            grouped_fprop(*sets[0], out=y)
+        prof.disable()
+        cupy.cuda.Device().synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        lines.append(f"cProfile, E={experts}, same operands, 100 calls:\n{buf.getvalue()}")
+    text = "\n".join(lines)
+    (out / "host_gemm.txt").write_text(text)
+    print("\n".join(ln for ln in lines if ln.startswith("grouped_fprop")))
+
+
+def _run(cmd, limit: int, log: pathlib.Path, env=None) -> str:
+    t0 = time.time()
+    with open(log, "ab") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n".encode())
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
+                                env=env).returncode
+            how = f"rc={rc}"
+        except subprocess.TimeoutExpired:
+            how = f"STOPPED at its {limit} s limit"
+    return f"{how} in {time.time() - t0:.0f} s"
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in ("/usr/local/cuda/bin", "/opt/nvidia/nsight-compute"):
+        for path in sorted(pathlib.Path(base).glob(f"**/{name}")) if os.path.isdir(base) else ():
+            if os.access(path, os.X_OK) and path.is_file():
+                return str(path)
+    return None
+
+
+def main(out: pathlib.Path) -> int:
+    """The steps in order of value, each cut to the time left of CUGROUPED_PROFILE_DEADLINE_S
+    (default 220 s) and skipped with under 20 s left."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = float(os.environ.get("CUGROUPED_PROFILE_DEADLINE_S", "220"))
+    me = [PY, str(pathlib.Path(__file__).resolve())]
+    ncu, san = _tool("ncu"), _tool("compute-sanitizer")
+    print(f"profile: ncu {ncu}; compute-sanitizer {san}", flush=True)
+
+    def step(name, cmd, limit, log):
+        left = deadline - (time.time() - t0)
+        if left < 20:
+            print(f"profile: {name}: SKIPPED ({time.time() - t0:.0f} s spent)", flush=True)
+            return
+        print(f"profile: {name}: {_run(cmd, int(min(limit, left)), log)}", flush=True)
+
+    # the cases' kernels compiled first, outside the tools (NVRTC under a sanitizer is slow)
+    step("warm-up (cast)", me + ["cast-case"], 120, out / "ncu_cast.txt")
+    if ncu:
+        cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
+               "-k", "regex:pad_cast_transpose", "--launch-count", "40"]
+        for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats",
+                        "LaunchStats", "SchedulerStats"):
+            cmd += ["--section", section]
+        step("ncu on the casts", cmd + me + ["cast-case"], 120, out / "ncu_cast.txt")
+    step("cast bench, every config, cugrouped alone", [PY, "-c", (
+        "import sys; sys.path.insert(0, %r); from cugrouped.bench.cast import bench_cast; "
+        "bench_cast(False, [], impls=('cugrouped',))" % str(ROOT))], 60, out / "cast_all.txt")
+    step("warm-up (every kernel family)", me + ["sanitize-case"], 120, out / "sanitizer.txt")
+    if san:
+        step("memcheck", [san, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit",
+                          "20"] + me + ["sanitize-case"], 90, out / "sanitizer.txt")
+    if deadline - (time.time() - t0) > 40:
+        try:
+            host_gemm(out)
+        except Exception as exc:  # noqa: BLE001 (a profile reports every outcome)
+            print(f"profile: host_gemm {type(exc).__name__}: {exc}")
+    if san:
+        step("racecheck", [san, "--tool", "racecheck", "--error-exitcode", "9", "--print-limit",
+                           "20"] + me + ["sanitize-case"], 90, out / "sanitizer.txt")
+    if (out / "cast_all.txt").exists():
+        print("== cast_all.txt")
+        print((out / "cast_all.txt").read_text(errors="replace")[-3000:])
+    for name in ("ncu_cast.txt", "sanitizer.txt"):
+        path = out / name
+        if path.exists():
+            keep = ("Duration", "Memory Throughput", "DRAM Throughput", "Achieved Occupancy",
+                    "Registers Per Thread", "Theoretical Occupancy", "ERROR SUMMARY",
+                    "RACECHECK SUMMARY", "pad_cast_transpose_kernel<", "Waves Per SM")
+            print(f"== {name} (selected lines)")
+            for line in path.read_text(errors="replace").splitlines():
+                if any(k in line for k in keep):
+                    print(line.rstrip()[:120])
+    print(f"profile: done in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    arg = sys.argv[1] if len(sys.argv) > 1 else ""
+    if arg == "cast-case":
+        case_cast()
+    elif arg == "sanitize-case":
+        case_sanitize()
+    elif arg:
+        sys.exit(main(pathlib.Path(arg)))
+    else:
+        sys.exit("usage: scripts/gpu_profile.py OUT_DIR")
