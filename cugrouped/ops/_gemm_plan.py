@@ -295,10 +295,21 @@ class VecPlan:
         return {}
 
     @functools.cached_property
+    def _scale_plan(self) -> tuple[tuple, int]:
+        """Per scale column with a misaligned pointer (4: A, 5: B): the column, its copies and its
+        new pointers as offsets into the scratch (A's slots first); and the slots' total bytes."""
+        plan, base = [], 0
+        for col in (4, 5):
+            if (self.ptrs[:, col] % SCALE_POINTER_ALIGN).any():
+                copies, new = scale_copies(self.ptrs[:, col], base)
+                plan.append((col, copies, new))
+                base += SCALE_POINTER_ALIGN * sum(c.height for c in copies)
+        return tuple(plan), base
+
+    @property
     def scale_scratch_bytes(self) -> int:
         """The scratch :meth:`realigned` needs: a 16-byte slot per scale it copies."""
-        return SCALE_POINTER_ALIGN * sum(scale_slots(self.ptrs[:, c]) for c in (4, 5)
-                                         if (self.ptrs[:, c] % SCALE_POINTER_ALIGN).any())
+        return self._scale_plan[1]
 
     def realigned(self, dst: int) -> tuple[tuple["ScaleCopy", ...], list[tuple]]:
         """The copies that move the misaligned scale operands (A's, then B's) into a scratch
@@ -307,12 +318,10 @@ class VecPlan:
         stream: a hit in training's steady state)."""
         hit = self._realigned.get(dst)
         if hit is None:
-            ptrs, copies, base = self.ptrs.copy(), (), dst
-            for col in (4, 5):
-                if (ptrs[:, col] % SCALE_POINTER_ALIGN).any():
-                    more, ptrs[:, col] = scale_copies(ptrs[:, col], base)
-                    copies += more
-                    base += SCALE_POINTER_ALIGN * sum(c.height for c in more)
+            ptrs, copies = self.ptrs.copy(), ()
+            for col, rel, new in self._scale_plan[0]:
+                ptrs[:, col] = new + dst
+                copies += tuple(ScaleCopy(c.dst + dst, c.src, c.spitch, c.height) for c in rel)
             self._realigned.clear()
             hit = self._realigned[dst] = (copies, _launch_rows(self.keys, ptrs))
         return hit
