@@ -166,8 +166,9 @@ def test_bench_layer_without_a_gpu_skips(capsys):
 def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     """The layer section on a model GPU (tests/_model_gpu.py; torch's CUDA and the layer's steps
     replaced): every implementation timed in one interleaved run, its row's times, speed-ups
-    (over the FP8 delayed tensor row; the explicit permute over the fused one), the FP8 rows'
-    error against the bf16 layer, and an implementation failing its first step left out."""
+    (over the FP8 delayed tensor row; the explicit permute over the fused one; the eager step
+    over its CUDA graph replay), the FP8 rows' error against the bf16 layer, and an
+    implementation failing its first step left out."""
     import _model_gpu
 
     from cugrouped.bench import common, gemm
@@ -176,7 +177,8 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     cost = {"cugrouped-fp8-delayed-tensor": 2.0, "cugrouped-bf16-tensor": 3.0,
             "torch-linear-loop-bf16": 5.0, "cugrouped-fp8-delayed-permute": 2.2,
             "index_select+cugrouped-fp8-delayed": 2.75, "cugrouped-fp8-delayed-swiglu": 2.4,
-            "torch-swiglu+cugrouped-fp8-delayed": 3.6}
+            "torch-swiglu+cugrouped-fp8-delayed": 3.6, "cugrouped-fp8-current-tensor": 2.4,
+            "cugrouped-fp8-current-graphed": 1.6}
     y_ref = torch.ones(4)
 
     def step(impl, y):
@@ -193,9 +195,9 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     def layer_steps(cfg, device, dtype, copies):
         impls = [(impl, "bf16" if "bf16" in impl else "fp8-delayed",
                   "permute" if "permute" in impl or "index_select" in impl else
-                  "swiglu" if "swiglu" in impl else "tensor",
+                  "swiglu" if "swiglu" in impl else "graph" if "graphed" in impl else "tensor",
                   step(impl, y_ref if "bf16" in impl else y_ref * 1.01)) for impl in cost]
-        impls.insert(1, ("cugrouped-fp8-current-tensor", "fp8-current", "tensor", fails))
+        impls.insert(1, ("cugrouped-fp8-current-list", "fp8-current", "list", fails))
         return None, impls
 
     cfg = bl.LAYER_CONFIGS[0]
@@ -226,3 +228,7 @@ def test_bench_layer_rows_on_a_model_gpu(monkeypatch):
     assert "pct_roofline" in got["cugrouped-fp8-delayed-tensor"]
     assert got["cugrouped-fp8-delayed-tensor"]["rel_err_vs_bf16"] == pytest.approx(0.01)
     assert "rel_err_vs_bf16" not in got["cugrouped-fp8-delayed-permute"]
+    # the graph replay against the eager step it captured (not against the delayed row)
+    assert got["cugrouped-fp8-current-graphed"]["speedup_of_graph"] == pytest.approx(1.5)
+    assert "speedup_of_cugrouped_fp8" not in got["cugrouped-fp8-current-graphed"]
+    assert got["cugrouped-fp8-current-graphed"]["rel_err_vs_bf16"] == pytest.approx(0.01)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each document, and a name for each of its Python blocks in order (what it shows)
 DOCUMENTS = {"README.md": ("ops", "gemms", "cupy", "layer"),
              "docs/ops.md": ("ops_preamble", "delayed", "block", "checkpoint", "mx"),
-             "docs/pytorch.md": ("megatron", "permute", "swiglu"),
+             "docs/pytorch.md": ("megatron", "graphs", "permute", "swiglu"),
              "cugrouped/emulate/README.md": ("emulator", "access")}
 
 
@@ -44,8 +44,9 @@ def test_documents_have_the_examples():
     assert "multi_block_cast_transpose" in python_blocks("docs/ops.md")[2]
     assert "block_scaled_weights" in python_blocks("docs/ops.md")[3]
     assert "CugroupedSpecProvider" in python_blocks("docs/pytorch.md")[0]
-    assert "row_index" in python_blocks("docs/pytorch.md")[1]
-    assert "input_activation" in python_blocks("docs/pytorch.md")[2]
+    assert "CUDAGraph" in python_blocks("docs/pytorch.md")[1]
+    assert "row_index" in python_blocks("docs/pytorch.md")[2]
+    assert "input_activation" in python_blocks("docs/pytorch.md")[3]
 
 
 def run_blocks(gpu: bool) -> dict:
@@ -109,6 +110,10 @@ def test_gpu_readme_examples_run():
     abs_sum = np.concatenate([np.abs(a) @ np.abs(b).T for a, b in zip(xs, ws)])
     bound = 2 * 2.0**-8 * np.abs(y_ref) + 2.0**-9 * abs_sum + 1e-30
     assert np.all(np.abs(g["y_host"].astype(np.float64) - y_ref) <= bound)
+    import torch
+    gr = seen["graphs"]                  # the replay computed the new input's step
+    assert torch.isfinite(gr["dx"]).all() and gr["y"].shape == (192, 128)
+    assert all(p.shape == q.shape for p, q in zip(gr["dparams"], gr["layer"].parameters()))
 
 
 def check_examples(seen: dict) -> None:

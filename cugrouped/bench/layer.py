@@ -57,6 +57,8 @@ QUICK_LAYER: tuple[GemmBench, ...] = QUICK_GEMM
 PRECISIONS = ("bf16", "fp8-delayed", "fp8-current")
 ALIGN = 16  # token padding of the FP8 wgrad operands (and of the torch baseline)
 REFERENCE_IMPL = "cugrouped-fp8-delayed-tensor"
+# the current-scaling tensor step captured in a CUDA graph, and the eager row it is compared with
+GRAPHED_IMPL, GRAPHED_EAGER = "cugrouped-fp8-current-graphed", "cugrouped-fp8-current-tensor"
 
 
 def _padded(m_splits, align: int = ALIGN) -> list[int]:
@@ -228,6 +230,34 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
             return y, grads
         return step
 
+    def graphed_step(recipe):
+        # The whole step (forward and both gradients) captured once into a CUDA graph, after two
+        # eager steps on the capturing stream (workspaces, descriptors, algorithms: nothing is
+        # allocated outside torch's graph pool during the capture); each call replays it on copy
+        # 0's tensors. What the host then pays per step is one replay, whatever the expert count.
+        state = {}
+
+        def eager(s):
+            with fp8_autocast(fp8_recipe=recipe):
+                y = layer(s["x"], m_splits)
+                return y, torch.autograd.grad(y, [s["x"], *params], s["dy"], allow_unused=True)
+
+        def step(i):
+            if "graph" not in state:
+                cap = torch.cuda.Stream(device)
+                cap.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(cap):
+                    for _ in range(2):
+                        eager(sets[0])
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=cap):
+                        state["out"] = eager(sets[0])
+                torch.cuda.current_stream().wait_stream(cap)
+                state["graph"] = graph
+            state["graph"].replay()
+            return state["out"]
+        return step
+
     impls = []
     for precision in ("fp8-delayed", "fp8-current", "bf16"):
         for form in ("tensor", "list"):
@@ -243,6 +273,8 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
     impls.append(("cugrouped-fp8-delayed-swiglu", "fp8-delayed", "swiglu", swiglu_step(True)))
     impls.append(("torch-swiglu+cugrouped-fp8-delayed", "fp8-delayed", "swiglu",
                   swiglu_step(False)))
+    if torch.device(device).type == "cuda":
+        impls.append((GRAPHED_IMPL, "fp8-current", "graph", graphed_step(recipes["fp8-current"])))
     return layer, impls
 
 
@@ -325,13 +357,17 @@ def bench_layer(quick: bool, rows: list[dict]) -> None:
             elif form in ("permute", "swiglu"):      # the explicit step against the fused one
                 if form in fused:                    # (not against the plain layer's work)
                     row[f"speedup_of_fused_{form}"] = ms / fused[form]
+            elif form == "graph":                    # the eager step against its replay
+                if GRAPHED_EAGER in timed:
+                    row["speedup_of_graph"] = timed[GRAPHED_EAGER].ms / ms
             elif ours is not None:
                 row["speedup_of_cugrouped_fp8"] = ms / ours
             rows.append(row)
             extra = "".join(f" {label} {row[key]:5.2f}x faster" for key, label in (
                 ("speedup_of_cugrouped_fp8", "cugrouped-fp8"),
                 ("speedup_of_fused_permute", "fused permute"),
-                ("speedup_of_fused_swiglu", "fused swiglu")) if key in row)
+                ("speedup_of_fused_swiglu", "fused swiglu"),
+                ("speedup_of_graph", "replay vs eager")) if key in row)
             err = f" err {row['rel_err_vs_bf16']:.3f}" if "rel_err_vs_bf16" in row else ""
             roof = f"{row['pct_roofline']:5.1f}% of roofline, " if "pct_roofline" in row else ""
             print(f"{cfg.name:<24} {impl:<34} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
