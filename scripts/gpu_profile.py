@@ -8,8 +8,8 @@
    none``: the card's clocks are left as they are. Then the cast bench over every config
    (cugrouped alone, no torch peers) -> ``cast_all.txt``.
 2. The grouped GEMM loop's host time on this machine's CPU, split: the same operands again (the
-   memo hits) or rotated ones (checks and plan redone), one side stream or four, and a cProfile of
-   the hot path -> ``host_gemm.txt``.
+   memo hits) or the memo cleared before each call (checks and plan redone, as new token counts
+   make them), one side stream or four, and a cProfile of the hot path -> ``host_gemm.txt``.
 3. ``compute-sanitizer`` memcheck and racecheck over one small launch of every kernel family
    (casts per-tensor / gathered / SwiGLU / block / MXFP8, column sums, scale update, the GEMM
    loop) -> ``sanitizer.txt``.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,8 +52,9 @@ def _sync(xp) -> None:
 
 
 def case_cast() -> None:
-    """The launches ncu profiles: per shape, 2 warm-ups and 1 profiled launch of delayed scaling
-    (given scales: one CAST_AMAX launch), then current scaling (an AMAX pass and a CAST launch)."""
+    """The launches ncu profiles (all of them: the first of each is a cold one): per shape, 3 of
+    delayed scaling (given scales: one CAST_AMAX launch each), then 3 of current scaling (an AMAX
+    pass and a CAST launch each)."""
     import numpy as np
 
     import cugrouped
@@ -119,7 +121,7 @@ def host_gemm(out: pathlib.Path) -> None:
     import numpy as np
 
     from cugrouped import grouped_fprop
-    from cugrouped.ops import _gemm_launch
+    from cugrouped.ops import _gemm_launch, _gemm_memo
     from test_grouped_gemm import make_fp8
 
     lines = []
@@ -141,12 +143,14 @@ def host_gemm(out: pathlib.Path) -> None:
                 times = []
                 for i in range(50):
                     cupy.cuda.Device().synchronize()
+                    if rotate:                # every check and plan redone, as with new counts
+                        _gemm_memo.clear_memo()
                     t0 = time.perf_counter()
                     grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
                     times.append(time.perf_counter() - t0)
                 us = float(np.median(times)) * 1e6
                 lines.append(f"grouped_fprop E={experts:3d} {streams} side stream(s), "
-                             f"{'rotated operands' if rotate else 'same operands   '}: "
+                             f"{'memo cleared    ' if rotate else 'same operands   '}: "
                              f"{us:7.1f} us per call, {us / experts:5.2f} us per expert")
         st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = all_streams
         prof = cProfile.Profile()
@@ -168,11 +172,14 @@ def _run(cmd, limit: int, log: pathlib.Path, env=None) -> str:
     with open(log, "ab") as f:
         f.write(f"\n$ {' '.join(cmd)}\n".encode())
         f.flush()
+        # a session of its own, so that a stop ends the profiled program too (not the tool alone)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
-                                env=env).returncode
-            how = f"rc={rc}"
+            how = f"rc={proc.wait(timeout=limit)}"
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             how = f"STOPPED at its {limit} s limit"
     return f"{how} in {time.time() - t0:.0f} s"
 

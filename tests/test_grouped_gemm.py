@@ -406,7 +406,8 @@ def test_host_loop_runs_on_the_cpu_with_real_descriptors():
     D.clear_caches()
 
 
-@pytest.mark.parametrize("case", ["array", "skipped", "same", "scattered", "sparse", "one"])
+@pytest.mark.parametrize("case", ["array", "skipped", "same", "scattered", "sparse", "one",
+                                  "far"])
 def test_scale_copies_put_each_callers_float_in_a_16_byte_slot(case):
     """The plan of the scale copies, on host memory: each call's new pointer is 16-byte aligned
     and holds the float its old pointer held; an (E,) array (empty experts skipped or not) is
@@ -417,8 +418,12 @@ def test_scale_copies_put_each_callers_float_in_a_16_byte_slot(case):
     pool = rng.standard_normal(64).astype(np.float32)
     base = pool.ctypes.data
     idx = {"array": [0, 1, 2, 3, 4], "skipped": [0, 2, 3, 7], "same": [5, 5, 5],
-           "scattered": [9, 2, 40, 41], "sparse": [0, 1, 63], "one": [6]}[case]
+           "scattered": [9, 2, 40, 41], "sparse": [0, 1, 63], "one": [6], "far": [3, 5]}[case]
     src = base + 4 * np.asarray(idx, np.int64)
+    if case == "far":                     # two allocations far apart: no strided read between
+        far = rng.standard_normal(4).astype(np.float32)
+        src = np.asarray([base + 12, far.ctypes.data + 4], np.int64)
+        assert abs(int(src[1] - src[0])) > gg.SCALE_SPAN_MAX
     if case == "scattered":
         src[1] += 1                       # an odd byte offset: no common step of 4 or more
         pool.view(np.uint8)[9:13] = pool.view(np.uint8)[8:12].copy()
@@ -428,7 +433,8 @@ def test_scale_copies_put_each_callers_float_in_a_16_byte_slot(case):
     for c in copies:
         for i in range(c.height):
             ctypes.memmove(c.dst + 16 * i, c.src + c.spitch * i, 4)
-    want_copies = {"array": 1, "skipped": 1, "same": 1, "scattered": 4, "sparse": 3, "one": 1}
+    want_copies = {"array": 1, "skipped": 1, "same": 1, "scattered": 4, "sparse": 3, "one": 1,
+                   "far": 2}
     assert len(copies) == want_copies[case]
     assert sum(c.height for c in copies) == gg.scale_slots(src) <= 80
     assert (new % 16 == 0).all()

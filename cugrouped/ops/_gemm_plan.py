@@ -354,6 +354,8 @@ def _launch_rows(keys: np.ndarray, ptrs: np.ndarray) -> list[tuple]:
 # the first of an ``(E,)`` float32 ``scale_inv`` array, and for ``torch._scaled_mm`` given such an
 # element as its scale. The launch copies such scales to 16-byte slots first.
 SCALE_POINTER_ALIGN = 16
+# The widest span of scale pointers one strided copy covers (an (E,) float32 array of 16384).
+SCALE_SPAN_MAX = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +374,9 @@ def scale_copies(src: np.ndarray, dst: int) -> tuple[tuple[ScaleCopy, ...], np.n
     16-byte slots from ``dst``, and the calls' new pointers. Pointers into one array (the common
     case: an ``(E,)`` ``scale_inv``, empty experts skipped or not) take one strided copy of the
     span they cover, at their greatest common step; pointers all the same, one copy of one float;
-    anything else (or a span over twice the calls, plus 16), one copy per call."""
+    anything else, one copy per call: a span of more than :data:`SCALE_SPAN_MAX` bytes (a strided
+    copy would read the bytes between the pointers, which may lie in no allocation, and a pitch
+    over 2^31 - 1 is refused) or over twice the calls plus 16 slots."""
     src = np.asarray(src, dtype=np.int64)
     n = src.shape[0]
     if n == 0:
@@ -383,7 +387,7 @@ def scale_copies(src: np.ndarray, dst: int) -> tuple[tuple[ScaleCopy, ...], np.n
     if step == 0:
         return (ScaleCopy(dst, lo, 4, 1),), np.full(n, dst, dtype=np.int64)
     height = int(off.max()) // step + 1
-    if step >= 4 and height <= 2 * n + 16:
+    if step >= 4 and height <= 2 * n + 16 and (height - 1) * step <= SCALE_SPAN_MAX:
         return (ScaleCopy(dst, lo, step, height),), dst + SCALE_POINTER_ALIGN * (off // step)
     new = dst + SCALE_POINTER_ALIGN * np.arange(n, dtype=np.int64)
     return tuple(ScaleCopy(d, s, 4, 1) for d, s in zip(new.tolist(), src.tolist())), new
