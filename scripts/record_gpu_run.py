@@ -7,7 +7,8 @@ copies what ``scripts/gpu_check.sh OUT_DIR`` left in ``OUT_DIR`` (log, JUnit XML
 ``benchmarks/results/<date>-<gpu>/`` and writes a summary into README's Status between the
 ``<!-- gpu-results:begin -->`` and ``<!-- gpu-results:end -->`` markers: when and where it ran
 (GPU, driver, CUDA, cuBLASLt, torch, CuPy, the commit), each test stage's counts and failures,
-how each stage ended, and the targets table (``cugrouped.bench.targets``) of the CSV's rows.
+how each stage ended, the main numbers as tables (cast, GEMMs, layer, against the peers), and
+the targets table (``cugrouped.bench.targets``) of the CSV's rows.
 Prints what it wrote; ``--dry-run`` only prints. Pure file work: no GPU, no network. A stage
 that left no file is reported as such, not skipped silently (a bench that failed still has its
 tests recorded, and the other way round).
@@ -88,7 +89,80 @@ def version_text(v) -> str:
     return f"{n // 1000}.{n % 1000 // 10}"
 
 
-def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: str | None) -> str:
+def _x(v) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) and v == v else "-"
+
+
+def _f(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """``row[key] * scale`` formatted, or "-" where the CSV has no number."""
+    v = row.get(key)
+    return format(v * scale, fmt) if isinstance(v, (int, float)) and v == v else "-"
+
+
+def _peer_speedups(rows: list[dict], op: str, config: str, extra: dict) -> dict:
+    """impl -> the row's ``speedup_of_cugrouped_fp8`` (peer time over cugrouped FP8's: above 1,
+    cugrouped is faster) for the rows of ``op`` and ``config`` matching ``extra``."""
+    return {r["impl"]: r.get("speedup_of_cugrouped_fp8") for r in rows
+            if r.get("op") == op and r.get("config") == config
+            and all(r.get(k) == v for k, v in extra.items())}
+
+
+def benchmark_tables(rows: list[dict]) -> str:
+    """The CSV's main numbers as three Markdown tables (the README's benchmark table): the
+    per-tensor cast against torch, cugrouped's FP8 GEMMs against torch's, and the layer's
+    training step; speed-ups above 1 mean cugrouped is faster. Empty without such rows."""
+    out = []
+    casts = [r for r in rows if r.get("op") == "cast" and r.get("impl") == "cugrouped"]
+    if casts:
+        out += ["Cast (bf16 in; row-wise and transposed FP8 out, amax; speed-up over torch doing "
+                "the same, current scaling):", "",
+                "| config | scaling | ms | GB/s | % of copy | vs torch eager | vs torch.compile |",
+                "|---|---|---|---|---|---|---|"]
+        for r in casts:
+            peers = {p["impl"]: p.get("speedup_of_cugrouped") for p in rows
+                     if p.get("op") == "cast" and p.get("config") == r["config"]
+                     and p.get("impl") != "cugrouped"} if r.get("scaling") == "current" else {}
+            out.append(f"| {r['config']} | {r.get('scaling', '')} | {_f(r, 'ms', '.3f')} | "
+                       f"{_f(r, 'gbs', '.0f')} | {_f(r, 'pct_copy_bw', '.1f')} | "
+                       f"{_x(peers.get('torch-eager'))} | {_x(peers.get('torch-compile'))} |")
+        out.append("")
+    gemms = [r for r in rows if r.get("op") == "gemm" and r.get("impl") == "cugrouped-fp8"]
+    if gemms:
+        out += ["FP8 grouped GEMMs (the per-expert cuBLASLt loop; each peer's speed-up measured "
+                "against cugrouped's row of the same output width):", "",
+                "| config | pass | ms | TFLOP/s | host µs/expert | vs `_scaled_mm` loop | "
+                "vs `_scaled_grouped_mm` | vs bf16 `_grouped_mm` |", "|---|---|---|---|---|---|---|---|"]
+        for r in gemms:
+            sp = _peer_speedups(rows, "gemm", r["config"], {"pass_name": r.get("pass_name")})
+            out.append(f"| {r['config']} | {r.get('pass_name', '')} | {_f(r, 'ms', '.3f')} | "
+                       f"{_f(r, 'tflops', '.0f')} | {_f(r, 'host_us_per_expert', '.1f')} | "
+                       f"{_x(sp.get('torch-scaled_mm-loop'))} | "
+                       f"{_x(sp.get('torch-scaled_grouped_mm'))} | "
+                       f"{_x(sp.get('torch-grouped_mm-bf16'))} |")
+        out.append("")
+    layers = [r for r in rows if r.get("op") == "layer"
+              and r.get("impl") == "cugrouped-fp8-delayed-tensor"]
+    if layers:
+        out += ["Layer training step (forward and both gradients; GPU time, and the host's time for "
+                "the same step with the GPU idle at its start):", "",
+                "| config | FP8 ms | host ms | vs cugrouped bf16 | vs bf16 `_grouped_mm` (its host "
+                "ms) | vs torch pad + linear loop |", "|---|---|---|---|---|---|"]
+        for r in layers:
+            sp = _peer_speedups(rows, "layer", r["config"], {})
+            gm = next((p.get("host_us") for p in rows if p.get("op") == "layer"
+                       and p.get("config") == r["config"]
+                       and p.get("impl") == "torch-grouped_mm-bf16"), None)
+            gm_host = f" ({gm / 1e3:.2f})" if isinstance(gm, float) else ""
+            out.append(f"| {r['config']} | {_f(r, 'ms', '.3f')} | {_f(r, 'host_us', '.2f', 1e-3)} | "
+                       f"{_x(sp.get('cugrouped-bf16-tensor'))} | "
+                       f"{_x(sp.get('torch-grouped_mm-bf16'))}{gm_host} | "
+                       f"{_x(sp.get('torch-pad-linear-loop-bf16'))} |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: str | None,
+            tables: str = "") -> str:
     v = {k: version_text(facts.get(k) or "?") for k in ("driver", "cuda_runtime", "cublaslt")}
     lines = [BEGIN, "",
              f"Latest GPU run: **{facts.get('gpu') or 'GPU ?'}**, {facts.get('date') or 'date ?'}, "
@@ -105,6 +179,8 @@ def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: st
         lines += [f"  - FAILED `{name}`" for name in t["failed"]]
     lines += [f"- stage `{e}`" for e in endings]
     lines.append("")
+    if tables:
+        lines += [tables, ""]
     if targets:
         lines += ["```", targets, "```"]
     else:
@@ -149,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = {xml: junit_summary(src / xml) for _, xml in TEST_STAGES if xml in present}
     targets = format_targets(check_targets(rows), quick=True) if rows else None
     dest_rel = f"benchmarks/results/{facts['date']}-{slug(facts['gpu'])}"
-    block = summary(dest_rel, facts, tests, stage_endings(log), targets)
+    block = summary(dest_rel, facts, tests, stage_endings(log), targets, benchmark_tables(rows))
     readme = repo / "README.md"
     new_text = update_readme(readme.read_text(), block)
     print(block)

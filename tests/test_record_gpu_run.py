@@ -160,3 +160,19 @@ def test_the_readme_has_the_markers_once():
     text = (ROOT / "README.md").read_text()
     assert text.count(rec.BEGIN) == 1 and text.count(rec.END) == 1
     assert text.index(rec.BEGIN) > text.index("## Status")
+
+
+def test_benchmark_tables_of_the_recorded_h200_run():
+    """The tables from the CSV checked in under benchmarks/results/ (the bench's own columns):
+    each op's rows, the peers' speed-ups as the CSV has them, the layer's host time."""
+    from cugrouped.bench.plot import load_rows
+
+    rows = load_rows(ROOT / "benchmarks" / "results" / "2026-12-04-h200" / "bench.csv")
+    text = rec.benchmark_tables(rows)
+    assert "| dsv3-E8-jagged | current | 0.221 | 3192 | 74.8 | 10.66x | 1.63x |" in text
+    assert "| fine-E64-2048to1408 | fprop | 0.231 | 205 | 10.3 | 1.74x | 0.52x | 0.77x |" in text
+    assert "| dsv3-E8-jagged-16k | 1.500 | 2.92 | 1.43x | 1.40x (0.49) | 1.73x |" in text
+    assert rec.benchmark_tables([]) == ""
+    # in the README block, before the targets table
+    block = rec.summary("d", dict(gpu="G", date="D"), {}, [], "targets", text)
+    assert block.index("| config | pass |") < block.index("targets")
