@@ -360,9 +360,11 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
     const i64 ncol = gcol < k ? (k - gcol < kSeg ? k - gcol : kSeg) : 0;   // valid columns
 
     // Load the tile's segments (rows past m and columns past k read as zero). A full tile (inside
-    // m and k, rows 16-byte aligned: block-uniform) issues all its loads before anything else.
+    // k, rows 16-byte aligned: block-uniform) issues all its loads before anything else; its rows
+    // past m (an expert's last tile: most tiles of a small expert) read row m - 1 again (a tile
+    // exists only for m >= 1; L1/L2 serve it), so that no load waits on a branch, and are zeroed.
     uint4 raw[BCT_ITERS][Traits::words];
-    const bool full_tile = row0 + BCT_BLOCK <= m && col0 + BCT_BLOCK <= k && aligned16(x.in) &&
+    const bool full_tile = col0 + BCT_BLOCK <= k && aligned16(x.in) &&
                            (x.ld * InT::bytes) % 16 == 0;
     if constexpr (kGated) {
         // Both halves of one iteration's segment, then their activation as float32 words
@@ -391,7 +393,15 @@ block_cast_transpose_kernel(const BctGroup g, const i64 k, const i32 align,
 #pragma unroll
         for (int it = 0; it < BCT_ITERS; ++it) {
             const i64 grow = row0 + r_first + BCT_ROWS_PER_ITER * it;
-            InT::load_raw(segment_src<InT::bytes, GATHER>(x, grow, gcol), raw[it]);
+            InT::load_raw(segment_src<InT::bytes, GATHER>(x, grow < m ? grow : m - 1, gcol),
+                          raw[it]);
+        }
+#pragma unroll
+        for (int it = 0; it < BCT_ITERS; ++it) {
+            if (row0 + r_first + BCT_ROWS_PER_ITER * it >= m) {
+#pragma unroll
+                for (int w = 0; w < Traits::words; ++w) raw[it][w] = make_uint4(0u, 0u, 0u, 0u);
+            }
         }
     } else {
 #pragma unroll

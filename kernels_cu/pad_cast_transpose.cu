@@ -239,16 +239,18 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // FP8 bytes to the row-wise output and to the shared tile. Rows m .. of the tile are the zero
     // padding.
     //
-    // A full tile (inside m and k, every row 16-byte aligned: block-uniform) issues all of a
-    // thread's 16-byte loads (PCT_SEG_ITERS segments) before it converts or stores anything, so
-    // that 32 B (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler
-    // cannot move a later iteration's load above an earlier iteration's row-wise store (they may
-    // alias as far as it knows). Other tiles load segment by segment with bounds checks. Both
-    // paths then run the same conversion code, so the bits cannot differ.
+    // A full tile (inside k, every row 16-byte aligned: block-uniform) issues all of a thread's
+    // 16-byte loads (PCT_SEG_ITERS segments) before it converts or stores anything, so that 32 B
+    // (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler cannot
+    // move a later iteration's load above an earlier iteration's row-wise store (they may alias as
+    // far as it knows). Its rows past m (an expert's last tile: most of a small expert's tiles)
+    // unpack zero words, the +0 the other path gives them. Tiles that end inside
+    // k load segment by segment with bounds checks. Both paths then run the same conversion code,
+    // so the bits cannot differ.
     float local_amax = 0.f;
     float csum[PCT_SEG];
     // (The gated activation's second half starts k columns to the right: aligned too.)
-    const bool full_tile = row0 + PCT_TILE_M <= m && col0 + PCT_TILE_K <= k && aligned16(x.in) &&
+    const bool full_tile = col0 + PCT_TILE_K <= k && aligned16(x.in) &&
                            (x.ld * Traits::bytes) % 16 == 0 &&
                            (!kGated || (k * Traits::bytes) % 16 == 0);
     uint4 raw[PCT_SEG_ITERS][Traits::words];
@@ -259,9 +261,22 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             const int seg = threadIdx.x + it * PCT_THREADS;
             const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
             const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, grow, gcol), raw[it]);
+            // a row past m reads row m - 1 again (a tile exists only for m >= 1; the bytes come
+            // from L1/L2), so that no load depends on a branch, and is zeroed below
+            const i64 lrow = grow < m ? grow : m - 1;
+            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, lrow, gcol), raw[it]);
             if constexpr (kGated)
-                Traits::load_raw(segment_src<Traits::bytes, false>(x, grow, gcol + k), raw_b[it]);
+                Traits::load_raw(segment_src<Traits::bytes, false>(x, lrow, gcol + k), raw_b[it]);
+        }
+#pragma unroll
+        for (int it = 0; it < PCT_SEG_ITERS; ++it) {
+            if (row0 + (threadIdx.x + it * PCT_THREADS) / PCT_SEGS_PER_ROW >= m) {
+#pragma unroll
+                for (int w = 0; w < Traits::words; ++w) {
+                    raw[it][w] = make_uint4(0u, 0u, 0u, 0u);
+                    if constexpr (kGated) raw_b[it][w] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
         }
     }
 #pragma unroll

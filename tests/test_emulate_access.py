@@ -316,6 +316,22 @@ def test_cast_kernels_access_properties(kind):
     assert out_sectors <= written <= most, report
 
 
+@pytest.mark.parametrize("kind", ["per-tensor", "block 1x128", "mxfp8"])
+def test_an_experts_last_tile_loads_as_a_full_one(kind):
+    """Tiles that end past an expert's last row (most tiles of a small expert) but inside k take
+    the full tile's loads, all issued before any is used (tests/test_sass.py), not the segment by
+    segment path: the input is read through one 16-byte load site, and only once from DRAM (the
+    rows past m read row m - 1 again, which the caches serve)."""
+    xs = cast_inputs(splits=(5, 130, 0, 33, 1))    # full tiles, and last tiles of 2 to 33 rows
+    with trace_accesses() as tr:
+        CASTS[kind](xs)
+    loads = [s for s in tr.sites() if s.space == "global" and s.kind == "load" and s.size == 16]
+    assert len(loads) == 1, tr.report()
+    read = sum(t.global_sectors()["read"] for t in tr.launches)
+    in_sectors = sum(x.nbytes for x in xs) // 32
+    assert in_sectors <= read <= in_sectors * 1.03 + 8, tr.report()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_scatter_rows_reads_and_writes_whole_sectors(dtype):
     from cugrouped import reference
