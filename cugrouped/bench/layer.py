@@ -281,8 +281,8 @@ def layer_steps(cfg: GemmBench, device: str = "cuda", dtype=None, copies: int = 
 def _rel_err(y, ref) -> float:
     import torch
 
-    y = torch.cat(y) if isinstance(y, (list, tuple)) else y
-    ref = torch.cat(ref) if isinstance(ref, (list, tuple)) else ref
+    y = (torch.cat(y) if isinstance(y, (list, tuple)) else y).detach()
+    ref = (torch.cat(ref) if isinstance(ref, (list, tuple)) else ref).detach()
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
