@@ -294,6 +294,20 @@ def test_bf16_fp8_with_fused_bias_close_to_float64():
         torch.testing.assert_close(db[i].double(), torch.full((48,), float(m), dtype=torch.float64))
 
 
+def test_weights_and_biases_are_the_parameters_now():
+    """weights()/biases() read the parameters by names made once; a parameter replaced later is
+    the one returned (and one held outside _parameters is still found)."""
+    layer = make_layer(3)
+    assert [id(w) for w in layer.weights()] == [id(getattr(layer, f"weight{i}")) for i in range(3)]
+    new = torch.nn.Parameter(torch.zeros_like(layer.weight1))
+    layer.weight1 = new
+    assert layer.weights()[1] is new
+    b = layer.bias2
+    del layer._parameters["bias2"]
+    object.__setattr__(layer, "bias2", b)          # as a wrapper holding it elsewhere would
+    assert layer.biases()[2] is b
+
+
 def test_is_first_microbatch_caches_fp8_weights():
     layer = make_layer(2)
     x = torch.randn(24, 32)
