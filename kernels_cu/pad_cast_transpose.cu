@@ -244,9 +244,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler cannot
     // move a later iteration's load above an earlier iteration's row-wise store (they may alias as
     // far as it knows). Its rows past m (an expert's last tile: most of a small expert's tiles)
-    // unpack zero words, the +0 the other path gives them. Tiles that end inside
-    // k load segment by segment with bounds checks. Both paths then run the same conversion code,
-    // so the bits cannot differ.
+    // unpack zero words, the +0 the other path gives them. Tiles that end inside k load segment
+    // by segment with bounds checks. Both paths then run the same conversion code, so the bits
+    // cannot differ.
     float local_amax = 0.f;
     float csum[PCT_SEG];
     // (The gated activation's second half starts k columns to the right: aligned too.)

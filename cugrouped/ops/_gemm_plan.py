@@ -393,11 +393,6 @@ def scale_copies(src: np.ndarray, dst: int) -> tuple[tuple[ScaleCopy, ...], np.n
     return tuple(ScaleCopy(d, s, 4, 1) for d, s in zip(new.tolist(), src.tolist())), new
 
 
-def scale_slots(src: np.ndarray) -> int:
-    """The 16-byte slots :func:`scale_copies` fills for the pointers ``src``."""
-    return sum(c.height for c in scale_copies(src, 0)[0])
-
-
 def shape_signature(key: bytes) -> tuple[int, ...]:
     """A :attr:`VecPlan.launch_rows` key as the tuple of its 17 ints (a row of ``keys``)."""
     return tuple(np.frombuffer(key, dtype=np.int64).tolist())

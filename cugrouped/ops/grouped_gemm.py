@@ -61,8 +61,7 @@ from ._gemm_plan import (  # noqa: F401  (re-exported)
     BLOCK_SCALING_MIN_VERSION, Block, Blocks, ExpertGemm, GemmPlan, Problem, VecPlan, as_blocks,
     bias_dtype_for, block_scaling_unsupported, gemm_config,
     plan_arrays, plan_expert, plan_problem, pointer_alignment, pointer_alignments,
-    SCALE_POINTER_ALIGN, SCALE_SPAN_MAX, ScaleCopy, scale_copies, scale_slots,
-    workspace_bytes_for,
+    SCALE_POINTER_ALIGN, SCALE_SPAN_MAX, ScaleCopy, scale_copies, workspace_bytes_for,
 )
 
 __all__ = [

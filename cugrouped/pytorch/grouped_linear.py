@@ -348,7 +348,7 @@ class GroupedLinear(torch.nn.Module):
         layer calls this a few times a step: ``getattr`` and an f-string per expert cost ~78 us
         at E=64); through ``getattr`` when one is held elsewhere (a wrapper replaced it)."""
         names = self.__dict__.get(f"_{kind}_names")
-        if names is None or len(names) != self.num_gemms:
+        if names is None:
             names = tuple(f"{kind}{i}" for i in range(self.num_gemms))
             self.__dict__[f"_{kind}_names"] = names
         params = self._parameters
