@@ -92,8 +92,10 @@ def test_bench_stopped_by_a_time_limit_keeps_what_it_measured(tmp_path, capsys, 
 
     with open(tmp_path / "bench.csv") as f:
         ops = [r["op"] for r in csv.DictReader(f)]
-    assert ops and set(ops) == {"cast-host"}          # the finished section's rows, all of them
-    assert len(ops) == out.count("cast op host path")
+    # the finished sections' rows, all of them
+    assert ops and set(ops) == {"cast-host", "launch-arg-host"}
+    assert ops.count("cast-host") == out.count("cast op host path")
+    assert ops.count("launch-arg-host") == out.count("cast kernel argument block") == 2
 
 
 def test_compile_check_one_kernel_one_arch(capsys):

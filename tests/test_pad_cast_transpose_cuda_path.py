@@ -11,6 +11,7 @@ are all exercised and bit-compared with the reference; only CuPy's launcher and 
 from __future__ import annotations
 
 import contextlib
+import types
 import dataclasses
 
 import numpy as np
@@ -118,7 +119,11 @@ def test_cuda_path_arguments_run_the_kernel_to_the_reference_bits(fake_device, f
         assert block == (pct.THREADS,)
         # (PctGroup g, i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale,
         #  7 pointers, i32 amax_accumulate)
-        assert a[0].dtype == pct.group_dtype() and a[0].shape == ()
+        # the argument block by value: a CuPy CPointer at the record's bytes (_launch.by_value)
+        from cupy.cuda.function import CPointer
+
+        assert isinstance(a[0], CPointer) and a[0].ptr == a[0].arg.ctypes.data
+        assert a[0].arg.dtype == pct.group_dtype() and a[0].arg.shape == ()
         assert [type(v) for v in a[1:]] == [np.int64, np.int32, np.int32, np.float32, np.int32] \
             + [np.uint64] * 7 + [np.int32]
         assert int(a[13]) == 0
@@ -151,7 +156,7 @@ def test_cuda_path_reads_torch_tensors_through_their_pointers(fake_device):
     assert_same_bits(_fp8_view(dataclasses.replace(out_np, m_splits=res.m_splits,
                                                    m_pad_splits=res.m_pad_splits), "e4m3"), want)
     [(_, _, _, a)] = calls
-    assert int(a[6]) == out.scale.data_ptr() and int(a[0]["in"][0]) == ts[0].data_ptr()
+    assert int(a[6]) == out.scale.data_ptr() and int(a[0].arg["in"][0]) == ts[0].data_ptr()
 
 
 def test_cuda_path_allocates_new_outputs_on_the_inputs_device(fake_device, monkeypatch):
@@ -267,7 +272,7 @@ def test_cuda_path_gather_reads_out_of_range_indices_as_zero_rows(fake_device, f
     safe = np.where(idx >= T, -1, idx)
     want = reference.multi_pad_cast_transpose(tokens, m_splits, row_index=safe, column_sums=True)
     assert_same_bits(_fp8_view(got, "e4m3"), want, form)
-    block = calls[0][3][0]
+    block = calls[0][3][0].arg
     assert int(block["row_index"]) == idx.ctypes.data and int(block["src_rows"]) == T
 
 
@@ -308,3 +313,32 @@ def test_list_inputs_on_two_devices_are_refused(fake_device):
                            r"inputs\[0\] is a numpy array on device 0$"):
             pct.cast_arrays(xs)
     assert not calls
+
+
+def test_by_value_hands_cupy_the_records_address():
+    """The argument block reaches ``cuLaunchKernel`` as the address of its bytes: the one CuPy's
+    own conversion of the record would take (``CNumpyArray``, which first describes every field,
+    ~10x slower), holding the record alive; anything but a 0-d record is refused."""
+    import ctypes
+
+    from cupy.cuda.function import CNumpyArray, CPointer
+
+    arg = np.zeros((), dtype=pct.group_dtype())
+    arg["num_experts"], arg["m"][:3] = 3, (5, 0, 7)
+    bv = _launch.by_value(arg)
+    assert isinstance(bv, CPointer) and bv.arg is arg
+    assert bv.ptr == CNumpyArray(arg).ptr == arg.ctypes.data
+    assert ctypes.string_at(bv.ptr, arg.dtype.itemsize) == arg.tobytes()
+    for bad in (np.zeros(3, pct.group_dtype()), np.zeros((), np.int64), arg.tobytes()):
+        with pytest.raises(TypeError, match="arg: expected a 0-d NumPy array of a structured"):
+            _launch.by_value(bad)
+
+
+def test_the_emulator_refuses_a_by_value_pointer_off_its_record():
+    arg = np.zeros((), dtype=pct.group_dtype())
+    kern = _jit.get_emulated_function(pct.KERNEL_SPEC, pct.kernel_name("float32", "e4m3", "CAST"))
+    moved = types.SimpleNamespace(arg=arg, ptr=arg.ctypes.data + 8)
+    args = (moved,) + (np.int64(16), np.int32(16), np.int32(0), np.float32(0), np.int32(0)) \
+        + (np.uint64(0),) * 7 + (np.int32(0),)
+    with pytest.raises(TypeError, match="argument 0 is a by-value pointer that does not point"):
+        kern((1,), (pct.THREADS,), args)

@@ -73,6 +73,24 @@ def bench_planning(rows: list[dict], patterns: int = 300) -> None:
                           f"({us / experts:.2f} us per expert)")
 
 
+def bench_launch_argument(rows: list[dict], reps: int = 2000) -> None:
+    """What handing the cast kernel's argument block to CuPy costs per launch, on the CPU: as the
+    0-d record itself (CuPy reads its address through ``__array_interface__``, which describes
+    every field of the struct first) and as :func:`~cugrouped.ops._launch.by_value` passes it
+    (a ``CPointer`` at its bytes). Both are CuPy's real conversions; the launch is not timed."""
+    import numpy as np
+    from cupy.cuda.function import CNumpyArray
+
+    from ..ops import _launch
+
+    arg = np.zeros((), dtype=pct.group_dtype())
+    for form, convert in (("record", CNumpyArray), ("by_value", _launch.by_value)):
+        us = cpu_loop_us(lambda convert=convert: convert(arg), n=reps)
+        rows.append(dict(op="launch-arg-host", config=form, impl="cugrouped", host_us=us))
+        print(f"cast kernel argument block ({arg.dtype.itemsize} bytes) to CuPy as {form:<8}: "
+              f"{us:6.2f} us per launch")
+
+
 def _write_csv(rows: list[dict], env: dict, out: Path) -> None:
     keys = sorted({k for r in rows for k in r} | set(env))
     with open(out / "bench.csv", "w", newline="") as f:
@@ -175,6 +193,7 @@ def _run_sections(what: str, quick: bool, rows: list[dict], section, on_gpu: boo
     timings, the numbers the issues' targets are judged on first."""
     if what in ("cast", "all"):
         section("cast-host", bench_planning, rows)
+        section("launch-arg-host", bench_launch_argument, rows)
         from .block import bench_block_planning
 
         section("block-cast-host", bench_block_planning, rows)

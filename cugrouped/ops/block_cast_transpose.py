@@ -425,8 +425,8 @@ def cuda_arguments(arg, k: int, align: int, eps: float, power_2_scale: bool,
         ptrs = (colsum, partial, count)
     else:
         ptrs = (None, None, None)
-    return (arg, np.int64(k), np.int32(align), np.float32(eps), np.int32(power_2_scale)) + \
-        tuple(np.uint64(data_ptr(a)) for a in ptrs)
+    return (_launch.by_value(arg), np.int64(k), np.int32(align), np.float32(eps),
+            np.int32(power_2_scale)) + tuple(np.uint64(data_ptr(a)) for a in ptrs)
 
 
 def _run(backend, spec, name, chunk: ChunkLaunch, arg, k, align, eps, power_2_scale,

@@ -198,7 +198,7 @@ def grouped_gemm_setup(spec: SetupSpec, workspace, *, m_host=None, m_dev=None, t
     arg = pack_args(spec, ws_ptr, offsets, m_host=m_host, m_dev_ptr=m_dev_ptr, total_rows=total_rows)
     _launch.note_launch(backend, KERNEL_NAME, 1, THREADS)
     if backend == "cuda":
-        _jit.get_function(KERNEL_SPEC, KERNEL_NAME)((1,), (THREADS,), (arg,))
+        _jit.get_function(KERNEL_SPEC, KERNEL_NAME)((1,), (THREADS,), (_launch.by_value(arg),))
     elif backend == "emulate":
         _jit.get_emulated_function(KERNEL_SPEC, KERNEL_NAME)(
             (1,), (THREADS,), (arg,), order=_launch.current_emulation_order())

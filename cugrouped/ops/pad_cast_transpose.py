@@ -519,7 +519,7 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
     float* scale, float* amax, float* scale_inv,
     int* workspace, float* colsum, float* colsum_partial, int* colsum_count,
     i32 amax_accumulate)``: the argument
-    block by value, every pointer as a ``uint64`` (so any device array kind works, torch
+    block by value (:func:`._launch.by_value`), every pointer as a ``uint64`` (so any device array kind works, torch
     tensors included, with no DLPack round trip), null where a buffer is not used. The
     workspaces are kept per (device, stream) (:mod:`._launch`), never allocated per call."""
     tiles_k = -(-k // TILE_K)
@@ -530,7 +530,7 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
     else:
         count = partial = None
     pointers = tuple(ptrs) + (ws, colsum, partial, count)
-    return (arg,) + _scalars(k, align, rule) + tuple(
+    return (_launch.by_value(arg),) + _scalars(k, align, rule) + tuple(
         np.uint64(data_ptr(a)) for a in pointers) + (np.int32(amax_accumulate),)
 
 
