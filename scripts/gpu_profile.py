@@ -9,8 +9,12 @@
    (cugrouped alone, no torch peers) -> ``cast_all.txt``.
 2. The grouped GEMM loop's host time on this machine's CPU, split: the same operands again (the
    memo hits) or the memo cleared before each call (checks and plan redone, as new token counts
-   make them), one side stream or four, and a cProfile of the hot path -> ``host_gemm.txt``.
-3. The PyTorch layer's host time per training step and a cProfile of it -> ``host_layer.txt``.
+   make them), one side stream or four, against a per-expert ``torch._scaled_mm`` loop (cuBLASLt
+   called by torch), the CUDA API calls of a call (CUPTI, as in 3.) and a cProfile of the hot
+   path -> ``host_gemm.txt``.
+3. The PyTorch layer's host time per training step, the CUDA API calls of a step (torch's
+   profiler, CUPTI: every runtime and driver call of the process, CuPy's and cuBLASLt's too),
+   the torch calls that synchronize (sync debug mode) and a cProfile -> ``host_layer.txt``.
 4. ``compute-sanitizer`` memcheck and racecheck over one small launch of every kernel family
    (casts per-tensor / gathered / SwiGLU / block / MXFP8, column sums, scale update, the GEMM
    loop) -> ``sanitizer.txt``.
@@ -154,6 +158,9 @@ def host_gemm(out: pathlib.Path) -> None:
                              f"{'memo cleared    ' if rotate else 'same operands   '}: "
                              f"{us:7.1f} us per call, {us / experts:5.2f} us per expert")
         st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = all_streams
+        lines.append(_scaled_mm_loop_host(m, k, n))
+        lines += _api_trace(f"grouped_fprop E={experts}",
+                            lambda i, sets=sets, y=y: grouped_fprop(*sets[0], out=y))
         prof = cProfile.Profile()
         prof.enable()
         for i in range(100):
@@ -165,7 +172,38 @@ def host_gemm(out: pathlib.Path) -> None:
         lines.append(f"cProfile, E={experts}, same operands, 100 calls:\n{buf.getvalue()}")
     text = "\n".join(lines)
     (out / "host_gemm.txt").write_text(text)
-    print("\n".join(ln for ln in lines if ln.startswith("grouped_fprop")))
+    print("\n".join(ln for ln in lines if ln.startswith(("grouped_fprop", "torch._scaled_mm"))))
+
+
+def _scaled_mm_loop_host(m, k: int, n: int) -> str:
+    """The host time of the peer a user would write, a per-expert ``torch._scaled_mm`` loop on
+    the same shapes (counts rounded up to 16, as it needs): what cuBLASLt's own call costs the
+    host when torch makes it, to set against grouped_fprop's per expert."""
+    import numpy as np
+    import torch
+
+    dev = torch.device("cuda")
+    m16 = [max(16, -(-mi // 16) * 16) for mi in m]
+    xs = [torch.randn(mi, k, device=dev).to(torch.float8_e4m3fn) for mi in m16]
+    ws = [torch.randn(n, k, device=dev).to(torch.float8_e4m3fn) for _ in m16]
+    one = torch.ones((), device=dev)
+
+    def loop():
+        return [torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16)
+                for x, w in zip(xs, ws)]
+
+    for _ in range(5):
+        loop()
+    times = []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    us = float(np.median(times)) * 1e6
+    return (f"torch._scaled_mm loop E={len(m):3d} (one stream): {us:7.1f} us per call, "
+            f"{us / len(m):5.2f} us per expert")
 
 
 def host_layer(out: pathlib.Path) -> None:
@@ -202,6 +240,7 @@ def host_layer(out: pathlib.Path) -> None:
             lines.append(f"layer step {cfg.name} {impl}: host {np.median(times) * 1e3:.2f} ms")
             print(lines[-1], flush=True)
             if impl == "cugrouped-fp8-delayed-tensor":
+                lines += _api_trace(cfg.name, step)
                 prof = cProfile.Profile()
                 prof.enable()
                 for i in range(10):
@@ -215,6 +254,47 @@ def host_layer(out: pathlib.Path) -> None:
         del impls
         torch.cuda.empty_cache()
     (out / "host_layer.txt").write_text("\n".join(lines))
+
+
+def _api_trace(name: str, step) -> list[str]:
+    """What one layer step asks of CUDA, by call: torch's profiler with CUPTI records every CUDA
+    runtime and driver API call of the process (CuPy's launches and cuBLASLt's included), so a
+    call that waits for the GPU (a synchronize, a blocking copy or free) shows up with its time,
+    and the counts show how many launches, event records and stream waits a step makes. Then
+    one step under torch's sync debug mode, which warns on the torch calls that synchronize."""
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            step(i)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for keys in (("self_cpu_time_total",), ("self_device_time_total", "self_cuda_time_total")):
+        for key in keys:       # (torch renamed "cuda" columns "device")
+            try:
+                table = averages.table(sort_by=key, row_limit=40, max_name_column_width=70)
+                break
+            except Exception as exc:  # noqa: BLE001 (the next name, or the reason in the file)
+                table = f"({type(exc).__name__}: {exc})"
+        lines.append(f"torch.profiler (CUPTI) {name}, 5 steps, by {key}:\n{table}")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = [f"  {w.filename}:{w.lineno}: {str(w.message)[:160]}" for w in caught
+             if "synchroniz" in str(w.message)]
+    lines.append(f"sync debug mode {name}, 1 step: {len(syncs)} synchronizing torch call(s)"
+                 + "".join(f"\n{s}" for s in syncs))
+    print(lines[-1], flush=True)
+    return lines
 
 
 def _run(cmd, limit: int, log: pathlib.Path, env=None) -> str:
