@@ -9,7 +9,8 @@
    (cugrouped alone, no torch peers) -> ``cast_all.txt``.
 2. The grouped GEMM loop's host time on this machine's CPU, split: the same operands again (the
    memo hits) or the memo cleared before each call (checks and plan redone, as new token counts
-   make them), one side stream or four, against a per-expert ``torch._scaled_mm`` loop (cuBLASLt
+   make them), over 1, 4, 8 or 16 side streams (with the GPU time of each: small per-expert GEMMs
+   fill few SMs each), against a per-expert ``torch._scaled_mm`` loop (cuBLASLt
    called by torch), the CUDA API calls of a call (CUPTI, as in 3.) and a cProfile of the hot
    path -> ``host_gemm.txt``.
 3. The PyTorch layer's host time per training step, the CUDA API calls of a step (torch's
@@ -126,7 +127,9 @@ def host_gemm(out: pathlib.Path) -> None:
     import numpy as np
 
     from cugrouped import grouped_fprop
-    from cugrouped.ops import _gemm_launch, _gemm_memo
+    from cugrouped.bench.common import median_ms
+    from cugrouped.ops import _gemm_memo
+    from cugrouped.ops import grouped_gemm as gg
     from test_grouped_gemm import make_fp8
 
     lines = []
@@ -136,11 +139,8 @@ def host_gemm(out: pathlib.Path) -> None:
         m = moe_splits(experts, 256 * experts, True, 1)
         sets = [make_fp8(m, k, n, seed=s, xp=cupy)[:2] for s in range(2)]
         y = cupy.empty((sum(m), n), cupy.uint16)
-        st = _gemm_launch._state(cupy.cuda.Device().id)
-        all_streams = (st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events)
-        for streams in (4, 1):
-            st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = (
-                v[:streams] for v in all_streams)
+        for side in (1, 4, 8, 16):
+            gg.set_side_streams(side)
             for rotate in (False, True):
                 for i in range(5):
                     grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
@@ -154,10 +154,13 @@ def host_gemm(out: pathlib.Path) -> None:
                     grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
                     times.append(time.perf_counter() - t0)
                 us = float(np.median(times)) * 1e6
-                lines.append(f"grouped_fprop E={experts:3d} {streams} side stream(s), "
+                # the GPU time (the stream held by a spin kernel until every call is queued)
+                dev = f", GPU {median_ms(lambda i: grouped_fprop(*sets[0], out=y), 30):.3f} ms" \
+                    if not rotate else ""
+                lines.append(f"grouped_fprop E={experts:3d} {side:2d} side stream(s), "
                              f"{'memo cleared    ' if rotate else 'same operands   '}: "
-                             f"{us:7.1f} us per call, {us / experts:5.2f} us per expert")
-        st.streams, st.stream_ptrs, st.ws_ptrs, st.done_events = all_streams
+                             f"{us:7.1f} us per call, {us / experts:5.2f} us per expert{dev}")
+        gg.set_side_streams(gg.NUM_STREAMS)
         lines.append(_scaled_mm_loop_host(m, k, n))
         lines += _api_trace(f"grouped_fprop E={experts}",
                             lambda i, sets=sets, y=y: grouped_fprop(*sets[0], out=y))

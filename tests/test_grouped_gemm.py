@@ -1064,6 +1064,31 @@ def test_gpu_launch_count_streams_and_out():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("side", [1, 7, 16])
+def test_gpu_side_stream_count_changes_no_bit(side):
+    """The three passes over 1, 7 or 16 side streams (streams made on first use) give the bits
+    of the default 4: each expert's GEMM is the same call on another stream."""
+    import cupy
+
+    m_splits = [9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11]
+    X, W, G = make_fp8(m_splits, 32, 16, seed=8, xp=cupy)
+    Wt = dataclasses.replace(W, data=None)
+
+    def run():
+        return [cupy.asnumpy(a) for a in (grouped_fprop(X, W), grouped_dgrad(G, Wt),
+                                          grouped_wgrad(X, G))]
+
+    want = run()
+    old = gg.set_side_streams(side)
+    try:
+        got = run()
+    finally:
+        gg.set_side_streams(old)
+    for g, w in zip(got, want):
+        assert g.tobytes() == w.tobytes()
+
+
+@pytest.mark.gpu
 def test_gpu_loop_replays_in_a_cuda_graph():
     """The per-expert loop captured into a CUDA graph: the side streams forked from the capturing
     stream and joined back (more experts than side streams, empty experts skipped), workspaces
@@ -1723,6 +1748,8 @@ def _streams_logged():
     st.streams = [Stream(0x1000 + i) for i in range(gg.NUM_STREAMS)]
     st.stream_ptrs = [s.ptr for s in st.streams]
     st.fork_event, st.done_events = Ev(), [Ev() for _ in st.streams]
+    st.make_event = Ev
+    st.make_side_stream = lambda: (Stream(0x1000 + len(st.streams)), 0x7E0000000000 + len(st.streams))
     caller = Stream(CALLER)
     st.current_stream = lambda: caller
     return st, log
@@ -1774,6 +1801,56 @@ def test_loop_forks_exactly_the_side_streams_it_joins(live):
     assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
     assert log[0] == ("record", CALLER) and log.count(("wait", CALLER)) == n
     gg.clear_memo()
+
+
+@pytest.mark.parametrize("side,live", [(1, 3), (6, 8), (8, 5), (32, 40)])
+def test_loop_spreads_over_the_side_streams_set_making_more_on_first_use(side, live):
+    """set_side_streams(n): expert j's call goes to side stream j % n, with that stream's
+    workspace; streams beyond those made are made (with a workspace and a join event) before
+    the fork, and exactly the streams used are forked and joined."""
+    st, log = _streams_logged()
+    calls = []
+    st.matmul = lambda *a: calls.append((a[-1], a[-3])) or 0        # (stream, workspace)
+    X, W, _ = make_fp8([16] * live, 32, 16, seed=3)
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    old = gg.set_side_streams(side)
+    try:
+        gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+    finally:
+        assert gg.set_side_streams(old) == side
+    n = min(side, live)
+    assert len(st.streams) == len(st.ws_ptrs) == len(st.done_events) == max(n, gg.NUM_STREAMS)
+    assert [s for s, _ in calls] == [0x1000 + j % n for j in range(live)]
+    assert [w for _, w in calls] == [st.ws_ptrs[j % n] for j in range(live)]
+    forked = [ptr for what, ptr in log if what == "wait" and ptr != CALLER]
+    joined = [ptr for what, ptr in log if what == "record" and ptr != CALLER]
+    assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
+    assert log[0] == ("record", CALLER) and log.count(("wait", CALLER)) == n
+    gg.clear_memo()
+
+
+def test_side_streams_that_cannot_be_made_are_refused_before_the_fork():
+    st, log = _streams_logged()
+    st.make_side_stream = None
+    X, W, _ = make_fp8([16] * 6, 32, 16, seed=4)
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    old = gg.set_side_streams(6)
+    try:
+        with pytest.raises(RuntimeError, match="6 side streams asked for, 4 made"):
+            gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+    finally:
+        gg.set_side_streams(old)
+    assert log == []                                            # nothing forked
+    gg.clear_memo()
+
+
+@pytest.mark.parametrize("n", [0, -2, 33, 4.0, False, "4", None])
+def test_set_side_streams_refuses_what_the_loop_cannot_use(n):
+    with pytest.raises(ValueError, match=r"n: expected an int in \[1, 32\]"):
+        gg.set_side_streams(n)
+    assert gg.side_streams() == gg.NUM_STREAMS
 
 
 # ---------------------------------------------------------------------------------------------

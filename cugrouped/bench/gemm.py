@@ -472,11 +472,13 @@ def host_loop_state(compute_capability: int = 90):
         real_matmul(None, *args)      # CUBLAS_STATUS_NOT_INITIALIZED, having packed every argument
         return 0
 
-    return gg._DeviceState(
+    st = gg._DeviceState(
         0, compute_capability, ctypes.c_void_p(0), [_FakeStream(0x1000 + i) for i in range(gg.NUM_STREAMS)],
         [0x7F0000000000 + (i << 26) for i in range(gg.NUM_STREAMS)], lambda: _FakeStream(0),
         _FakeEvent, lambda *a: HeuristicResult(), matmul, lambda ptr, nbytes, stream: None,
-        lambda *args: None, lambda nbytes: 0x7D0000000000)
+        lambda *args: None, lambda nbytes: 0x7D0000000000,
+        lambda: (_FakeStream(0x1000 + len(st.streams)), 0x7F0000000000 + (len(st.streams) << 26)))
+    return st
 
 
 def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> None:

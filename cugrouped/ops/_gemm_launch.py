@@ -18,8 +18,29 @@ from ._gemm_memo import Checked, prepared_out
 from ._gemm_plan import (SCALE_POINTER_ALIGN, ExpertGemm, Problem, VecPlan, as_blocks,
                          block_scaling_unsupported, shape_signature, workspace_bytes_for)
 
-# Side streams the per-expert loop is spread over (TransformerEngine uses 4).
+# Side streams the per-expert loop is spread over by default (TransformerEngine uses 4).
 NUM_STREAMS = 4
+# At most this many (each holds a cuBLASLt workspace, 32 MiB on Hopper).
+MAX_SIDE_STREAMS = 32
+_side_streams = NUM_STREAMS
+
+
+def side_streams() -> int:
+    """How many side streams the per-expert loop spreads its ``cublasLtMatmul`` calls over."""
+    return _side_streams
+
+
+def set_side_streams(n: int) -> int:
+    """Set :func:`side_streams` (1..``MAX_SIDE_STREAMS``) for the calls that follow in this
+    process; returns the previous value. Small per-expert GEMMs fill few SMs each, so more of
+    them at once can fill the GPU; every stream added costs a workspace and two event calls
+    per GEMM call. Streams are made on first use (not during a CUDA graph capture: run a call
+    with the new count once before capturing). A tuning knob: the results are the same bits."""
+    global _side_streams
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_SIDE_STREAMS:
+        raise ValueError(f"n: expected an int in [1, {MAX_SIDE_STREAMS}], got {n!r}")
+    old, _side_streams = _side_streams, int(n)
+    return old
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,7 +66,8 @@ class _DeviceState:
     without a GPU."""
 
     def __init__(self, device: int, compute_capability: int, handle, streams, workspace_ptrs,
-                 current_stream, make_event, heuristic, matmul, memset, memcpy2d, scale_scratch):
+                 current_stream, make_event, heuristic, matmul, memset, memcpy2d, scale_scratch,
+                 make_side_stream=None):
         self.device = device
         self.compute_capability = int(compute_capability)
         self.workspace_bytes = workspace_bytes_for(self.compute_capability)
@@ -65,6 +87,8 @@ class _DeviceState:
         self.memcpy2d = memcpy2d
         # nbytes -> a 16-byte aligned device buffer of the current stream, kept for reuse
         self.scale_scratch = scale_scratch
+        # () -> (stream, workspace pointer): one more side stream (ensure_streams), or None
+        self.make_side_stream = make_side_stream
         self.templates: dict[Any, dict] = {}
         self.alpha = ctypes.c_float(1.0)
         self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
@@ -84,16 +108,36 @@ class _DeviceState:
         nbytes = workspace_bytes_for(cc)
         keep = [cupy.empty(nbytes, dtype=np.uint8) for _ in streams]
         handle = Handle()
+
+        def side_stream():
+            _launch.refuse_capture(cupy.cuda.get_current_stream().ptr, "grouped GEMM side stream")
+            ws = cupy.empty(nbytes, dtype=np.uint8)
+            st._keep = st._keep + (ws,)
+            return cupy.cuda.Stream(non_blocking=True), ws.data.ptr
+
         st = cls(device, cc, handle.handle, streams, [w.data.ptr for w in keep],
                  cupy.cuda.get_current_stream, lambda: cupy.cuda.Event(disable_timing=True),
                  _real_heuristic(handle), lib().cublasLtMatmul,
                  lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream),
-                 _memcpy2d, lambda nb: _launch.device_scratch("gemm scales", nb).data.ptr)
+                 _memcpy2d, lambda nb: _launch.device_scratch("gemm scales", nb).data.ptr,
+                 side_stream)
         st._keep = (handle, keep)  # owners of the handle and workspaces
         from ..cublaslt import has_grouped_gemm, version
 
         st.cublas_version, st.has_grouped_symbol = version(), has_grouped_gemm()
         return st
+
+    def ensure_streams(self, n: int) -> None:
+        """At least ``n`` side streams, each with a workspace and a join event."""
+        while len(self.streams) < n:
+            if self.make_side_stream is None:
+                raise RuntimeError(f"device {self.device}: {n} side streams asked for, "
+                                   f"{len(self.streams)} made and no way to make more")
+            stream, ws = self.make_side_stream()
+            self.streams.append(stream)
+            self.stream_ptrs.append(stream.ptr)
+            self.ws_ptrs.append(ws)
+            self.done_events.append(self.make_event())
 
     def caller_workspace(self, stream_ptr: int) -> int:
         """A workspace for a call made on the caller's own stream (a single expert)."""
@@ -226,7 +270,9 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
         # Fork exactly the side streams the loop uses, as the join below joins exactly those,
         # and nothing that can raise between the fork and the try: a side stream forked but
         # never joined fails a CUDA graph capture (cudaErrorStreamCaptureUnjoined at its end).
-        used = min(len(st.streams), ncalls)
+        used = min(_side_streams, ncalls)
+        if used > len(st.streams):
+            st.ensure_streams(used)
         streams, ws = st.stream_ptrs[:used], st.ws_ptrs[:used]
         st.fork_event.record(caller)
         for s in st.streams[:used]:

@@ -51,8 +51,8 @@ from ._gemm_grouped import (  # noqa: F401  (re-exported)
     grouped_setup_spec, grouped_workspace_layout, path_for,
 )
 from ._gemm_launch import (  # noqa: F401  (re-exported)
-    HEURISTIC_CACHE_SIZE, NUM_STREAMS, _DeviceState, _launch_loop, _launch_plan, _state,
-    build_descriptors, launch_checked,
+    HEURISTIC_CACHE_SIZE, MAX_SIDE_STREAMS, NUM_STREAMS, _DeviceState, _launch_loop,
+    _launch_plan, _state, build_descriptors, launch_checked, set_side_streams, side_streams,
 )
 from ._gemm_memo import (  # noqa: F401  (re-exported)
     MEMO_OUTPUTS, MEMO_SIZE, Checked, _call_key, checked, clear_memo, prepared_out,
@@ -69,7 +69,8 @@ __all__ = [
     "Block", "ExpertGemm", "GemmPlan", "Problem", "pointer_alignment", "plan_expert",
     "plan_problem", "check_fprop", "check_dgrad", "check_wgrad", "outputs", "check_alignment",
     "gemm_config", "bias_dtype_for", "workspace_bytes_for", "build_descriptors",
-    "FP8_MULTIPLE", "NUM_STREAMS", "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
+    "FP8_MULTIPLE", "NUM_STREAMS", "MAX_SIDE_STREAMS", "side_streams", "set_side_streams",
+    "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
     "VecPlan", "plan_arrays", "grouped_gemm_unsupported", "choose_path", "grouped_workspace_layout",
     "grouped_descriptors", "GROUPED_MAX_GROUPS", "block_scaling_unsupported",
     "grouped_block_unsupported",
