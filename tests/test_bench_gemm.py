@@ -173,6 +173,8 @@ def test_wgrad_speedups_compare_like_output_dtypes():
              "torch-grouped_mm-bf16": name("gm")}
     fp8 = {"fprop": "f8", "dgrad": "d8", "wgrad": "w8", "wgrad-bf16": "w8bf"}
     impls = bg._impls("wgrad", fp8, {p: "f16" for p in bg.PASSES}, peers)
+    assert impls[1][0] == "cugrouped-fp8-s16" and impls[1][2:] == (True, True, "float32")
+    del impls[1]                    # (its function: test_the_wide_row_runs_on_16_side_streams)
     assert [(i[0], i[1], i[2], i[4]) for i in impls] == [
         ("cugrouped-fp8", "w8", True, "float32"), ("cugrouped-fp8-bf16dW", "w8bf", True, "bfloat16"),
         ("cugrouped-fp16", "f16", False, "float16"), ("torch-scaled_mm-loop", "sm", True, "float32"),
@@ -191,8 +193,29 @@ def test_wgrad_speedups_compare_like_output_dtypes():
                                   speedup_note="GEMM only, cast excluded"), impl
     # fprop: one reference, bf16 output everywhere
     fprop = bg._impls("fprop", fp8, {p: "f16" for p in bg.PASSES}, peers)
-    assert [i[0] for i in fprop][:2] == ["cugrouped-fp8", "cugrouped-fp16"]
+    assert [i[0] for i in fprop][:3] == ["cugrouped-fp8", "cugrouped-fp8-s16", "cugrouped-fp16"]
     assert {i[4] for i in fprop} == {"bfloat16", "float16"}
+
+
+def test_the_wide_row_runs_on_16_side_streams():
+    """The ``-s16`` row calls our FP8 function with 16 side streams set, and sets back the count
+    the call found, also when it raises."""
+    from cugrouped.ops import grouped_gemm as gg
+
+    seen = []
+
+    def fp8_fprop(i):
+        seen.append((i, gg.side_streams()))
+        if i == 2:
+            raise RuntimeError("boom")
+
+    fp8 = {"fprop": fp8_fprop, "dgrad": None, "wgrad": None, "wgrad-bf16": None}
+    [wide] = [fn for impl, fn, *_ in bg._impls("fprop", fp8, {p: None for p in bg.PASSES}, {})
+              if impl == "cugrouped-fp8-s16"]
+    wide(1)
+    with pytest.raises(RuntimeError, match="boom"):
+        wide(2)
+    assert seen == [(1, 16), (2, 16)] and gg.side_streams() == gg.NUM_STREAMS
 
 
 def test_our_16_bit_wgrad_dw_dtypes_pass_the_ops_checks():
@@ -257,9 +280,11 @@ def test_bench_gemm_rows_on_a_model_gpu(monkeypatch, capsys):
     assert "wgrad torch-scaled_grouped_mm  skipped: RuntimeError: mat2 must be column major" in \
         capsys.readouterr().out
     got = {(r["pass_name"], r["impl"]): r for r in rows}
-    assert len(rows) == 6 + 6 + 6 and ("wgrad", "torch-scaled_grouped_mm") not in got
+    # each pass: our FP8 loop on 4 and on 16 side streams, our fp16, the peers (one refuses)
+    assert len(rows) == 7 + 7 + 7 and ("wgrad", "torch-scaled_grouped_mm") not in got
     for (pass_name, impl), r in got.items():
-        assert r["ms"] == pytest.approx(cost[impl], abs=1e-9), (pass_name, impl)
+        base = impl.removesuffix(f"-s{bg.WIDE_STREAMS}")     # the same work on more streams
+        assert r["ms"] == pytest.approx(cost[base], abs=1e-9), (pass_name, impl)
         assert r["tflops"] == pytest.approx(bg.gemm_flops(cfg, pass_name) / r["ms"] / 1e9)
         assert r["lead_ms"] == 0.2 and abs(r["drift_pct"]) < 1e-6
         assert ("host_us_per_expert" in r) == impl.startswith("cugrouped")

@@ -341,12 +341,32 @@ CAST_EXCLUDED = "GEMM only, cast excluded"   # FP8 GEMM vs a 16-bit one: our cas
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# The loop over more side streams than its default 4 (set_side_streams): a row of its own, so
+# that a run shows what small per-expert GEMMs gain from more of them at once.
+WIDE_STREAMS = 16
+
+
+def _with_side_streams(fn, n: int):
+    from ..ops import grouped_gemm as gg
+
+    def call(i):
+        old = gg.set_side_streams(n)
+        try:
+            return fn(i)
+        finally:
+            gg.set_side_streams(old)
+    return call
+
+
 def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
-    """``(impl, fn, is_fp8, is_ours, out_dtype)`` per row of one pass, cugrouped's first. wgrad's
+    """``(impl, fn, is_fp8, is_ours, out_dtype)`` per row of one pass, cugrouped's first (its FP8
+    loop also over :data:`WIDE_STREAMS` side streams, ``cugrouped-fp8-s16``). wgrad's
     output dtypes differ: cugrouped FP8 writes float32 (``cugrouped-fp8``) and bfloat16
     (``cugrouped-fp8-bf16dW``), the per-expert ``_scaled_mm`` loop float32, the rest 16 bits."""
     wg = pass_name == "wgrad"
-    impls = [("cugrouped-fp8", fp8[pass_name], True, True, "float32" if wg else "bfloat16")]
+    impls = [("cugrouped-fp8", fp8[pass_name], True, True, "float32" if wg else "bfloat16"),
+             (f"cugrouped-fp8-s{WIDE_STREAMS}", _with_side_streams(fp8[pass_name], WIDE_STREAMS),
+              True, True, "float32" if wg else "bfloat16")]
     if wg:
         impls.append(("cugrouped-fp8-bf16dW", fp8["wgrad-bf16"], True, True, "bfloat16"))
     impls.append(("cugrouped-fp16", f16[pass_name], False, True, "float16"))
