@@ -161,6 +161,7 @@ def host_gemm(out: pathlib.Path) -> None:
                              f"{'memo cleared    ' if rotate else 'same operands   '}: "
                              f"{us:7.1f} us per call, {us / experts:5.2f} us per expert{dev}")
         gg.set_side_streams(gg.NUM_STREAMS)
+        lines.append(_new_counts_every_call(experts, k, n, sets[0][1], moe_splits))
         lines.append(_scaled_mm_loop_host(m, k, n))
         lines += _api_trace(f"grouped_fprop E={experts}",
                             lambda i, sets=sets, y=y: grouped_fprop(*sets[0], out=y))
@@ -176,6 +177,42 @@ def host_gemm(out: pathlib.Path) -> None:
     text = "\n".join(lines)
     (out / "host_gemm.txt").write_text(text)
     print("\n".join(ln for ln in lines if ln.startswith(("grouped_fprop", "torch._scaled_mm"))))
+
+
+def _new_counts_every_call(experts: int, k: int, n: int, W, moe_splits) -> str:
+    """grouped_fprop's host time when every call brings new token counts, as a router does each
+    step: the memo misses, and each expert whose count is new to the process needs its layouts
+    and a cublasLtMatmulAlgoGetHeuristic call (how many: the templates the calls added). ``W``:
+    the experts' weights, cast."""
+    import cupy
+    import numpy as np
+
+    import cugrouped
+    from cugrouped import grouped_fprop
+    from cugrouped.ops import grouped_gemm as gg
+
+    tokens = 256 * experts
+    x = (cupy.random.standard_normal((tokens, k), dtype=np.float32) * 0.1).astype(cupy.float16)
+    calls = []
+    for i in range(20):
+        m = moe_splits(experts, tokens, True, 1000 + i)
+        X = cugrouped.multi_pad_cast_transpose(x.view(cupy.uint16), m, dtype="float16",
+                                               columnwise=False)
+        calls.append((X, W, cupy.empty((tokens, n), cupy.uint16)))
+    st = gg._state(cupy.cuda.Device().id)
+    before = sum(len(t) for t in st.templates.values())
+    times = []
+    for X, W, y in calls:
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        grouped_fprop(X, W, out=y)
+        times.append(time.perf_counter() - t0)
+    cupy.cuda.Device().synchronize()
+    added = sum(len(t) for t in st.templates.values()) - before
+    us = float(np.median(times)) * 1e6
+    return (f"grouped_fprop E={experts:3d} new counts every call: {us:7.1f} us per call "
+            f"(median of 20), {us / experts:5.2f} us per expert; {added} shapes new to the "
+            f"template cache (a heuristic call each), {added / 20:.1f} per call")
 
 
 def _scaled_mm_loop_host(m, k: int, n: int) -> str:
