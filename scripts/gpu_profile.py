@@ -15,7 +15,8 @@
    path -> ``host_gemm.txt``.
 3. The PyTorch layer's host time per training step, the CUDA API calls of a step (torch's
    profiler, CUPTI: every runtime and driver call of the process, CuPy's and cuBLASLt's too),
-   the torch calls that synchronize (sync debug mode) and a cProfile -> ``host_layer.txt``.
+   the torch calls that synchronize (sync debug mode) and a cProfile -> ``host_layer.txt``, and
+   the timeline of 5 steps of the first config -> ``layer_trace.json.gz`` (Chrome trace).
 4. ``compute-sanitizer`` memcheck and racecheck over one small launch of every kernel family
    (casts per-tensor / gathered / SwiGLU / block / MXFP8, column sums, scale update, the GEMM
    loop) -> ``sanitizer.txt``.
@@ -280,7 +281,9 @@ def host_layer(out: pathlib.Path) -> None:
             lines.append(f"layer step {cfg.name} {impl}: host {np.median(times) * 1e3:.2f} ms")
             print(lines[-1], flush=True)
             if impl == "cugrouped-fp8-delayed-tensor":
-                lines += _api_trace(cfg.name, step)
+                first = cfg is QUICK_GEMM[0]
+                lines += _api_trace(cfg.name, step,
+                                    out / "layer_trace.json.gz" if first else None)
                 prof = cProfile.Profile()
                 prof.enable()
                 for i in range(10):
@@ -296,12 +299,14 @@ def host_layer(out: pathlib.Path) -> None:
     (out / "host_layer.txt").write_text("\n".join(lines))
 
 
-def _api_trace(name: str, step) -> list[str]:
+def _api_trace(name: str, step, trace: pathlib.Path | None = None) -> list[str]:
     """What one layer step asks of CUDA, by call: torch's profiler with CUPTI records every CUDA
     runtime and driver API call of the process (CuPy's launches and cuBLASLt's included), so a
     call that waits for the GPU (a synchronize, a blocking copy or free) shows up with its time,
     and the counts show how many launches, event records and stream waits a step makes. Then
-    one step under torch's sync debug mode, which warns on the torch calls that synchronize."""
+    one step under torch's sync debug mode, which warns on the torch calls that synchronize.
+    ``trace``: also the timeline of the 5 steps there (Chrome trace JSON, gzipped; chrome://tracing
+    or ui.perfetto.dev read it): where the host waits, and on what."""
     import warnings
 
     import torch
@@ -312,6 +317,14 @@ def _api_trace(name: str, step) -> list[str]:
         for i in range(5):
             step(i)
         torch.cuda.synchronize()
+    if trace is not None:
+        import gzip
+
+        raw = trace.with_suffix("")                  # x.json.gz -> x.json
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     averages = prof.key_averages()
     for keys in (("self_cpu_time_total",), ("self_device_time_total", "self_cuda_time_total")):
         for key in keys:       # (torch renamed "cuda" columns "device")
