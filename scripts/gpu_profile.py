@@ -119,7 +119,20 @@ def case_sanitize() -> None:
     print("sanitize case: every kernel family launched once", flush=True)
 
 
+def _guarded(lines: list[str], what: str, fn) -> None:
+    """``fn()``'s line(s) appended to ``lines``, or the exception it raised: one diagnostic that
+    fails must not cost the others their numbers."""
+    try:
+        got = fn()
+        lines.extend(got if isinstance(got, list) else [got])
+    except Exception as exc:  # noqa: BLE001 (a profile reports every outcome)
+        lines.append(f"{what}: FAILED {type(exc).__name__}: {exc}")
+    print(lines[-1].splitlines()[0] if lines else "", flush=True)
+
+
 def host_gemm(out: pathlib.Path) -> None:
+    """The loop's host and GPU times (every timing first, the profilers after them: a CUPTI
+    session must not slow what is timed after it); the file is written whatever fails."""
     import cProfile
     import io
     import pstats
@@ -128,56 +141,71 @@ def host_gemm(out: pathlib.Path) -> None:
     import numpy as np
 
     from cugrouped import grouped_fprop
-    from cugrouped.bench.common import median_ms
+    from cugrouped.bench.common import median_ms, moe_splits
     from cugrouped.ops import _gemm_memo
     from cugrouped.ops import grouped_gemm as gg
     from test_grouped_gemm import make_fp8
 
-    lines = []
-    from cugrouped.bench.common import moe_splits
+    lines: list[str] = []
+    kept = []
 
-    for experts, k, n in ((8, 7168, 2048), (64, 2048, 1408)):
-        m = moe_splits(experts, 256 * experts, True, 1)
-        sets = [make_fp8(m, k, n, seed=s, xp=cupy)[:2] for s in range(2)]
-        y = cupy.empty((sum(m), n), cupy.uint16)
-        for side in (1, 4, 8, 16):
-            gg.set_side_streams(side)
-            for rotate in (False, True):
-                for i in range(5):
-                    grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
-                cupy.cuda.Device().synchronize()
-                times = []
-                for i in range(50):
+    def sweep(experts, sets, y):
+        got = []
+        try:
+            for side in (1, 4, 8, 16):
+                gg.set_side_streams(side)
+                for rotate in (False, True):
+                    for i in range(5):
+                        grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
                     cupy.cuda.Device().synchronize()
-                    if rotate:                # every check and plan redone, as with new counts
-                        _gemm_memo.clear_memo()
-                    t0 = time.perf_counter()
-                    grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
-                    times.append(time.perf_counter() - t0)
-                us = float(np.median(times)) * 1e6
-                # the GPU time (the stream held by a spin kernel until every call is queued)
-                dev = f", GPU {median_ms(lambda i: grouped_fprop(*sets[0], out=y), 30):.3f} ms" \
-                    if not rotate else ""
-                lines.append(f"grouped_fprop E={experts:3d} {side:2d} side stream(s), "
-                             f"{'memo cleared    ' if rotate else 'same operands   '}: "
-                             f"{us:7.1f} us per call, {us / experts:5.2f} us per expert{dev}")
-        gg.set_side_streams(gg.NUM_STREAMS)
-        lines.append(_new_counts_every_call(experts, k, n, sets[0][1], moe_splits))
-        lines.append(_scaled_mm_loop_host(m, k, n))
-        lines += _api_trace(f"grouped_fprop E={experts}",
-                            lambda i, sets=sets, y=y: grouped_fprop(*sets[0], out=y))
-        prof = cProfile.Profile()
-        prof.enable()
-        for i in range(100):
-            grouped_fprop(*sets[0], out=y)
-        prof.disable()
-        cupy.cuda.Device().synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
-        lines.append(f"cProfile, E={experts}, same operands, 100 calls:\n{buf.getvalue()}")
-    text = "\n".join(lines)
-    (out / "host_gemm.txt").write_text(text)
-    print("\n".join(ln for ln in lines if ln.startswith(("grouped_fprop", "torch._scaled_mm"))))
+                    times = []
+                    for i in range(50):
+                        cupy.cuda.Device().synchronize()
+                        if rotate:            # every check and plan redone, as with new counts
+                            _gemm_memo.clear_memo()
+                        t0 = time.perf_counter()
+                        grouped_fprop(*sets[i % 2 if rotate else 0], out=y)
+                        times.append(time.perf_counter() - t0)
+                    us = float(np.median(times)) * 1e6
+                    # the GPU time (the stream held by a spin kernel until every call is queued)
+                    dev = (f", GPU {median_ms(lambda i: grouped_fprop(*sets[0], out=y), 30):.3f}"
+                           " ms" if not rotate else "")
+                    got.append(f"grouped_fprop E={experts:3d} {side:2d} side stream(s) (at most "
+                               f"{min(side, experts)} used), "
+                               f"{'memo cleared    ' if rotate else 'same operands   '}: "
+                               f"{us:7.1f} us per call, {us / experts:5.2f} us per expert{dev}")
+        finally:
+            gg.set_side_streams(gg.NUM_STREAMS)
+            lines.extend(got)
+        return []
+
+    try:
+        for experts, k, n in ((8, 7168, 2048), (64, 2048, 1408)):
+            m = moe_splits(experts, 256 * experts, True, 1)
+            sets = [make_fp8(m, k, n, seed=s, xp=cupy)[:2] for s in range(2)]
+            y = cupy.empty((sum(m), n), cupy.uint16)
+            _guarded(lines, f"side-stream sweep E={experts}", lambda: sweep(experts, sets, y))
+            _guarded(lines, f"new counts E={experts}",
+                     lambda: _new_counts_every_call(experts, k, n, sets[0][1], moe_splits))
+            _guarded(lines, f"torch._scaled_mm loop E={experts}",
+                     lambda: _scaled_mm_loop_host(m, k, n))
+            kept.append((experts, sets, y))
+        for experts, sets, y in kept:
+            _guarded(lines, f"API trace E={experts}", lambda: _api_trace(
+                f"grouped_fprop E={experts}", lambda i: grouped_fprop(*sets[0], out=y),
+                sync_debug=False))
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(100):
+                grouped_fprop(*sets[0], out=y)
+            prof.disable()
+            cupy.cuda.Device().synchronize()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+            lines.append(f"cProfile, E={experts}, same operands, 100 calls:\n{buf.getvalue()}")
+    finally:
+        (out / "host_gemm.txt").write_text("\n".join(lines))
+        print("\n".join(ln for ln in lines if ln.startswith(("grouped_fprop", "torch._scaled_mm"))))
 
 
 def _new_counts_every_call(experts: int, k: int, n: int, W, moe_splits) -> str:
@@ -249,9 +277,10 @@ def _scaled_mm_loop_host(m, k: int, n: int) -> str:
 
 def host_layer(out: pathlib.Path) -> None:
     """The layer's host time per training step (forward, then input and weight gradients), the
-    GPU idle at each start, for the quick bench's two configs, and a cProfile of 10 steps each:
-    on the first H200 run the FP8 layer's step cost the host 2.9 ms (E=8) and 8.1 ms (E=64)
-    against 1.5 and 1.1 ms on the GPU, far more than its ops' own host benches add up to."""
+    GPU idle at each start, for the quick bench's two configs; then (after every timing) the
+    FP8 step's CUDA API calls and a cProfile of 10 steps each: on the first H200 run the FP8
+    layer's step cost the host 2.9 ms (E=8) and 8.1 ms (E=64) against 1.5 and 1.1 ms on the GPU,
+    far more than its ops' own host benches add up to. The file is written whatever fails."""
     import cProfile
     import io
     import pstats
@@ -262,49 +291,58 @@ def host_layer(out: pathlib.Path) -> None:
     from cugrouped.bench.gemm import QUICK_GEMM
     from cugrouped.bench.layer import layer_steps
 
-    lines = []
-    for cfg in QUICK_GEMM:
+    lines: list[str] = []
+
+    def steps(cfg, names):
         _, impls = layer_steps(cfg, "cuda", torch.bfloat16, copies=2)
-        for impl, _, _, step in impls:
-            if impl not in ("cugrouped-fp8-delayed-tensor", "cugrouped-bf16-tensor",
-                            "torch-linear-loop-bf16"):
-                continue
+        return [(impl, step) for impl, _, _, step in impls if impl in names]
+
+    try:
+        for cfg in QUICK_GEMM:
+            for impl, step in steps(cfg, ("cugrouped-fp8-delayed-tensor", "cugrouped-bf16-tensor",
+                                          "torch-linear-loop-bf16")):
+                for i in range(3):
+                    step(i)
+                times = []
+                for i in range(10):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step(i)
+                    times.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                lines.append(f"layer step {cfg.name} {impl}: host {np.median(times) * 1e3:.2f} ms")
+                print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+        for cfg in QUICK_GEMM:
+            [(_, step)] = steps(cfg, ("cugrouped-fp8-delayed-tensor",))
             for i in range(3):
                 step(i)
-            times = []
+            first = cfg is QUICK_GEMM[0]
+            _guarded(lines, f"API trace {cfg.name}", lambda: _api_trace(
+                cfg.name, step, out / "layer_trace.json.gz" if first else None))
+            prof = cProfile.Profile()
+            prof.enable()
             for i in range(10):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
                 step(i)
-                times.append(time.perf_counter() - t0)
+            prof.disable()
             torch.cuda.synchronize()
-            lines.append(f"layer step {cfg.name} {impl}: host {np.median(times) * 1e3:.2f} ms")
-            print(lines[-1], flush=True)
-            if impl == "cugrouped-fp8-delayed-tensor":
-                first = cfg is QUICK_GEMM[0]
-                lines += _api_trace(cfg.name, step,
-                                    out / "layer_trace.json.gz" if first else None)
-                prof = cProfile.Profile()
-                prof.enable()
-                for i in range(10):
-                    step(i)
-                prof.disable()
-                torch.cuda.synchronize()
-                for key in ("tottime", "cumulative"):
-                    buf = io.StringIO()
-                    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
-                    lines.append(f"cProfile {cfg.name}, 10 steps, by {key}:\n{buf.getvalue()}")
-        del impls
-        torch.cuda.empty_cache()
-    (out / "host_layer.txt").write_text("\n".join(lines))
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+                lines.append(f"cProfile {cfg.name}, 10 steps, by {key}:\n{buf.getvalue()}")
+            torch.cuda.empty_cache()
+    finally:
+        (out / "host_layer.txt").write_text("\n".join(lines))
 
 
-def _api_trace(name: str, step, trace: pathlib.Path | None = None) -> list[str]:
+def _api_trace(name: str, step, trace: pathlib.Path | None = None,
+               sync_debug: bool = True) -> list[str]:
     """What one layer step asks of CUDA, by call: torch's profiler with CUPTI records every CUDA
     runtime and driver API call of the process (CuPy's launches and cuBLASLt's included), so a
     call that waits for the GPU (a synchronize, a blocking copy or free) shows up with its time,
     and the counts show how many launches, event records and stream waits a step makes. Then
-    one step under torch's sync debug mode, which warns on the torch calls that synchronize.
+    one step under torch's sync debug mode (``sync_debug``), which warns on the torch calls
+    that synchronize.
     ``trace``: also the timeline of the 5 steps there (Chrome trace JSON, gzipped; chrome://tracing
     or ui.perfetto.dev read it): where the host waits, and on what."""
     import warnings
@@ -318,13 +356,7 @@ def _api_trace(name: str, step, trace: pathlib.Path | None = None) -> list[str]:
             step(i)
         torch.cuda.synchronize()
     if trace is not None:
-        import gzip
-
-        raw = trace.with_suffix("")                  # x.json.gz -> x.json
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        prof.export_chrome_trace(str(trace))          # (gzipped: the name ends in .gz)
     averages = prof.key_averages()
     for keys in (("self_cpu_time_total",), ("self_device_time_total", "self_cuda_time_total")):
         for key in keys:       # (torch renamed "cuda" columns "device")
@@ -334,6 +366,8 @@ def _api_trace(name: str, step, trace: pathlib.Path | None = None) -> list[str]:
             except Exception as exc:  # noqa: BLE001 (the next name, or the reason in the file)
                 table = f"({type(exc).__name__}: {exc})"
         lines.append(f"torch.profiler (CUPTI) {name}, 5 steps, by {key}:\n{table}")
+    if not sync_debug:
+        return lines
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -412,6 +446,7 @@ def main(out: pathlib.Path) -> int:
         "print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1f} s')"
         % str(ROOT))], 120, out / "sanitizer.txt")
     in_process(host_layer)
+    in_process(host_gemm)
     if ncu:
         cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
                "-k", "regex:pad_cast_transpose", "--launch-count", "40"]
@@ -422,7 +457,6 @@ def main(out: pathlib.Path) -> int:
     step("cast bench, every config, cugrouped alone", [PY, "-c", (
         "import sys; sys.path.insert(0, %r); from cugrouped.bench.cast import bench_cast; "
         "bench_cast(False, [], impls=('cugrouped',))" % str(ROOT))], 60, out / "cast_all.txt")
-    in_process(host_gemm)
     if san:
         for tool in ("memcheck", "racecheck"):
             step(tool, [san, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20"]

@@ -297,3 +297,15 @@ def test_bench_gemm_rows_on_a_model_gpu(monkeypatch, capsys):
     assert got[("wgrad", "torch-grouped_mm-bf16")]["speedup_of_cugrouped_fp8"] == \
         pytest.approx(2.0)
     assert got[("wgrad", "torch-grouped_mm-bf16")]["speedup_note"] == bg.CAST_EXCLUDED
+
+
+def test_the_wide_row_is_never_the_peers_reference():
+    """With the default loop's row missing (skipped), the 16-stream row does not become the
+    reference the peers' speed-ups (and the targets) are taken against."""
+    refs: dict = {}
+    assert bg.speedup_columns("cugrouped-fp8-s16", True, "bfloat16", 1.0, refs) == {}
+    assert refs == {}
+    assert bg.speedup_columns("torch-scaled_grouped_mm", True, "bfloat16", 2.0, refs) == {}
+    assert bg.speedup_columns("cugrouped-fp8", True, "bfloat16", 4.0, refs) == {}
+    assert bg.speedup_columns("torch-scaled_grouped_mm", True, "bfloat16", 2.0, refs) == dict(
+        speedup_of_cugrouped_fp8=0.5, speedup_reference="cugrouped-fp8")

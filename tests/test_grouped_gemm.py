@@ -1820,13 +1820,41 @@ def test_loop_spreads_over_the_side_streams_set_making_more_on_first_use(side, l
     finally:
         assert gg.set_side_streams(old) == side
     n = min(side, live)
-    assert len(st.streams) == len(st.ws_ptrs) == len(st.done_events) == max(n, gg.NUM_STREAMS)
+    # all the streams set are made at once (a later captured call must find them), else none
+    assert len(st.streams) == len(st.stream_ptrs) == len(st.ws_ptrs) == len(st.done_events) \
+        == (side if n > gg.NUM_STREAMS else gg.NUM_STREAMS)
     assert [s for s, _ in calls] == [0x1000 + j % n for j in range(live)]
     assert [w for _, w in calls] == [st.ws_ptrs[j % n] for j in range(live)]
     forked = [ptr for what, ptr in log if what == "wait" and ptr != CALLER]
     joined = [ptr for what, ptr in log if what == "record" and ptr != CALLER]
     assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
     assert log[0] == ("record", CALLER) and log.count(("wait", CALLER)) == n
+    gg.clear_memo()
+
+
+def test_a_side_stream_half_made_leaves_the_lists_in_step():
+    """A maker that raises (an allocation refused inside a graph capture, say) adds nothing: the
+    next call still forks and joins matching streams and events."""
+    st, log = _streams_logged()
+    make = st.make_event
+
+    def failing():
+        raise RuntimeError("no event")
+
+    st.make_event = failing
+    X, W, _ = make_fp8([16] * 6, 32, 16, seed=5)
+    p = gg.check_fprop(X, W)
+    _, blocks = gg.outputs(p, None, np)
+    old = gg.set_side_streams(6)
+    try:
+        with pytest.raises(RuntimeError, match="no event"):
+            gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+        assert log == [] and len(st.streams) == len(st.ws_ptrs) == len(st.done_events) == 4
+        st.make_event = make
+        gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
+    finally:
+        gg.set_side_streams(old)
+    assert len(st.streams) == len(st.done_events) == 6 and log.count(("wait", CALLER)) == 6
     gg.clear_memo()
 
 

@@ -134,10 +134,12 @@ class _DeviceState:
                 raise RuntimeError(f"device {self.device}: {n} side streams asked for, "
                                    f"{len(self.streams)} made and no way to make more")
             stream, ws = self.make_side_stream()
+            event = self.make_event()
+            # appended together once all exist: the lists stay in step if a maker raises
             self.streams.append(stream)
             self.stream_ptrs.append(stream.ptr)
             self.ws_ptrs.append(ws)
-            self.done_events.append(self.make_event())
+            self.done_events.append(event)
 
     def caller_workspace(self, stream_ptr: int) -> int:
         """A workspace for a call made on the caller's own stream (a single expert)."""
@@ -272,7 +274,9 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
         # never joined fails a CUDA graph capture (cudaErrorStreamCaptureUnjoined at its end).
         used = min(_side_streams, ncalls)
         if used > len(st.streams):
-            st.ensure_streams(used)
+            # all of them, not just the ones this call uses: a warm-up call with fewer experts
+            # must leave a later captured call nothing to make
+            st.ensure_streams(_side_streams)
         streams, ws = st.stream_ptrs[:used], st.ws_ptrs[:used]
         st.fork_event.record(caller)
         for s in st.streams[:used]:
