@@ -144,6 +144,8 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 //   4 (<= 64 registers) by default: 4 x 256 threads, the occupancy the bandwidth target assumes;
 //   6 (<= 40) for the amax-only pass without column sums, which converts and stores nothing: it
 //     fits in 36-40 registers on sm_80..sm_100 without spilling, so more of its loads are in flight;
+//     5 (<= 48) for float32 input, which spilled 16 bytes at 40 on sm_90 once the kernel's body
+//     became a loop over its tiles (TPB);
 //   the gather (GATHER: a row index and a range check per segment) one step lower: 5 (<= 48)
 //     for the amax-only pass without column sums, 3 (<= 80) for float32 with column sums (2,
 //     <= 128, for its CAST_AMAX, which spilled 24 bytes at 80 on sm_89), else 4 (at 40, resp.
@@ -152,6 +154,9 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 //     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
 // Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
 // 48 registers plus a 4-byte spill for float16 CAST_AMAX on sm_90 (compile-check, NVRTC 13.0).
+// Two tiles per block (TPB = 2, 16-bit input without column sums, gather or activation: the
+// instantiations that have it): 5 (<= 48) for the amax-only pass, which spilled 20 bytes at 40
+// on sm_90, else 4 (NVRTC 13.0).
 // The gated activation (ACT) holds both halves' words of a full tile: 3 blocks (<= 80
 // registers) for 16-bit input, 2 (<= 128) for float32, which spilled 4 bytes at 80 on sm_89 and
 // sm_90 (NVRTC 13.0).
@@ -163,11 +168,12 @@ constexpr bool kPctF32ColsumNeedsMore = true;
 constexpr bool kPctF32ColsumNeedsMore = false;
 #endif
 constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather = false,
-                             Act act = Act::NONE) {
+                             Act act = Act::NONE, int tpb = 1) {
     return act != Act::NONE ? pct_act_min_blocks(in)
+         : tpb > 1 ? (mode == PctMode::AMAX_ONLY ? 5 : 4)   // (16-bit input, no column sums)
          : gather ? (mode == PctMode::AMAX_ONLY && !colsum ? 5
                      : in == InDtype::F32 && colsum ? (mode == PctMode::CAST_AMAX ? 2 : 3) : 4)
-         : mode == PctMode::AMAX_ONLY && !colsum ? 6
+         : mode == PctMode::AMAX_ONLY && !colsum ? (in == InDtype::F32 ? 5 : 6)
          : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
          : 4;
 }
@@ -175,8 +181,8 @@ constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather 
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
 // write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
 template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false,
-          Act ACT = Act::NONE>
-__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER, ACT))
+          Act ACT = Act::NONE, int TPB = 1>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER, ACT, TPB))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           const float amax_epsilon,  // AMAX_ONLY: compute_scale's options
                           const i32 power_2_scale,
@@ -203,240 +209,271 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     __shared__ i32 sh_tile_start[CG_PCT_MAX_EXPERTS + 1];
     __shared__ i64 warp_totals[PCT_THREADS / 32];
 
+    // The tiles: a block takes TPB consecutive ones of the flat list (the host launches
+    // ceil(tiles / TPB) blocks), so that a block's fixed costs -- the amax reduction and the
+    // atomics and fences of the last-block pattern, the block's start and end -- are paid once
+    // per expert per block, not per tile. No output depends on TPB: the amax is a maximum, the
+    // column sums go per tile.
     // The amax pass of current scaling walks the tiles backwards, so that the tiles the cast
     // pass reads first are the ones it read last, still in L2. (No output depends on the order.)
-    const int t = MODE == PctMode::AMAX_ONLY ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    PctExpert x;
-    int e;
-    if (g.m_dev == nullptr) {
-        e = expert_of_tile(g.tile_start, g.num_experts, t);
-        x = PctExpert{g.in[e], g.out_row[e], g.out_col[e], g.m[e], g.ld[e], g.tile_start[e],
-                      g.tile_start[e + 1],
-                      GATHER ? g.row_index + g.row_first[e] : nullptr, g.src_rows};
-    } else {
+    const bool host_splits = g.m_dev == nullptr;
+    if (!host_splits)
         block_plan_from_device_counts(g, k, align, sh_m, sh_row, sh_col, sh_tile_start, warp_totals);
-        if (t >= sh_tile_start[g.num_experts]) return;   // the grid is an upper bound; whole block
-        e = expert_of_tile(sh_tile_start, g.num_experts, t);
-        const i64 in_bytes = IN == InDtype::F32 ? 4 : 2;
-        x = PctExpert{static_cast<const char*>(g.in[0]) +
-                          (GATHER ? 0 : sh_row[e] * g.ld[0] * in_bytes),
-                      g.out_row[0] ? g.out_row[0] + sh_row[e] * k : nullptr,
-                      g.out_col[0] ? g.out_col[0] + sh_col[e] : nullptr,
-                      sh_m[e], g.ld[0], sh_tile_start[e], sh_tile_start[e + 1],
-                      GATHER ? g.row_index + sh_row[e] : nullptr, g.src_rows};
-    }
-    const i64 m = x.m;
-    const i64 m_pad = round_up(m, align);
-    const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
-    const i64 local = t - x.tile_begin;
-    const i64 row0 = (local / tiles_k) * PCT_TILE_M;
-    const i64 col0 = (local % tiles_k) * PCT_TILE_K;
-    const float s = kCast ? ftz(scale[e]) : 1.f;   // a denormal scale is 0 on the GPU (-ftz=true)
-    const bool rowwise = x.out_row != nullptr;
-    const bool columnwise = x.out_col != nullptr;
-
-    // Phase 1: each thread reads 16 consecutive elements of one row per iteration, writes their 16
-    // FP8 bytes to the row-wise output and to the shared tile. Rows m .. of the tile are the zero
-    // padding.
-    //
-    // A full tile (inside k, every row 16-byte aligned: block-uniform) issues all of a thread's
-    // 16-byte loads (PCT_SEG_ITERS segments) before it converts or stores anything, so that 32 B
-    // (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler cannot
-    // move a later iteration's load above an earlier iteration's row-wise store (they may alias as
-    // far as it knows). Its rows past m (an expert's last tile: most of a small expert's tiles)
-    // unpack zero words, the +0 the other path gives them. Tiles that end inside k load segment
-    // by segment with bounds checks. Both paths then run the same conversion code, so the bits
-    // cannot differ.
+    // Carried from tile to tile: only the amax of the expert's tiles so far and their count
+    // (the expert and its fields are found again for each tile, from the parameters or shared
+    // memory, so that they take no registers across the loop).
     float local_amax = 0.f;
-    float csum[PCT_SEG];
-    // (The gated activation's second half starts k columns to the right: aligned too.)
-    const bool full_tile = col0 + PCT_TILE_K <= k && aligned16(x.in) &&
-                           (x.ld * Traits::bytes) % 16 == 0 &&
-                           (!kGated || (k * Traits::bytes) % 16 == 0);
-    uint4 raw[PCT_SEG_ITERS][Traits::words];
-    uint4 raw_b[kGated ? PCT_SEG_ITERS : 1][Traits::words];
-    if (full_tile) {
+    int pending = 0;
 #pragma unroll
+    for (int step = 0; step < TPB; ++step) {
+        // (block-uniform; with device splits the grid is an upper bound: surplus tiles exit)
+        const i64 seq = static_cast<i64>(blockIdx.x) * TPB + step;
+        i64 total_tiles = 0;
+        int t;
+        if (TPB == 1) {   // (the grid is the tile list, or with device splits covers it)
+            t = MODE == PctMode::AMAX_ONLY ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+            if (!host_splits && t >= sh_tile_start[g.num_experts]) break;
+        } else {
+            total_tiles = host_splits ? g.tile_start[g.num_experts] : sh_tile_start[g.num_experts];
+            if (seq >= total_tiles) break;
+            t = static_cast<int>(MODE == PctMode::AMAX_ONLY ? total_tiles - 1 - seq : seq);
+        }
+        PctExpert x;
+        int e;
+        if (host_splits) {
+            e = expert_of_tile(g.tile_start, g.num_experts, t);
+            x = PctExpert{g.in[e], g.out_row[e], g.out_col[e], g.m[e], g.ld[e], g.tile_start[e],
+                          g.tile_start[e + 1],
+                          GATHER ? g.row_index + g.row_first[e] : nullptr, g.src_rows};
+        } else {
+            e = expert_of_tile(sh_tile_start, g.num_experts, t);
+            const i64 in_bytes = IN == InDtype::F32 ? 4 : 2;
+            x = PctExpert{static_cast<const char*>(g.in[0]) +
+                              (GATHER ? 0 : sh_row[e] * g.ld[0] * in_bytes),
+                          g.out_row[0] ? g.out_row[0] + sh_row[e] * k : nullptr,
+                          g.out_col[0] ? g.out_col[0] + sh_col[e] : nullptr,
+                          sh_m[e], g.ld[0], sh_tile_start[e], sh_tile_start[e + 1],
+                          GATHER ? g.row_index + sh_row[e] : nullptr, g.src_rows};
+        }
+        const i64 m = x.m;
+        const i64 m_pad = round_up(m, align);
+        const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
+        const i64 local = t - x.tile_begin;
+        const i64 row0 = (local / tiles_k) * PCT_TILE_M;
+        const i64 col0 = (local % tiles_k) * PCT_TILE_K;
+        const float s = kCast ? ftz(scale[e]) : 1.f;   // a denormal scale is 0 on the GPU (-ftz=true)
+        const bool rowwise = x.out_row != nullptr;
+        const bool columnwise = x.out_col != nullptr;
+
+        // Phase 1: each thread reads 16 consecutive elements of one row per iteration, writes their 16
+        // FP8 bytes to the row-wise output and to the shared tile. Rows m .. of the tile are the zero
+        // padding.
+        //
+        // A full tile (inside k, every row 16-byte aligned: block-uniform) issues all of a thread's
+        // 16-byte loads (PCT_SEG_ITERS segments) before it converts or stores anything, so that 32 B
+        // (16-bit input) or 64 B (float32) per segment are in flight at once: the compiler cannot
+        // move a later iteration's load above an earlier iteration's row-wise store (they may alias as
+        // far as it knows). Its rows past m (an expert's last tile: most of a small expert's tiles)
+        // unpack zero words, the +0 the other path gives them. Tiles that end inside k load segment
+        // by segment with bounds checks. Both paths then run the same conversion code, so the bits
+        // cannot differ.
+        float csum[PCT_SEG];
+        // (The gated activation's second half starts k columns to the right: aligned too.)
+        const bool full_tile = col0 + PCT_TILE_K <= k && aligned16(x.in) &&
+                               (x.ld * Traits::bytes) % 16 == 0 &&
+                               (!kGated || (k * Traits::bytes) % 16 == 0);
+        uint4 raw[PCT_SEG_ITERS][Traits::words];
+        uint4 raw_b[kGated ? PCT_SEG_ITERS : 1][Traits::words];
+        if (full_tile) {
+    #pragma unroll
+            for (int it = 0; it < PCT_SEG_ITERS; ++it) {
+                const int seg = threadIdx.x + it * PCT_THREADS;
+                const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
+                const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
+                // a row past m reads row m - 1 again (a tile exists only for m >= 1; the bytes come
+                // from L1/L2), so that no load depends on a branch, and is zeroed below
+                const i64 lrow = grow < m ? grow : m - 1;
+                Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, lrow, gcol), raw[it]);
+                if constexpr (kGated)
+                    Traits::load_raw(segment_src<Traits::bytes, false>(x, lrow, gcol + k), raw_b[it]);
+            }
+    #pragma unroll
+            for (int it = 0; it < PCT_SEG_ITERS; ++it) {
+                if (row0 + (threadIdx.x + it * PCT_THREADS) / PCT_SEGS_PER_ROW >= m) {
+    #pragma unroll
+                    for (int w = 0; w < Traits::words; ++w) {
+                        raw[it][w] = make_uint4(0u, 0u, 0u, 0u);
+                        if constexpr (kGated) raw_b[it][w] = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+            }
+        }
+    #pragma unroll
         for (int it = 0; it < PCT_SEG_ITERS; ++it) {
             const int seg = threadIdx.x + it * PCT_THREADS;
-            const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
-            const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-            // a row past m reads row m - 1 again (a tile exists only for m >= 1; the bytes come
-            // from L1/L2), so that no load depends on a branch, and is zeroed below
-            const i64 lrow = grow < m ? grow : m - 1;
-            Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, lrow, gcol), raw[it]);
-            if constexpr (kGated)
-                Traits::load_raw(segment_src<Traits::bytes, false>(x, lrow, gcol + k), raw_b[it]);
-        }
-#pragma unroll
-        for (int it = 0; it < PCT_SEG_ITERS; ++it) {
-            if (row0 + (threadIdx.x + it * PCT_THREADS) / PCT_SEGS_PER_ROW >= m) {
-#pragma unroll
-                for (int w = 0; w < Traits::words; ++w) {
-                    raw[it][w] = make_uint4(0u, 0u, 0u, 0u);
-                    if constexpr (kGated) raw_b[it][w] = make_uint4(0u, 0u, 0u, 0u);
+            const int r = seg / PCT_SEGS_PER_ROW;
+            const int c = (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
+            const i64 grow = row0 + r;
+            const i64 gcol = col0 + c;
+            float v[PCT_SEG];
+            float vb[kGated ? PCT_SEG : 1];
+            if (full_tile) {
+                Traits::unpack(raw[it], v);
+                if constexpr (kGated) Traits::unpack(raw_b[it], vb);
+            } else if (grow < m && gcol < k) {
+                // (a gathered zero row reads kZeroSegment: 64 bytes of zeros, 16-byte aligned)
+                const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);
+                if (gcol + PCT_SEG <= k && aligned16(src)) {
+                    uint4 w[Traits::words];
+                    Traits::load_raw(src, w);
+                    Traits::unpack(w, v);
+                } else {
+    #pragma unroll
+                    for (int j = 0; j < PCT_SEG; ++j)
+                        v[j] = gcol + j < k ? Traits::load(src, j) : 0.f;
                 }
-            }
-        }
-    }
-#pragma unroll
-    for (int it = 0; it < PCT_SEG_ITERS; ++it) {
-        const int seg = threadIdx.x + it * PCT_THREADS;
-        const int r = seg / PCT_SEGS_PER_ROW;
-        const int c = (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-        const i64 grow = row0 + r;
-        const i64 gcol = col0 + c;
-        float v[PCT_SEG];
-        float vb[kGated ? PCT_SEG : 1];
-        if (full_tile) {
-            Traits::unpack(raw[it], v);
-            if constexpr (kGated) Traits::unpack(raw_b[it], vb);
-        } else if (grow < m && gcol < k) {
-            // (a gathered zero row reads kZeroSegment: 64 bytes of zeros, 16-byte aligned)
-            const void* src = segment_src<Traits::bytes, GATHER>(x, grow, gcol);
-            if (gcol + PCT_SEG <= k && aligned16(src)) {
-                uint4 w[Traits::words];
-                Traits::load_raw(src, w);
-                Traits::unpack(w, v);
+                if constexpr (kGated) {   // (segment.cuh's per-segment load: n valid elements)
+                    uint4 w[Traits::words];
+                    load_segment<IN>(segment_src<Traits::bytes, false>(x, grow, gcol + k), k - gcol, w);
+                    Traits::unpack(w, vb);
+                }
             } else {
-#pragma unroll
-                for (int j = 0; j < PCT_SEG; ++j)
-                    v[j] = gcol + j < k ? Traits::load(src, j) : 0.f;
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;
+                if constexpr (kGated) {
+    #pragma unroll
+                    for (int j = 0; j < PCT_SEG; ++j) vb[j] = 0.f;
+                }
             }
-            if constexpr (kGated) {   // (segment.cuh's per-segment load: n valid elements)
-                uint4 w[Traits::words];
-                load_segment<IN>(segment_src<Traits::bytes, false>(x, grow, gcol + k), k - gcol, w);
-                Traits::unpack(w, vb);
+            if constexpr (kGated) {   // the activation of a padding element (a = b = 0) is 0
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) v[j] = activate<ACT>(v[j], vb[j]);
+            } else {
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) v[j] = ftz(v[j]);
             }
-        } else {
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) v[j] = 0.f;
-            if constexpr (kGated) {
-#pragma unroll
-                for (int j = 0; j < PCT_SEG; ++j) vb[j] = 0.f;
+            if (kAmax) {
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));
+            }
+            if (COLSUM) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
+            }
+            if (kCast) {
+                // the padding rows (v = +0) are zero bytes whatever the scale: a NaN or infinite one
+                // would make them NaN, a negative one -0 (0x80), so they are scaled by +0 instead
+                const float sr = grow < m ? s : 0.f;
+                u32 packed[4];
+    #pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * sr), ftz(v[4 * w + 1] * sr));
+                    const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * sr), ftz(v[4 * w + 3] * sr));
+                    packed[w] = lo | (hi << 16);
+                }
+                const uint4 q = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = q;
+                if (rowwise && grow < m && gcol < k) store16(x.out_row + grow * k + gcol, k - gcol, q);
             }
         }
-        if constexpr (kGated) {   // the activation of a padding element (a = b = 0) is 0
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) v[j] = activate<ACT>(v[j], vb[j]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) v[j] = ftz(v[j]);
-        }
-        if (kAmax) {
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) local_amax = fmaxf(local_amax, fabsf(v[j]));
-        }
-        if (COLSUM) {   // rows r and r + 32 of the tile: csum = v(row r) + v(row r + 32)
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) csum[j] = it == 0 ? v[j] : ftz(csum[j] + v[j]);
-        }
+
+        // Phase 2: the transposed bytes, two lanes per 32-row run of a column
+        // (store_transposed_tile).
         if (kCast) {
-            // the padding rows (v = +0) are zero bytes whatever the scale: a NaN or infinite one
-            // would make them NaN, a negative one -0 (0x80), so they are scaled by +0 instead
-            const float sr = grow < m ? s : 0.f;
-            u32 packed[4];
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const u32 lo = float2_to_fp8x2<FMT>(ftz(v[4 * w] * sr), ftz(v[4 * w + 1] * sr));
-                const u32 hi = float2_to_fp8x2<FMT>(ftz(v[4 * w + 2] * sr), ftz(v[4 * w + 3] * sr));
-                packed[w] = lo | (hi << 16);
+            __syncthreads();
+            if (columnwise)
+                store_transposed_tile<PCT_TILE_M, PCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0);
+        }
+
+        // Column sums, in a fixed order that the reference reproduces: per thread rows r + (r + 32);
+        // across the 4 row groups of a warp by xor-shuffles over lane bits 3 then 4, i.e.
+        // (g0 + g1) + (g2 + g3); across the 8 warps sequentially; across the tile rows of the expert
+        // sequentially, by the last block of each (expert, tile column), from one partial row per tile.
+        if (COLSUM) {
+            const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    #pragma unroll
+            for (int j = 0; j < PCT_SEG; ++j) {
+                csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 8));
+                csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 16));
             }
-            const uint4 q = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            *reinterpret_cast<uint4*>(&tile[r][tile_col(r, c)]) = q;
-            if (rowwise && grow < m && gcol < k) store16(x.out_row + grow * k + gcol, k - gcol, q);
-        }
-    }
-
-    // Phase 2: the transposed bytes, two lanes per 32-row run of a column
-    // (store_transposed_tile).
-    if (kCast) {
-        __syncthreads();
-        if (columnwise)
-            store_transposed_tile<PCT_TILE_M, PCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0);
-    }
-
-    // Column sums, in a fixed order that the reference reproduces: per thread rows r + (r + 32);
-    // across the 4 row groups of a warp by xor-shuffles over lane bits 3 then 4, i.e.
-    // (g0 + g1) + (g2 + g3); across the 8 warps sequentially; across the tile rows of the expert
-    // sequentially, by the last block of each (expert, tile column), from one partial row per tile.
-    if (COLSUM) {
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-        for (int j = 0; j < PCT_SEG; ++j) {
-            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 8));
-            csum[j] = ftz(csum[j] + __shfl_xor_sync(0xffffffffu, csum[j], 16));
-        }
-        if (lane < PCT_SEGS_PER_ROW) {
-#pragma unroll
-            for (int j = 0; j < PCT_SEG; ++j) warp_colsum[warp][seg_col(lane * PCT_SEG + j)] = csum[j];
-        }
-        __syncthreads();
-        const int c = threadIdx.x;
-        if (c < PCT_TILE_K) {
-            float acc = warp_colsum[0][seg_col(c)];
-            for (int w = 1; w < PCT_THREADS / 32; ++w) acc = ftz(acc + warp_colsum[w][seg_col(c)]);
-            colsum_partial[static_cast<i64>(t) * PCT_TILE_K + c] = acc;
-            __threadfence();
-        }
-        __syncthreads();
-        const i64 tile_col = local % tiles_k;
-        int* counter = colsum_count + static_cast<i64>(e) * tiles_k + tile_col;
-        const i64 tiles_m = (x.tile_end - x.tile_begin) / tiles_k;
-        if (threadIdx.x == 0) last_block = atomicAdd(counter, 1) == tiles_m - 1;
-        __syncthreads();
-        if (last_block) {
-            __threadfence();
-            if (c < PCT_TILE_K && col0 + c < k) {
-                const volatile float* part = colsum_partial;
-                const i64 first = static_cast<i64>(x.tile_begin) + tile_col;
-                float acc = part[first * PCT_TILE_K + c];
-                for (i64 tr = 1; tr < tiles_m; ++tr)
-                    acc = ftz(acc + part[(first + tr * tiles_k) * PCT_TILE_K + c]);
-                colsum[static_cast<i64>(e) * k + col0 + c] = acc;
+            if (lane < PCT_SEGS_PER_ROW) {
+    #pragma unroll
+                for (int j = 0; j < PCT_SEG; ++j) warp_colsum[warp][seg_col(lane * PCT_SEG + j)] = csum[j];
             }
-            if (threadIdx.x == 0) atomicExch(counter, 0);
-        }
-    }
-
-    // Amax: block reduction, then the last block of the expert publishes it (and the scales).
-    if (kAmax) {
-        local_amax = warp_max(local_amax);
-        if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = local_amax;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float block_amax = 0.f;
-            for (int w = 0; w < PCT_THREADS / 32; ++w) block_amax = fmaxf(block_amax, warp_amax[w]);
-            int* ws_amax = workspace;
-            int* ws_count = workspace + CG_PCT_MAX_EXPERTS;
-            // Non-negative floats order like their bit patterns as signed ints.
-            atomicMax(ws_amax + e, __float_as_int(block_amax));
-            __threadfence();
-            const int tiles_e = x.tile_end - x.tile_begin;
-            if (atomicAdd(ws_count + e, 1) == tiles_e - 1) {
+            __syncthreads();
+            const int c = threadIdx.x;
+            if (c < PCT_TILE_K) {
+                float acc = warp_colsum[0][seg_col(c)];
+                for (int w = 1; w < PCT_THREADS / 32; ++w) acc = ftz(acc + warp_colsum[w][seg_col(c)]);
+                colsum_partial[static_cast<i64>(t) * PCT_TILE_K + c] = acc;
                 __threadfence();
-                const float a = __int_as_float(atomicExch(ws_amax + e, 0));
-                atomicExch(ws_count + e, 0);
-                if (MODE == PctMode::CAST_AMAX && amax_accumulate) {
-                    // Merge into the pending amax (delayed scaling: forwards that run ahead of
-                    // their backwards): the larger of the two, with the old value flushed for
-                    // the comparison (the GPU's FTZ) and the new one winning ties, so a NaN
-                    // already in the buffer is replaced (as fmaxf drops NaN), a denormal or -0
-                    // old value gives `a`, and every backend writes the same bits.
-                    const float old = amax[e];
-                    amax[e] = ftz(old) > a ? old : a;
-                } else {
-                    amax[e] = a;
+            }
+            __syncthreads();
+            const i64 tile_col = local % tiles_k;
+            int* counter = colsum_count + static_cast<i64>(e) * tiles_k + tile_col;
+            const i64 tiles_m = (x.tile_end - x.tile_begin) / tiles_k;
+            if (threadIdx.x == 0) last_block = atomicAdd(counter, 1) == tiles_m - 1;
+            __syncthreads();
+            if (last_block) {
+                __threadfence();
+                if (c < PCT_TILE_K && col0 + c < k) {
+                    const volatile float* part = colsum_partial;
+                    const i64 first = static_cast<i64>(x.tile_begin) + tile_col;
+                    float acc = part[first * PCT_TILE_K + c];
+                    for (i64 tr = 1; tr < tiles_m; ++tr)
+                        acc = ftz(acc + part[(first + tr * tiles_k) * PCT_TILE_K + c]);
+                    colsum[static_cast<i64>(e) * k + col0 + c] = acc;
                 }
-                if (MODE == PctMode::AMAX_ONLY) {
-                    const float sc = compute_scale<FMT>(a, margin, amax_epsilon, power_2_scale != 0);
-                    scale[e] = sc;
-                    scale_inv[e] = scale_inverse(sc);
-                } else {
-                    scale_inv[e] = scale_inverse(s);
-                }
+                if (threadIdx.x == 0) atomicExch(counter, 0);
             }
         }
+
+        // Amax: block reduction, then the last block of the expert publishes it (and the scales),
+        // once the block is done with the expert's tiles it was given.
+        ++pending;
+        const bool expert_done = TPB == 1 || step + 1 == TPB || seq + 1 >= total_tiles ||
+                                 (MODE == PctMode::AMAX_ONLY ? t == x.tile_begin : t + 1 == x.tile_end);
+        if (kAmax && expert_done) {
+            local_amax = warp_max(local_amax);
+            if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = local_amax;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float block_amax = 0.f;
+                for (int w = 0; w < PCT_THREADS / 32; ++w) block_amax = fmaxf(block_amax, warp_amax[w]);
+                int* ws_amax = workspace;
+                int* ws_count = workspace + CG_PCT_MAX_EXPERTS;
+                // Non-negative floats order like their bit patterns as signed ints.
+                atomicMax(ws_amax + e, __float_as_int(block_amax));
+                __threadfence();
+                const int tiles_e = x.tile_end - x.tile_begin;
+                if (atomicAdd(ws_count + e, pending) + pending == tiles_e) {
+                    __threadfence();
+                    const float a = __int_as_float(atomicExch(ws_amax + e, 0));
+                    atomicExch(ws_count + e, 0);
+                    if (MODE == PctMode::CAST_AMAX && amax_accumulate) {
+                        // Merge into the pending amax (delayed scaling: forwards that run ahead of
+                        // their backwards): the larger of the two, with the old value flushed for
+                        // the comparison (the GPU's FTZ) and the new one winning ties, so a NaN
+                        // already in the buffer is replaced (as fmaxf drops NaN), a denormal or -0
+                        // old value gives `a`, and every backend writes the same bits.
+                        const float old = amax[e];
+                        amax[e] = ftz(old) > a ? old : a;
+                    } else {
+                        amax[e] = a;
+                    }
+                    if (MODE == PctMode::AMAX_ONLY) {
+                        const float sc = compute_scale<FMT>(a, margin, amax_epsilon, power_2_scale != 0);
+                        scale[e] = sc;
+                        scale_inv[e] = scale_inverse(sc);
+                    } else {
+                        scale_inv[e] = scale_inverse(s);
+                    }
+                }
+            }
+            local_amax = 0.f;
+            pending = 0;
+        }
+        if (TPB > 1) __syncthreads();   // the shared buffers are the next tile's
     }
 }
 

@@ -59,9 +59,9 @@ def _sync(xp) -> None:
 
 
 def case_cast() -> None:
-    """The launches ncu profiles (all of them: the first of each is a cold one): per shape, 3 of
-    delayed scaling (given scales: one CAST_AMAX launch each), then 3 of current scaling (an AMAX
-    pass and a CAST launch each)."""
+    """The launches ncu profiles (all of them: the first of each is a cold one): per shape and
+    tiles per block (1, then 2), 3 of delayed scaling (given scales: one CAST_AMAX launch each),
+    then 3 of current scaling (an AMAX pass and a CAST launch each): 36 launches."""
     import numpy as np
 
     import cugrouped
@@ -76,10 +76,15 @@ def case_cast() -> None:
         x = xp.asarray((x32.view(np.uint32) >> 16).astype(np.uint16))          # bfloat16 bits
         del x32
         scale = xp.ones(cfg.experts, np.float32)
-        for _ in range(3):
-            cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16", scale=scale)
-        for _ in range(3):
-            cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16")
+        from cugrouped.ops import pad_cast_transpose as pct
+
+        for tpb in (1, 2):                  # one tile per block (the default), then two
+            pct.set_tiles_per_block(tpb)
+            for _ in range(3):
+                cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16", scale=scale)
+            for _ in range(3):
+                cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16")
+        pct.set_tiles_per_block(1)
         _sync(xp)
         print(f"cast case {cfg.name}: {len(m)} experts, k={cfg.k}, {sum(m)} tokens", flush=True)
 
@@ -449,7 +454,7 @@ def main(out: pathlib.Path) -> int:
     in_process(host_gemm)
     if ncu:
         cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
-               "-k", "regex:pad_cast_transpose", "--launch-count", "40"]
+               "-k", "regex:pad_cast_transpose", "--launch-count", "36"]
         for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats",
                         "LaunchStats", "SchedulerStats"):
             cmd += ["--section", section]

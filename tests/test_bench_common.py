@@ -273,13 +273,19 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     gpu = ModelGPU(monkeypatch)
     cfg = bc.CAST_CONFIGS[0]
 
-    class Ops:                                   # the op, its time by scaling
+    class Ops:                                   # the op, its time by scaling and tiles/block
         padded_splits = staticmethod(bc.pct.padded_splits)
+        tpb = 1
+
+        @staticmethod
+        def set_tiles_per_block(n):
+            old, Ops.tpb = Ops.tpb, n
+            return old
 
         @staticmethod
         def multi_pad_cast_transpose(x, m_splits, dtype=None, scale=None):
             assert x in ("x0", "x1") and m_splits == cfg.m_splits()
-            gpu.work("ours", 1.0 if scale is None else 0.8)(0)
+            gpu.work("ours", (1.0 if scale is None else 0.8) - 0.1 * (Ops.tpb - 1))(0)
 
     compiled = {"fn": gpu.work("compile", 1.5)}
     monkeypatch.setattr(bc, "QUICK_CAST", (cfg,))
@@ -292,9 +298,13 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     rows: list[dict] = []
     bc.bench_cast(True, rows)
     got = {(r["impl"], r["scaling"]): r for r in rows}
-    assert list(got) == [("cugrouped", "current"), ("cugrouped", "delayed"),
+    assert list(got) == [("cugrouped", "current"), ("cugrouped-tpb2", "current"),
+                         ("cugrouped", "delayed"), ("cugrouped-tpb2", "delayed"),
                          ("torch-eager", "current"), ("torch-compile", "current")]
-    assert [r["ms"] for r in rows] == pytest.approx([1.0, 0.8, 3.0, 1.5], abs=1e-9)
+    assert [r["ms"] for r in rows] == pytest.approx([1.0, 0.9, 0.8, 0.7, 3.0, 1.5], abs=1e-9)
+    assert Ops.tpb == 1                          # set back after each two-tile call
+    assert got["cugrouped-tpb2", "delayed"]["pct_copy_bw"] == pytest.approx(
+        got["cugrouped", "delayed"]["pct_copy_bw"] * 0.8 / 0.7)
     ours = got["cugrouped", "current"]
     nbytes = bc.cast_bytes(cfg.tokens, cfg.k, sum(bc.pct.padded_splits(cfg.m_splits(), 16)),
                            True, 50 << 20)
@@ -316,7 +326,7 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     compiled["fn"] = fails
     n = len(rows)
     bc.bench_cast(True, rows)
-    assert [r["impl"] for r in rows[n:]] == ["cugrouped", "cugrouped", "torch-eager"]
+    assert [r["impl"] for r in rows[n:]] == ["cugrouped", "cugrouped-tpb2"] * 2 + ["torch-eager"]
     assert "torch-compile  skipped: RuntimeError: backend='inductor' raised" in \
         capsys.readouterr().out
 

@@ -93,12 +93,13 @@ def test_full_tile_issues_all_loads_before_the_first_use(sass, dtype, fmt, mode,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registers_fit_the_launch_bounds(sass, dtype, mode, colsum):
     """__launch_bounds__(256, pct_min_blocks): 4 blocks per SM (<= 64 registers), 6 for the
-    amax-only pass without column sums (<= 40), 3 for float32 CAST_AMAX with column sums on sm_80
-    and sm_100 (<= 80; it spills at 64 there); never a spill."""
+    amax-only pass without column sums (<= 40; 5, <= 48, for float32 input), 3 for float32
+    CAST_AMAX with column sums on sm_80 and sm_100 (<= 80; it spills at 64 there); never a
+    spill."""
     arch, _, resources = sass
     for fmt in FORMATS:
         r = resources[pct.kernel_name(dtype, fmt, mode, colsum)]
-        cap = {("AMAX_ONLY", False): 40}.get((mode, colsum), 64)
+        cap = {("AMAX_ONLY", False): 48 if dtype == "float32" else 40}.get((mode, colsum), 64)
         if (dtype, mode, colsum) == ("float32", "CAST_AMAX", True) and arch in ("80", "100"):
             cap = 80
         assert r.registers <= cap and r.spills == 0, r
@@ -292,3 +293,29 @@ def test_scatter_rows_reads_and_writes_whole_words(arch):
         assert ops[word] >= 1 and ops["STG.E.128"] == 1, (dtype, ops)
         assert not any(op.startswith(("LDL", "STL")) for op in ops), (dtype, ops)
         assert resources[name].spill_stores == resources[name].spill_loads == 0
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def sass_tpb2(request):
+    """The two-tiles-per-block kernels (set_tiles_per_block(2)), one compile per architecture."""
+    return _compiled(pct.TPB_KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("mode", ["AMAX_ONLY", "CAST", "CAST_AMAX"])
+@pytest.mark.parametrize("dtype", pct.TPB_DTYPES)
+def test_two_tiles_per_block_keep_the_full_tile_loads_and_the_bounds(sass_tpb2, dtype, mode):
+    """Each of a block's two tiles is the one-tile kernel's body (unrolled twice): a full tile's
+    4 loads issued together, 16-byte stores and the hardware conversion twice over, no local
+    memory; 64 registers (48 for the amax-only pass, 5 blocks per SM), no spill."""
+    arch, by_name, resources = sass_tpb2
+    for fmt in FORMATS:
+        name = pct.kernel_name(dtype, fmt, mode, tpb=2)
+        ops = _sass.memory_ops(by_name[name])
+        assert _sass.longest_load_run(by_name[name]) == 4
+        assert ops["LDG.E.128"] == 2 * 2 * 4, ops
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        assert ops["STG.E.128"] == (0 if mode == "AMAX_ONLY" else 2 * 4), ops
+        if mode != "AMAX_ONLY" and int(arch) >= 89:
+            assert 32 <= ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] <= 36, ops
+        r = resources[name]
+        assert r.registers <= (48 if mode == "AMAX_ONLY" else 64) and r.spills == 0, r

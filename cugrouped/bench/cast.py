@@ -94,8 +94,21 @@ def _cast_inputs(cfg: CastConfig, copies: int, torch):
             cupy.ones(cfg.experts, np.float32))
 
 
+def _two_tiles_per_block(fn):
+    """``fn`` run with the cast kernel taking two tiles per block (``set_tiles_per_block(2)``),
+    the setting put back after: the ``cugrouped-tpb2`` rows, timed with the default's."""
+    def call(i):
+        old = pct.set_tiles_per_block(2)
+        try:
+            return fn(i)
+        finally:
+            pct.set_tiles_per_block(old)
+    return call
+
+
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
-    """``impls``: which of :data:`CAST_IMPLS` to time. The GPU check times cugrouped and torch
+    """``impls``: which of :data:`CAST_IMPLS` to time (with ``"cugrouped"``, also its kernel at
+    two tiles per block, rows ``cugrouped-tpb2``). The GPU check times cugrouped and torch
     eager first and the ``torch.compile`` peer in a later section (its compile takes longest and
     must not crowd out the other numbers under a time limit); its speed-up is over the cugrouped
     row already measured."""
@@ -129,6 +142,7 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
             scale = None if scaling == "current" else ones
             fns["cugrouped", scaling] = lambda i, scale=scale: pct.multi_pad_cast_transpose(
                 xs[i % copies], m_splits, dtype=tag, scale=scale)
+            fns["cugrouped-tpb2", scaling] = _two_tiles_per_block(fns["cugrouped", scaling])
         if torch is not None:
             for impl, fn in zip(("torch-eager", "torch-compile"),
                                 _torch_peers(cfg, xt[0], m_splits, compile_peer)):
@@ -136,7 +150,7 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
                     fns[impl, "current"] = lambda i, fn=fn: fn(xt[i % copies])
 
         def skipped(key, exc, cfg=cfg):   # torch.compile needs Triton and a host C compiler
-            if key[0] == "cugrouped":
+            if key[0].startswith("cugrouped"):
                 raise exc                 # ours failing ends the section, as any error there
             print(f"{cfg.name:<22} current  {key[0]:<14} skipped: {type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -144,7 +158,7 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
         timed = time_together(fns, 30, skipped=skipped)
         for (impl, scaling), t in timed.items():
             ms, hus = t.ms, t.host_us
-            if impl == "cugrouped":
+            if impl in ("cugrouped", "cugrouped-tpb2"):
                 nbytes = cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)),
                                     scaling == "current", l2)
                 gbs = nbytes / ms / 1e6
@@ -152,7 +166,7 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
                            gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
                            host_us_per_expert=hus / cfg.experts, l2_bytes=l2, **t.columns())
                 rows.append(row)
-                print(f"{cfg.name:<22} {scaling:<8} cugrouped      {ms:8.3f} ms {gbs:7.0f} GB/s "
+                print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {ms:8.3f} ms {gbs:7.0f} GB/s "
                       f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
                 continue
             # over the cugrouped row timed with it, or (the GPU check's later torch.compile

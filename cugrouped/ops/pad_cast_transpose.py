@@ -28,7 +28,9 @@ __all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "GEMM_K_MULTIPLE",
            "cast_arrays", "cuda_arguments", "check_options", "check_amax_accumulate",
            "check_out_format", "check_out_kind", "ACTIVATIONS", "check_activation",
-           "normalized_input", "ACT_KERNEL_SPEC"]
+           "normalized_input", "ACT_KERNEL_SPEC", "TPB_KERNEL_SPEC", "TPB_DTYPES",
+           "TILES_PER_BLOCK", "has_tiles_per_block", "tiles_per_block", "set_tiles_per_block",
+           "blocks_for"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -59,11 +61,12 @@ def check_activation(activation, column_sums: bool = False, gather: bool = False
 
 @functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
-                gather: bool = False, activation: str | None = None) -> str:
-    """The instantiation for one launch. Column sums, the gather (``row_index``) and the
-    activation are template parameters (``COLSUM``, ``GATHER``, ``ACT``; default false, false,
-    none), so the common kernels carry no registers for them; the names of those keep the
-    three-argument spelling."""
+                gather: bool = False, activation: str | None = None, tpb: int = 1) -> str:
+    """The instantiation for one launch. Column sums, the gather (``row_index``), the
+    activation and the tiles per block are template parameters (``COLSUM``, ``GATHER``, ``ACT``,
+    ``TPB``; default false, false, none, 1), so the common kernels carry no registers for them;
+    the names of those keep the three-argument spelling. ``tpb`` 2 exists for 16-bit input
+    without the other three (:data:`TPB_KERNEL_SPEC`)."""
     if column_sums and mode not in _COLSUM_MODES:
         raise ValueError(f"mode: column sums are computed in {_COLSUM_MODES}, got {mode!r}")
     check_activation(activation, column_sums, gather)
@@ -71,6 +74,11 @@ def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = F
         ", true" if column_sums else ""
     if activation is not None:
         tail = f", false, false, cg::Act::{_ACT[activation]}"
+    if tpb != 1:
+        if not has_tiles_per_block(in_dtype, column_sums, gather, activation, tpb):
+            raise ValueError(f"tpb: {tpb} tiles per block exist for {TPB_DTYPES} input without "
+                             "column sums, gather or activation (and only 1 or 2)")
+        tail = f", false, false, cg::Act::NONE, {tpb}"
     return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
             f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{tail}>")
 
@@ -79,6 +87,20 @@ def _instantiations(gather: bool) -> tuple[str, ...]:
     # 3 dtypes x 2 formats x (3 modes + 2 column-sum variants) = 30 per spec
     return tuple(kernel_name(d, f, m, cs, gather) for d in _IN for f in _FMT for m in _MODES
                  for cs in (False, True) if not cs or m in _COLSUM_MODES)
+
+
+# Two consecutive tiles per block (the kernel's TPB): its own module, compiled when first used
+# (set_tiles_per_block(2)); 16-bit input without column sums, gather or activation:
+# 2 dtypes x 2 formats x 3 modes.
+TPB_DTYPES = ("float16", "bfloat16")
+TILES_PER_BLOCK = (1, 2)
+
+
+def has_tiles_per_block(in_dtype: str, column_sums: bool, gather: bool, activation, tpb: int
+                        ) -> bool:
+    """Whether the kernel has a ``tpb`` tiles-per-block instantiation for these options."""
+    return tpb == 1 or (tpb in TILES_PER_BLOCK and in_dtype in TPB_DTYPES and not column_sums
+                        and not gather and activation is None)
 
 
 KERNEL_SPEC = _jit.register("pad_cast_transpose", _jit.KernelSpec(
@@ -93,6 +115,39 @@ ACT_KERNEL_SPEC = _jit.register("pad_cast_transpose_swiglu", _jit.KernelSpec(
     source="pad_cast_transpose.cu",
     name_expressions=tuple(kernel_name(d, f, m, activation="swiglu") for d in _IN for f in _FMT
                            for m in _MODES)))
+
+
+TPB_KERNEL_SPEC = _jit.register("pad_cast_transpose_tpb2", _jit.KernelSpec(
+    source="pad_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, m, tpb=2) for d in TPB_DTYPES for f in _FMT
+                           for m in _MODES)))
+
+_tiles_per_block = 1
+
+
+def tiles_per_block() -> int:
+    """How many consecutive tiles each block of the per-tensor cast takes, where the kernel has
+    that instantiation (:func:`has_tiles_per_block`; 1 elsewhere)."""
+    return _tiles_per_block
+
+
+def set_tiles_per_block(n: int) -> int:
+    """Set :func:`tiles_per_block` (one of :data:`TILES_PER_BLOCK`) for the casts that follow in
+    this process; returns the previous value. A block's fixed costs (the amax reduction, the
+    atomics and fences of the last-block pattern, its start and end) are then paid once per
+    expert per ``n`` tiles. A tuning knob for benchmarks: every value gives the same bits; 1
+    until a GPU measurement says otherwise (``python -m cugrouped bench cast``: the
+    ``cugrouped-tpb2`` rows)."""
+    global _tiles_per_block
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n not in TILES_PER_BLOCK:
+        raise ValueError(f"n: expected one of {TILES_PER_BLOCK}, got {n!r}")
+    old, _tiles_per_block = _tiles_per_block, int(n)
+    return old
+
+
+def blocks_for(tiles: int, tpb: int) -> int:
+    """The grid of a launch over ``tiles`` tiles, ``tpb`` consecutive ones per block."""
+    return -(-tiles // tpb)
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,10 +439,13 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
-            name = kernel_name(g.dtype, fp8_format, p, cs is not None, gather, activation)
+            tpb = _tiles_per_block if has_tiles_per_block(
+                g.dtype, cs is not None, gather, activation, _tiles_per_block) else 1
+            name = kernel_name(g.dtype, fp8_format, p, cs is not None, gather, activation, tpb)
             spec = (ACT_KERNEL_SPEC if activation else GATHER_KERNEL_SPEC if gather
-                    else KERNEL_SPEC)
-            _run(backend, spec, name, chunk, arg, g.k, align, rule, ptrs, cs, amax_accumulate)
+                    else TPB_KERNEL_SPEC if tpb != 1 else KERNEL_SPEC)
+            _run(backend, spec, name, chunk, arg, g.k, align, rule, ptrs, cs, amax_accumulate,
+                 tpb)
 
 
 def check_scale_and_out(g: GroupedInput, align, rowwise, columnwise, column_sums, scale, out,
@@ -535,8 +593,8 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
 
 
 def _run(backend, spec, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, colsum,
-         amax_accumulate=False) -> None:
-    grid = chunk.grid
+         amax_accumulate=False, tpb: int = 1) -> None:
+    grid = blocks_for(chunk.grid, tpb)           # chunk.grid counts tiles
     _launch.note_launch(backend, name, grid, THREADS)
     if backend == "cuda":
         kern = _jit.get_function(spec, name)
@@ -548,7 +606,8 @@ def _run(backend, spec, name, chunk: ChunkLaunch, arg, k, align, rule, ptrs, col
         tiles_k = -(-k // TILE_K)
         ws = np.zeros(2 * MAX_EXPERTS_PER_LAUNCH, dtype=np.int32)
         count = np.zeros(chunk.count * tiles_k, dtype=np.int32) if colsum is not None else None
-        partial = DeviceLikeHost.empty(grid * TILE_K, np.float32) if colsum is not None else None
+        partial = (DeviceLikeHost.empty(chunk.grid * TILE_K, np.float32) if colsum is not None
+                   else None)
         kern = _jit.get_emulated_function(spec, name)
         kern((grid,), (THREADS,), (arg,) + scalars + (scale, amax, scale_inv, ws)
              + _nullable(colsum, partial, count) + (np.int32(amax_accumulate),),
