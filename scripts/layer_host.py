@@ -1,0 +1,161 @@
+"""The FP8 layer's host time per training step on the CUDA path, measured on the CPU.
+
+    python scripts/layer_host.py [--profile] [--experts 8 64]
+
+``cuda_path_on_cpu()`` makes the torch layer take its CUDA branch with torch CPU tensors: the
+custom ops choose the ``"cuda"`` backend, the ops see the tensors as device-0 arrays (read
+through their pointers, as CUDA tensors are), kernel launches build their real argument tuples
+(blocks by value, pointers) and stop there, the GEMM loop runs with its device calls faked
+(``cugrouped.bench.gemm.host_loop_state``: ``cublasLtMatmul`` called with a NULL handle, so its
+argument packing counts), workspaces are host buffers. What is left out, and must be added from
+a GPU run to compare with the H200's numbers: CuPy's launch call and ``cuLaunchKernel``, cuBLAS's
+own work per ``cublasLtMatmul``, the stream and event calls, torch's CUDA allocations (CPU ones
+here), and any wait. Nothing is computed: the buffers hold whatever they held.
+
+Used to find and cut the Python costs of a step without a GPU (scripts/gpu_profile.py measures
+the rest on one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu():
+    """Patch the branch points listed in the module docstring for the duration; yields the list
+    the fake launcher appends ``(kernel name, grid, block, args)`` to."""
+    from unittest import mock
+
+    import cupy
+    import numpy as np
+    import torch
+
+    from cugrouped import _jit
+    from cugrouped.bench.gemm import host_loop_state
+    from cugrouped.ops import _cast_inputs, _gemm_checks, _launch
+    from cugrouped.ops import grouped_gemm as gg
+    from cugrouped.ops import pad_cast_transpose as pct
+    from cugrouped.ops import scale_update as su
+    from cugrouped.pytorch import _custom_ops as cops
+    from cugrouped.pytorch import functional
+
+    launches: list = []
+
+    def get_function(spec, name):
+        def launch(grid, block, args):
+            launches.append((name, grid, block, args))
+        return launch
+
+    buffers: dict = {}
+
+    def host_buffer(name, size, dtype):
+        if name not in buffers or buffers[name].size < size:
+            buffers[name] = np.zeros(size, dtype)
+        return buffers[name]
+
+    real_view = _cast_inputs.as_view
+
+    def as_view(x, **kw):      # torch CPU tensors read as device-0 arrays
+        v = real_view(x, **kw)
+        return dataclasses.replace(v, device=0) if v.kind == "torch" else v
+
+    def torch_inputs(inputs, m_splits, dtype, splits_on_device):   # the CUDA branch
+        tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        return tensors[0].device, inputs, dtype, functional._bytes, m_splits
+
+    state = host_loop_state()
+    patches = [
+        mock.patch.object(_jit, "get_function", get_function),
+        mock.patch.object(_launch, "device_workspace", lambda n, ints: host_buffer(n, ints, np.int32)),
+        mock.patch.object(_launch, "device_scratch", lambda n, nb: host_buffer(n, nb, np.uint8)),
+        mock.patch.object(_launch, "device_scope", lambda backend, device: contextlib.nullcontext()),
+        mock.patch.object(gg, "_state", lambda device: state),
+        mock.patch.object(cops, "_backend", lambda t, cpu_backend: "cuda"),
+        mock.patch.object(cops, "_gemm_backend", lambda t: "cuda"),
+        mock.patch.object(cops, "_arr", cops._same),
+        mock.patch.object(functional, "_torch_inputs", torch_inputs),
+        mock.patch.object(functional, "_gemm_device", lambda problem: torch.device("cpu")),
+        mock.patch.object(cupy.cuda.runtime, "getDevice", lambda: 0),
+    ] + [mock.patch.object(m, "as_view", as_view) for m in (pct, _cast_inputs, _gemm_checks, su)]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        gg.clear_memo()
+        try:
+            yield launches
+        finally:
+            gg.clear_memo()
+
+
+def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current"):
+    """One training step of a GroupedLinear on CPU tensors (bf16, one (T, k) input and host
+    splits), FP8 with ``recipe`` ("current" or "delayed"): forward, then the input's and the
+    weights' gradients."""
+    import torch
+
+    from cugrouped.bench.common import moe_splits
+    from cugrouped.pytorch import (DelayedScaling, Float8CurrentScaling, Format, GroupedLinear,
+                                   fp8_autocast)
+
+    m_splits = moe_splits(experts, tokens, True, 1)
+    torch.manual_seed(0)
+    layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    params = layer.weights()
+    x = torch.randn(tokens, k).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(tokens, n).to(torch.bfloat16)
+    fp8 = (Float8CurrentScaling if recipe == "current" else DelayedScaling)(
+        fp8_format=Format.HYBRID)
+
+    def step():
+        with fp8_autocast(fp8_recipe=fp8):
+            y = layer(x, m_splits)
+            return torch.autograd.grad(y, [x, *params], dy)
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--profile", action="store_true", help="a cProfile of 20 steps each")
+    args = parser.parse_args(argv)
+    import cProfile
+    import pstats
+
+    with cuda_path_on_cpu() as launches:
+        for experts in args.experts:
+            for recipe in ("current", "delayed"):
+                step = layer_step(experts, 256, 256, 64 * experts, recipe)
+                for _ in range(3):
+                    step()
+                launches.clear()
+                step()
+                per_step = len(launches)
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.thread_time()
+                    for _ in range(20):
+                        step()
+                    best = min(best, (time.thread_time() - t0) / 20)
+                print(f"E={experts:3d} {recipe:<8}: {best * 1e6:8.0f} us per step on the CUDA "
+                      f"path's host code ({per_step} kernel launches; cuBLAS calls faked)")
+                if args.profile:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20):
+                        step()
+                    prof.disable()
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

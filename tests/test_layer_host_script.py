@@ -1,0 +1,59 @@
+"""scripts/layer_host.py: the torch layer's CUDA branch run on the CPU with its device calls
+stopped at the launch. It must really take that branch (every launch a CUDA one, every GEMM a
+cublasLtMatmul call, nothing computed by the reference or the emulator): otherwise its host
+times would measure the CPU backends instead."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+
+import layer_host  # noqa: E402
+
+import cugrouped  # noqa: E402
+
+
+@pytest.mark.parametrize("recipe,casts", [("current", 6), ("delayed", 3)])
+def test_a_layer_step_takes_the_cuda_path_and_launches_only(recipe, casts):
+    from cugrouped.bench.common import moe_splits
+    from cugrouped.ops import grouped_gemm as gg
+
+    experts = 5
+    live = sum(1 for m in moe_splits(experts, 64 * experts, True, 1) if m)
+    with layer_host.cuda_path_on_cpu() as launches:
+        step = layer_host.layer_step(experts, 32, 48, 64 * experts, recipe)
+        step()
+        launches.clear()
+        state = gg._state(0)
+        seen = []
+        state.matmul = lambda *a: seen.append(a) or 0
+        with cugrouped.record_launches() as log:
+            grads = step()
+    assert {e.backend for e in log} == {"cuda"}
+    kernels = [e.kernel for e in log]
+    assert sum("pad_cast_transpose_kernel" in k for k in kernels) == casts
+    assert sum("update" in k for k in kernels) == (1 if recipe == "delayed" else 0)
+    assert kernels.count("cublasLtMatmul") == len(seen) == 3 * live   # fprop, dgrad, wgrad
+    assert len(launches) == casts + (recipe == "delayed")
+    assert len(grads) == 1 + experts and grads[0].shape == (64 * experts, 32)
+
+
+def test_the_patches_are_undone():
+    from cugrouped import _jit
+    from cugrouped.pytorch import _custom_ops as cops
+
+    before = (_jit.get_function, cops._backend)
+    with layer_host.cuda_path_on_cpu():
+        assert _jit.get_function is not before[0]
+    assert (_jit.get_function, cops._backend) == before
+
+
+def test_main_prints_a_time_per_step(capsys):
+    assert layer_host.main(["--experts", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("us per step on the CUDA path's host code") == 2
