@@ -1832,6 +1832,13 @@ def test_loop_spreads_over_the_side_streams_set_making_more_on_first_use(side, l
     gg.clear_memo()
 
 
+def _six_expert_fprop(seed):
+    """A six-expert fprop's checked problem and output blocks (six side streams' worth)."""
+    X, W, _ = make_fp8([16] * 6, 32, 16, seed=seed)
+    p = gg.check_fprop(X, W)
+    return p, gg.outputs(p, None, np)[1]
+
+
 def test_a_side_stream_half_made_leaves_the_lists_in_step():
     """A maker that raises (an allocation refused inside a graph capture, say) adds nothing: the
     next call still forks and joins matching streams and events."""
@@ -1842,9 +1849,7 @@ def test_a_side_stream_half_made_leaves_the_lists_in_step():
         raise RuntimeError("no event")
 
     st.make_event = failing
-    X, W, _ = make_fp8([16] * 6, 32, 16, seed=5)
-    p = gg.check_fprop(X, W)
-    _, blocks = gg.outputs(p, None, np)
+    p, blocks = _six_expert_fprop(5)
     old = gg.set_side_streams(6)
     try:
         with pytest.raises(RuntimeError, match="no event"):
@@ -1861,9 +1866,7 @@ def test_a_side_stream_half_made_leaves_the_lists_in_step():
 def test_side_streams_that_cannot_be_made_are_refused_before_the_fork():
     st, log = _streams_logged()
     st.make_side_stream = None
-    X, W, _ = make_fp8([16] * 6, 32, 16, seed=4)
-    p = gg.check_fprop(X, W)
-    _, blocks = gg.outputs(p, None, np)
+    p, blocks = _six_expert_fprop(4)
     old = gg.set_side_streams(6)
     try:
         with pytest.raises(RuntimeError, match="6 side streams asked for, 4 made"):

@@ -103,6 +103,22 @@ def run_both(xs, m_splits, form, **kw):
     return got, want
 
 
+def device_inputs(xs, m_splits, form, dtype):
+    """``xs`` on the GPU as ``form`` takes them: ``(inputs, splits, dtype tag)`` for "list" (the
+    arrays), "tensor" (one array and host splits) or "device" (one array and int64 counts in
+    device memory, read by the kernel); bfloat16 as its uint16 bits with the tag."""
+    import cupy
+
+    carrier = {"bfloat16": np.uint16}.get(dtype)
+    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
+    splits = None
+    if form == "tensor":
+        dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
+    elif form == "device":
+        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    return dxs, splits, dtype if carrier else None
+
+
 def scales_for(m_splits, fmt, seed):
     rng = np.random.default_rng(seed)
     # includes a scale that saturates much of the data, and a tiny one
@@ -980,17 +996,11 @@ def test_cuda_matches_reference(split, dtype, fmt, given, align, form, order):
     import cupy
 
     m_splits, xs, scale = case_data(split, dtype, fmt, given)
-    carrier = {"bfloat16": np.uint16}.get(dtype)
-    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
-    splits = None
-    if form == "tensor":
-        dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
-    elif form == "device":   # counts in device memory, read by the kernel
-        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    dxs, splits, tag = device_inputs(xs, m_splits, form, dtype)
     want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, align=align, scale=scale,
                                               column_sums=True)
     got = cugrouped.multi_pad_cast_transpose(
-        dxs, splits, fp8_format=fmt, align=align, dtype=dtype if carrier else None,
+        dxs, splits, fp8_format=fmt, align=align, dtype=tag,
         scale=cupy.asarray(scale) if given else None, column_sums=True)
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})

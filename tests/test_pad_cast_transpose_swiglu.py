@@ -18,8 +18,8 @@ import pytest
 import cugrouped
 from cugrouped import reference
 from cugrouped.reference import activation as ract
-from test_pad_cast_transpose import (DTYPES, ORDERS, SPLITS, assert_same_bits, make_inputs,
-                                     scales_for)
+from test_pad_cast_transpose import (DTYPES, ORDERS, SPLITS, assert_same_bits, device_inputs,
+                                     make_inputs, scales_for)
 
 SWIGLU = dict(activation="swiglu")
 
@@ -192,17 +192,11 @@ def test_cuda_swiglu_cast_matches_reference(split, dtype, fmt, given, form, alig
     import cupy
 
     m_splits, k, xs, scale = case_data(split, dtype, fmt, given)
-    carrier = {"bfloat16": np.uint16}.get(dtype)
-    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
-    splits = None
-    if form == "tensor":
-        dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
-    elif form == "device":
-        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    dxs, splits, tag = device_inputs(xs, m_splits, form, dtype)
     want = reference.multi_pad_cast_transpose(xs, fp8_format=fmt, align=align, scale=scale,
                                               **SWIGLU)
     got = cugrouped.multi_pad_cast_transpose(
-        dxs, splits, fp8_format=fmt, align=align, dtype=dtype if carrier else None,
+        dxs, splits, fp8_format=fmt, align=align, dtype=tag,
         scale=cupy.asarray(scale) if given else None, **SWIGLU)
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})

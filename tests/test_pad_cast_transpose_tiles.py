@@ -19,7 +19,8 @@ import cugrouped
 from cugrouped import reference
 from cugrouped.ops import pad_cast_transpose as pct
 
-from test_pad_cast_transpose import SPLITS, assert_same_bits, make_inputs, run_both, scales_for
+from test_pad_cast_transpose import (SPLITS, assert_same_bits, device_inputs, make_inputs,
+                                     run_both, scales_for)
 
 
 @contextlib.contextmanager
@@ -118,18 +119,11 @@ def test_two_tile_names_exist_only_where_instantiated():
 def _cuda_vs_reference(xs, m_splits, form, dtype, **kw):
     import cupy
 
-    carrier = {"bfloat16": np.uint16}.get(dtype)
-    dxs = [cupy.asarray(x.view(carrier) if carrier else x) for x in xs]
-    splits = None
-    if form == "tensor":
-        dxs, splits = cupy.concatenate(dxs, axis=0), list(m_splits)
-    elif form == "device":
-        dxs, splits = cupy.concatenate(dxs, axis=0), cupy.asarray(np.array(m_splits, np.int64))
+    dxs, splits, tag = device_inputs(xs, m_splits, form, dtype)
     want = reference.multi_pad_cast_transpose(xs, **kw)
     dkw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
     with two_per_block(), cugrouped.record_launches() as log:
-        got = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype=dtype if carrier else None,
-                                                 **dkw)
+        got = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype=tag, **dkw)
     assert log and all(launch.kernel.endswith(", 2>") for launch in log)
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})
