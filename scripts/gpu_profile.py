@@ -16,7 +16,8 @@
 3. The PyTorch layer's host time per training step, the CUDA API calls of a step (torch's
    profiler, CUPTI: every runtime and driver call of the process, CuPy's and cuBLASLt's too),
    the torch calls that synchronize (sync debug mode) and a cProfile -> ``host_layer.txt``, and
-   the timeline of 5 steps of the first config -> ``layer_trace.json.gz`` (Chrome trace).
+   the timeline of 5 steps of the first config -> ``layer_trace.json.gz`` (Chrome trace); then
+   scripts/layer_host.py, the same step's host code with every CUDA call stopped (appended).
 4. ``compute-sanitizer`` memcheck and racecheck over one small launch of every kernel family
    (casts per-tensor / gathered / SwiGLU / block / MXFP8, column sums, scale update, the GEMM
    loop) -> ``sanitizer.txt``.
@@ -451,6 +452,10 @@ def main(out: pathlib.Path) -> int:
         "print('compiled', cugrouped._jit.warmup(parallel=True), f'in {time.time() - t:.1f} s')"
         % str(ROOT))], 120, out / "sanitizer.txt")
     in_process(host_layer)
+    # the same layer's host code with every CUDA call stopped (as on a CPU machine): what the
+    # step costs the host before CUDA and cuBLAS add theirs; appended to host_layer.txt
+    step("layer host path, CUDA calls stopped", [PY, str(ROOT / "scripts" / "layer_host.py")],
+         60, out / "host_layer.txt")
     in_process(host_gemm)
     if ncu:
         cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
