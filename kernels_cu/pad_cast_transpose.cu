@@ -201,6 +201,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     constexpr bool kGated = ACT != Act::NONE;
     static_assert(!COLSUM || kAmax, "column sums are taken in the pass that computes amax");
     static_assert(!kGated || (!COLSUM && !GATHER), "the activation has no column sums or gather");
+    static_assert(TPB == 1 || (TPB == 2 && IN != InDtype::F32 && !COLSUM && !GATHER && !kGated),
+                  "two tiles per block: 16-bit input without column sums, gather or activation "
+                  "(the launch bounds of pct_min_blocks are set for those)");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];   // columns placed by tile_col
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];   // indexed by seg_col
@@ -228,13 +231,13 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     for (int step = 0; step < TPB; ++step) {
         // (block-uniform; with device splits the grid is an upper bound: surplus tiles exit)
         const i64 seq = static_cast<i64>(blockIdx.x) * TPB + step;
-        i64 total_tiles = 0;
         int t;
         if (TPB == 1) {   // (the grid is the tile list, or with device splits covers it)
             t = MODE == PctMode::AMAX_ONLY ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
             if (!host_splits && t >= sh_tile_start[g.num_experts]) break;
         } else {
-            total_tiles = host_splits ? g.tile_start[g.num_experts] : sh_tile_start[g.num_experts];
+            const i64 total_tiles = host_splits ? g.tile_start[g.num_experts]
+                                                : sh_tile_start[g.num_experts];
             if (seq >= total_tiles) break;
             t = static_cast<int>(MODE == PctMode::AMAX_ONLY ? total_tiles - 1 - seq : seq);
         }
@@ -431,7 +434,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         // Amax: block reduction, then the last block of the expert publishes it (and the scales),
         // once the block is done with the expert's tiles it was given.
         ++pending;
-        const bool expert_done = TPB == 1 || step + 1 == TPB || seq + 1 >= total_tiles ||
+        // (the last tile of all is its expert's last too: the list ends with an expert's tiles)
+        const bool expert_done = TPB == 1 || step + 1 == TPB ||
                                  (MODE == PctMode::AMAX_ONLY ? t == x.tile_begin : t + 1 == x.tile_end);
         if (kAmax && expert_done) {
             local_amax = warp_max(local_amax);

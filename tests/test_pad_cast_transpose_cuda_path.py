@@ -315,6 +315,29 @@ def test_list_inputs_on_two_devices_are_refused(fake_device):
     assert not calls
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_cuda_path_with_two_tiles_per_block(fake_device, given):
+    """set_tiles_per_block(2): the launches name the two-tile instantiations and cover the tiles
+    with half the blocks, the argument tuple is the same, and the bits are the reference's."""
+    calls, workspaces, _ = fake_device
+    m_splits, k = [37, 0, 130, 64, 5], 256                  # 2 tile columns
+    xs = make_inputs(m_splits, k, "bfloat16", seed=4)
+    scale = scales_for(m_splits, "e4m3", 4) if given else None
+    out = _out_buffers(m_splits, k, 16, False, scale)
+    old = pct.set_tiles_per_block(2)
+    try:
+        got = on_device(pct.cast_arrays, xs, scale=scale, out=out)
+    finally:
+        pct.set_tiles_per_block(old)
+    assert_same_bits(_fp8_view(got, "e4m3"), reference.multi_pad_cast_transpose(xs, scale=scale))
+    tiles = pct.plan_launches(m_splits, k, 16)[0].grid
+    assert [(grid, name.endswith(", 2>")) for name, grid, _, _ in calls] == \
+        [(((tiles + 1) // 2,), True)] * (1 if given else 2)
+    for name, grid, block, a in calls:
+        assert len(a) == 14 and a[0].arg.dtype == pct.group_dtype()
+    assert not any(ws.any() for ws in workspaces.values())
+
+
 def test_by_value_hands_cupy_the_records_address():
     """The argument block reaches ``cuLaunchKernel`` as the address of its bytes: the one CuPy's
     own conversion of the record would take (``CNumpyArray``, which first describes every field,

@@ -95,6 +95,42 @@ def test_two_tiles_per_block_over_chunks_and_an_accumulated_amax():
         assert_same_bits(got, want, "current scaling's options")
 
 
+@pytest.mark.parametrize("order", ["warps-reverse", "warps", "shuffle"])
+@pytest.mark.parametrize("given", [True, False])
+def test_a_block_flushing_two_experts_keeps_their_amaxes_apart(order, given):
+    """Experts of very different magnitudes, each ending inside a block: a block flushes one
+    expert's amax after its first tile and the next's after its second, through the same shared
+    slots. Without the barrier between its tiles, warps that run ahead ("warps-reverse") write
+    the second expert's maxima over the first's before they are read."""
+    # k = 128: 2, 1, 2, 1, 1 tiles; every expert has rows in every warp's share of its tile
+    # (32 rows or more), so a slot overwritten too early changes what is read
+    m_splits = [100, 40, 70, 50, 60]
+    xs = make_inputs(m_splits, 128, "bfloat16", seed=11)
+    bf16 = xs[0].dtype
+    xs = [(x.astype(np.float32) * np.float32(4.0 ** (-3 * i))).astype(bf16)
+          for i, x in enumerate(xs)]
+    scale = scales_for(m_splits, "e4m3", 11) if given else None
+    for form in ("tensor", "device"):
+        with two_per_block(), cugrouped.emulation_order(order), \
+                cugrouped.record_launches() as log:
+            got, want = run_both(xs, m_splits, form, scale=scale, align=16)
+        assert_same_bits(got, want, f"{order} {form}")
+        assert all(launch.kernel.endswith(", 2>") for launch in log)
+        assert len(set(np.asarray(got.amax).tolist())) == len(m_splits)
+
+
+def test_current_scaling_over_chunks_two_tiles_per_block():
+    """Several launches (chunks of 64 experts), each pass of current scaling over its own tile
+    list: the amax pass backwards, then the cast."""
+    m_splits = [(i * 11) % 29 for i in range(pct.MAX_EXPERTS_PER_LAUNCH + 9)]
+    xs = make_inputs(m_splits, 136, "bfloat16", seed=12)
+    for form in ("list", "device"):
+        with two_per_block(), cugrouped.record_launches() as log:
+            got, want = run_both(xs, m_splits, form, align=16)
+        assert_same_bits(got, want, f"two chunks, current scaling, {form}")
+        assert len(log) == 4 and all(launch.kernel.endswith(", 2>") for launch in log)
+
+
 @pytest.mark.parametrize("n", [0, 3, 4, 2.0, True, "2", None])
 def test_set_tiles_per_block_takes_the_instantiated_counts(n):
     with pytest.raises(ValueError, match=r"n: expected one of \(1, 2\)"):
