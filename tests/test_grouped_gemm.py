@@ -5,6 +5,7 @@ the cuBLASLt path against the reference."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -1079,11 +1080,8 @@ def test_gpu_side_stream_count_changes_no_bit(side):
                                           grouped_wgrad(X, G))]
 
     want = run()
-    old = gg.set_side_streams(side)
-    try:
+    with _side_streams(side):
         got = run()
-    finally:
-        gg.set_side_streams(old)
     for g, w in zip(got, want):
         assert g.tobytes() == w.tobytes()
 
@@ -1814,11 +1812,8 @@ def test_loop_spreads_over_the_side_streams_set_making_more_on_first_use(side, l
     X, W, _ = make_fp8([16] * live, 32, 16, seed=3)
     p = gg.check_fprop(X, W)
     _, blocks = gg.outputs(p, None, np)
-    old = gg.set_side_streams(side)
-    try:
+    with _side_streams(side):
         gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
-    finally:
-        assert gg.set_side_streams(old) == side
     n = min(side, live)
     # all the streams set are made at once (a later captured call must find them), else none
     assert len(st.streams) == len(st.stream_ptrs) == len(st.ws_ptrs) == len(st.done_events) \
@@ -1830,6 +1825,16 @@ def test_loop_spreads_over_the_side_streams_set_making_more_on_first_use(side, l
     assert sorted(forked) == sorted(joined) == [0x1000 + i for i in range(n)]
     assert log[0] == ("record", CALLER) and log.count(("wait", CALLER)) == n
     gg.clear_memo()
+
+
+@contextlib.contextmanager
+def _side_streams(n):
+    """``set_side_streams(n)`` for the block, the count found put back after."""
+    old = gg.set_side_streams(n)
+    try:
+        yield
+    finally:
+        assert gg.set_side_streams(old) == n
 
 
 def _six_expert_fprop(seed):
@@ -1850,15 +1855,12 @@ def test_a_side_stream_half_made_leaves_the_lists_in_step():
 
     st.make_event = failing
     p, blocks = _six_expert_fprop(5)
-    old = gg.set_side_streams(6)
-    try:
+    with _side_streams(6):
         with pytest.raises(RuntimeError, match="no event"):
             gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
         assert log == [] and len(st.streams) == len(st.ws_ptrs) == len(st.done_events) == 4
         st.make_event = make
         gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
-    finally:
-        gg.set_side_streams(old)
     assert len(st.streams) == len(st.done_events) == 6 and log.count(("wait", CALLER)) == 6
     gg.clear_memo()
 
@@ -1867,12 +1869,8 @@ def test_side_streams_that_cannot_be_made_are_refused_before_the_fork():
     st, log = _streams_logged()
     st.make_side_stream = None
     p, blocks = _six_expert_fprop(4)
-    old = gg.set_side_streams(6)
-    try:
-        with pytest.raises(RuntimeError, match="6 side streams asked for, 4 made"):
-            gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
-    finally:
-        gg.set_side_streams(old)
+    with _side_streams(6), pytest.raises(RuntimeError, match="6 side streams asked for, 4 made"):
+        gg._launch_plan(gg.plan_arrays(p, blocks), p, blocks, st)
     assert log == []                                            # nothing forked
     gg.clear_memo()
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from ..ops import pad_cast_transpose as pct
-from .common import copy_bandwidth_gbs, l2_cache_bytes, moe_splits, time_together
+from .common import copy_bandwidth_gbs, l2_cache_bytes, moe_splits, time_together, with_setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +94,6 @@ def _cast_inputs(cfg: CastConfig, copies: int, torch):
             cupy.ones(cfg.experts, np.float32))
 
 
-def _two_tiles_per_block(fn):
-    """``fn`` run with the cast kernel taking two tiles per block (``set_tiles_per_block(2)``),
-    the setting put back after: the ``cugrouped-tpb2`` rows, timed with the default's."""
-    def call(i):
-        old = pct.set_tiles_per_block(2)
-        try:
-            return fn(i)
-        finally:
-            pct.set_tiles_per_block(old)
-    return call
-
-
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
     """``impls``: which of :data:`CAST_IMPLS` to time (with ``"cugrouped"``, also its kernel at
     two tiles per block, rows ``cugrouped-tpb2``). The GPU check times cugrouped and torch
@@ -142,7 +130,9 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
             scale = None if scaling == "current" else ones
             fns["cugrouped", scaling] = lambda i, scale=scale: pct.multi_pad_cast_transpose(
                 xs[i % copies], m_splits, dtype=tag, scale=scale)
-            fns["cugrouped-tpb2", scaling] = _two_tiles_per_block(fns["cugrouped", scaling])
+            # the kernel at two tiles per block (set_tiles_per_block(2)), timed beside it
+            fns["cugrouped-tpb2", scaling] = with_setting(fns["cugrouped", scaling],
+                                                          pct.set_tiles_per_block, 2)
         if torch is not None:
             for impl, fn in zip(("torch-eager", "torch-compile"),
                                 _torch_peers(cfg, xt[0], m_splits, compile_peer)):

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["median_ms", "time_together", "Timing", "host_us", "spin", "copy_bandwidth_gbs",
+           "with_setting",
            "l2_cache_bytes", "environment", "moe_splits", "roofline_pct", "timing_columns",
            "is_sticky_cuda_error"]
 
@@ -282,6 +283,19 @@ def environment() -> dict:
     env["python"] = platform.python_version()
     env["cwd"] = os.getcwd()
     return env
+
+
+def with_setting(fn, setter, value):
+    """``fn(i)`` run with a tuning knob set to ``value`` by ``setter`` (which returns the previous
+    value, as ``set_tiles_per_block`` and ``set_side_streams`` do), put back after, also when
+    ``fn`` raises: a bench row of a variant, timed beside the default's."""
+    def call(i):
+        old = setter(value)
+        try:
+            return fn(i)
+        finally:
+            setter(old)
+    return call
 
 
 def moe_splits(experts: int, tokens: int, jagged: bool, seed: int) -> list[int]:

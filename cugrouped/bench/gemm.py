@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .common import (LAUNCH_BOUND, cpu_loop_us, median_ms, moe_splits, roofline_pct,
-                     time_together)
+                     time_together, with_setting)
 
 __all__ = ["GemmBench", "GEMM_CONFIGS", "QUICK_GEMM", "PASSES", "gemm_flops", "gemm_bytes",
            "wgrad_2d2d_groups", "wgrad_2d2d_scales", "check_2d2d_offs", "bench_gemm", "bench_host_loop",
@@ -349,13 +349,7 @@ WIDE_STREAMS = 16
 def _with_side_streams(fn, n: int):
     from ..ops import grouped_gemm as gg
 
-    def call(i):
-        old = gg.set_side_streams(n)
-        try:
-            return fn(i)
-        finally:
-            gg.set_side_streams(old)
-    return call
+    return with_setting(fn, gg.set_side_streams, n)
 
 
 def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:

@@ -576,9 +576,9 @@ def cuda_arguments(chunk: ChunkLaunch, arg, k: int, align: int, rule, ptrs,
     ``(PctGroup g, i64 k, i32 align, i32 margin, float amax_epsilon, i32 power_2_scale,
     float* scale, float* amax, float* scale_inv,
     int* workspace, float* colsum, float* colsum_partial, int* colsum_count,
-    i32 amax_accumulate)``: the argument
-    block by value (:func:`._launch.by_value`), every pointer as a ``uint64`` (so any device array kind works, torch
-    tensors included, with no DLPack round trip), null where a buffer is not used. The
+    i32 amax_accumulate)``: the argument block by value (:func:`._launch.by_value`), every
+    pointer as a ``uint64`` (so any device array kind works, torch tensors included, with no
+    DLPack round trip), null where a buffer is not used. The
     workspaces are kept per (device, stream) (:mod:`._launch`), never allocated per call."""
     tiles_k = -(-k // TILE_K)
     ws = _launch.device_workspace("pad_cast_transpose", 2 * MAX_EXPERTS_PER_LAUNCH)
