@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import pathlib
 import sys
 import time
@@ -54,6 +55,21 @@ def cuda_path_on_cpu():
 
     buffers: dict = {}
 
+    class AlignedTorch:
+        """torch for the custom ops, whose ``empty`` starts every tensor on a 512-byte boundary,
+        as torch's CUDA caching allocator does (CPU tensors are 64-byte aligned: their pointers'
+        alignments, part of each cuBLASLt call's shape signature, would miss the cached
+        algorithms a GPU run hits)."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(shape, *, dtype, device=None):
+            return aligned_empty(shape, dtype)
+
+    patches_before = [mock.patch.object(cops, "torch", AlignedTorch())]
+
     def host_buffer(name, size, dtype):
         if name not in buffers or buffers[name].size < size:
             buffers[name] = np.zeros(size, dtype)
@@ -64,7 +80,7 @@ def cuda_path_on_cpu():
         return tensors[0].device, inputs, dtype, functional._bytes, m_splits
 
     state = host_loop_state()
-    patches = [
+    patches = patches_before + [
         mock.patch.object(_jit, "get_function", get_function),
         mock.patch.object(_launch, "device_workspace", lambda n, ints: host_buffer(n, ints, np.int32)),
         mock.patch.object(_launch, "device_scratch", lambda n, nb: host_buffer(n, nb, np.uint8)),
@@ -89,28 +105,55 @@ def cuda_path_on_cpu():
             gg.clear_memo()
 
 
-def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current"):
+ROUTER_DRAWS = 16   # the token counts a "router" run cycles through, one set per step
+
+
+ALIGN = 512   # torch's CUDA caching allocator's block alignment
+
+
+def aligned_empty(shape, dtype):
+    """An uninitialised CPU tensor whose data starts on an :data:`ALIGN`-byte boundary."""
+    import math
+
+    import torch
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    off = -raw.data_ptr() % ALIGN
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current",
+               counts: str = "fixed"):
     """One training step of a GroupedLinear on CPU tensors (bf16, one (T, k) input and host
     splits), FP8 with ``recipe`` ("current" or "delayed"): forward, then the input's and the
-    weights' gradients."""
+    weights' gradients. ``counts``: "fixed" (the same token counts every step) or "router" (new
+    counts every step, as an MoE router makes them: :data:`ROUTER_DRAWS` seeded jagged sets in
+    turn, the same tokens in all)."""
+    import itertools
+
     import torch
 
     from cugrouped.bench.common import moe_splits
     from cugrouped.pytorch import (DelayedScaling, Float8CurrentScaling, Format, GroupedLinear,
                                    fp8_autocast)
 
-    m_splits = moe_splits(experts, tokens, True, 1)
+    if counts not in ("fixed", "router"):
+        raise ValueError(f"counts: expected 'fixed' or 'router', got {counts!r}")
+    draws = itertools.cycle([moe_splits(experts, tokens, True, 1 + i)
+                             for i in range(ROUTER_DRAWS if counts == "router" else 1)])
     torch.manual_seed(0)
     layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cpu")
     params = layer.weights()
-    x = torch.randn(tokens, k).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(tokens, n).to(torch.bfloat16)
+    x = aligned_empty((tokens, k), torch.bfloat16).copy_(torch.randn(tokens, k)).requires_grad_()
+    dy = aligned_empty((tokens, n), torch.bfloat16).copy_(torch.randn(tokens, n))
     fp8 = (Float8CurrentScaling if recipe == "current" else DelayedScaling)(
         fp8_format=Format.HYBRID)
 
     def step():
         with fp8_autocast(fp8_recipe=fp8):
-            y = layer(x, m_splits)
+            y = layer(x, next(draws))
             return torch.autograd.grad(y, [x, *params], dy)
     return step
 
@@ -118,35 +161,39 @@ def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--counts", choices=("router", "fixed"), nargs="+",
+                        default=["router", "fixed"],
+                        help="new token counts every step (as in MoE training), or the same")
     parser.add_argument("--profile", action="store_true", help="a cProfile of 20 steps each")
     args = parser.parse_args(argv)
     import cProfile
     import pstats
 
     with cuda_path_on_cpu() as launches:
-        for experts in args.experts:
-            for recipe in ("current", "delayed"):
-                step = layer_step(experts, 256, 256, 64 * experts, recipe)
-                for _ in range(3):
-                    step()
-                launches.clear()
+        for experts, counts, recipe in itertools.product(args.experts, args.counts,
+                                                         ("current", "delayed")):
+            step = layer_step(experts, 256, 256, 64 * experts, recipe, counts)
+            for _ in range(3):
                 step()
-                per_step = len(launches)
-                best = float("inf")
-                for _ in range(3):
-                    t0 = time.thread_time()
-                    for _ in range(20):
-                        step()
-                    best = min(best, (time.thread_time() - t0) / 20)
-                print(f"E={experts:3d} {recipe:<8}: {best * 1e6:8.0f} us per step on the CUDA "
-                      f"path's host code ({per_step} kernel launches; cuBLAS calls faked)")
-                if args.profile:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(20):
-                        step()
-                    prof.disable()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            launches.clear()
+            step()
+            per_step = len(launches)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.thread_time()
+                for _ in range(20):
+                    step()
+                best = min(best, (time.thread_time() - t0) / 20)
+            print(f"E={experts:3d} {counts:<6} counts {recipe:<8}: {best * 1e6:8.0f} us per "
+                  f"step on the CUDA path's host code ({per_step} kernel launches; cuBLAS "
+                  f"calls faked)")
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(20):
+                    step()
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return 0
 
 

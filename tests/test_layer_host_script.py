@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from unittest import mock
 
 import pytest
 
@@ -56,4 +57,41 @@ def test_the_patches_are_undone():
 def test_main_prints_a_time_per_step(capsys):
     assert layer_host.main(["--experts", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.count("us per step on the CUDA path's host code") == 2
+    assert out.count("us per step on the CUDA path's host code") == 4   # 2 counts x 2 recipes
+    assert out.count("router counts") == out.count("fixed  counts") == 2
+
+
+def test_router_counts_change_every_step_and_fixed_ones_do_not():
+    from cugrouped.pytorch import GroupedLinear
+
+    seen = []
+    real = GroupedLinear.forward
+
+    def forward(self, inp, m_splits=None, *args, **kwargs):
+        seen.append(tuple(m_splits))
+        return real(self, inp, m_splits, *args, **kwargs)
+
+    with layer_host.cuda_path_on_cpu(), mock.patch.object(GroupedLinear, "forward", forward):
+        for counts in ("router", "fixed"):
+            step = layer_host.layer_step(4, 16, 16, 256, "current", counts)
+            for _ in range(layer_host.ROUTER_DRAWS + 1):
+                step()
+    router, fixed = seen[:layer_host.ROUTER_DRAWS + 1], seen[layer_host.ROUTER_DRAWS + 1:]
+    assert len(set(router)) == layer_host.ROUTER_DRAWS and router[0] == router[-1]
+    assert len(set(fixed)) == 1
+    assert all(sum(m) == 256 for m in seen)
+    with pytest.raises(ValueError, match="counts"):
+        layer_host.layer_step(4, 16, 16, 256, "current", "random")
+
+
+def test_custom_op_outputs_start_where_cuda_allocations_do():
+    """The harness's torch.empty for the custom ops: 512-byte aligned, the shape and dtype asked
+    for (the pointer alignments key cuBLASLt's cached algorithms)."""
+    import torch
+
+    for shape, dtype in (((3, 5), torch.bfloat16), ((7,), torch.uint8), ((0, 4), torch.float32),
+                         (9, torch.float32)):
+        t = layer_host.aligned_empty(shape, dtype)
+        assert t.data_ptr() % layer_host.ALIGN == 0
+        assert t.shape == ((shape,) if isinstance(shape, int) else shape) and t.dtype == dtype
+        assert t.is_contiguous()

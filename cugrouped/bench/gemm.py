@@ -493,6 +493,7 @@ def host_loop_state(compute_capability: int = 90):
         _FakeEvent, lambda *a: HeuristicResult(), matmul, lambda ptr, nbytes, stream: None,
         lambda *args: None, lambda nbytes: 0x7D0000000000,
         lambda: (_FakeStream(0x1000 + len(st.streams)), 0x7F0000000000 + (len(st.streams) << 26)))
+    st.caller_ws[0] = 0x7E0000000000     # a single expert's call runs on the (fake) caller's stream
     return st
 
 

@@ -134,8 +134,8 @@ def _grouped(data, data_t, scale_inv, m_splits, k, fmt, align, conv, block: int 
 
 def _quantize_shapes(xs, align, rowwise, columnwise, column_sums, m_splits=None,
                      activation=None):
-    """Output shapes; ``m_splits`` (a gather) gives the experts' rows instead of ``xs``; a gated
-    ``activation`` halves the width."""
+    """Output shapes; ``m_splits`` (one tensor split, or a gather) gives the experts' rows
+    instead of ``xs``; a gated ``activation`` halves the width."""
     k = xs[0].shape[1] // 2 if activation is not None else xs[0].shape[1]
     counts = list(m_splits) if m_splits is not None else [x.shape[0] for x in xs]
     rows = sum(counts)
@@ -161,17 +161,19 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
     pending amax of forwards that run before their backwards, as in pipeline schedules; the scale
     update zeroes it) by the cast kernel itself (``amax_accumulate``, no extra launch; delayed
     scaling only). ``amax_epsilon``, ``power_2_scale``: current scaling's options (QParams).
-    ``row_index`` with ``m_splits`` (the fused permute): ``xs`` is ``[tokens]`` and the experts'
-    rows are ``tokens[row_index]``, ``m_splits`` each. ``activation`` (``"swiglu"``): cast the
-    activation of each row's halves ``[a | b]`` (``xs`` have twice the output's columns).
+    ``m_splits`` given: ``xs`` is one ``(Σm, k)`` tensor, ``[x]``, whose experts' rows are
+    ``m_splits`` each (no per-expert views made or read); with ``row_index`` (the fused
+    permute) ``xs`` is ``[tokens]`` and the experts' rows are ``tokens[row_index]``, ``m_splits``
+    each. ``activation`` (``"swiglu"``): cast the activation of each row's halves ``[a | b]``
+    (``xs`` have twice the output's columns).
     Returns ``(data (Σm, k) uint8 or (0, k), data_t (bytes,) uint8 or (0,),
     scale_inv (E,), column_sums (E, k) or (0, k))``.
     """
-    gather = row_index is not None
-    E = len(m_splits) if gather else len(xs)
+    single = m_splits is not None
+    E = len(m_splits) if single else len(xs)
     dev = xs[0].device
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
-                                              m_splits if gather else None, activation)
+                                              m_splits, activation)
     data = torch.empty(s_data, dtype=torch.uint8, device=dev)
     data_t = torch.empty(s_t, dtype=torch.uint8, device=dev)
     scale_inv = torch.empty(s_e, dtype=torch.float32, device=dev)
@@ -190,7 +192,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
                      column_sums=colsum if column_sums else None)
     # the torch front of the op: zero-copy views of these buffers, torch's current stream
     _functional.multi_pad_cast_transpose(
-        xs[0] if gather else list(xs), list(m_splits) if gather else None, fp8_format=fp8_format,
+        xs[0] if single else list(xs), list(m_splits) if single else None, fp8_format=fp8_format,
         scale=sc, margin=margin, align=align, rowwise=rowwise,
         columnwise=columnwise, column_sums=column_sums, out=out,
         backend=_backend(xs[0], cast_backend), amax_accumulate=merge, amax_epsilon=amax_epsilon,
@@ -203,8 +205,7 @@ def _(xs, fp8_format, margin, align, rowwise, columnwise, column_sums, scale, am
       cast_backend, accumulate_amax=False, amax_epsilon=0.0, power_2_scale=False, row_index=None,
       m_splits=None, activation=None):
     s_data, s_t, s_e, s_cs = _quantize_shapes(xs, align, rowwise, columnwise, column_sums,
-                                              m_splits if row_index is not None else None,
-                                              activation)
+                                              m_splits, activation)
     dev = xs[0].device
     return (xs[0].new_empty(s_data, dtype=torch.uint8), xs[0].new_empty(s_t, dtype=torch.uint8),
             torch.empty(s_e, dtype=torch.float32, device=dev),

@@ -139,7 +139,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         E = cfg.num_experts
         # the fused permute (FP8, the default backward only): the cast gathers the rows itself
         row_index = flat[-1] if cfg.gather else None
-        x_list = [xs[0]] if cfg.gather else cfg.expert_rows(xs, m_splits)
+        # one tensor and its counts where the cast takes them so (the per-tensor FP8 cast: no
+        # per-expert views made and read back), else the experts' rows as a list
+        whole = cfg.fp8 and not cfg.block and (cfg.gather or not cfg.list_mode)
+        x_list = [xs[0]] if cfg.gather or whole else cfg.expert_rows(xs, m_splits)
         nx, nw, _ = cfg.counts()
         need_dgrad = any(ctx.needs_input_grad[2:2 + nx])
         need_wgrad = any(ctx.needs_input_grad[2 + nx:2 + nx + nw])
@@ -179,7 +182,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             x_data, x_t, x_si, _ = cops.eager.fp8_quantize(
                 x_list, cfg.fmt_fwd, cfg.margin, FP8_ALIGN, True, need_wgrad and x_kind == "t",
                 False, scale, amax if cfg.grad_enabled else None, INPUT * E, cfg.cast_backend,
-                True, *cfg.q_inp, row_index, list(m_splits) if cfg.gather else None,
+                True, *cfg.q_inp, row_index, list(m_splits) if whole else None,
                 cfg.activation)
             w_data, w_t, w_si = wq
             x_si_t, w_si_t = x_si, w_si
@@ -226,7 +229,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_wgrad = any(wanted)
         need_dbias = cfg.has_bias and any(ctx.needs_input_grad[2 + nx + nw:2 + nx + nw + nb])
         dy = dy.contiguous()
-        dy_list = _split(dy, m_splits)
+        # the per-tensor FP8 cast takes dy whole with its counts (as the forward's input): the
+        # experts' views are made only for what reads them (a high-precision or block path)
+        dy_list = [] if cfg.fp8 and not cfg.block and cfg.bwd_mode == "fp8" else \
+            _split(dy, m_splits)
         dx = dws = dbs = wgrad_fn = None
         main_grads, acc, w_dtype = list(ctx.main_grads), cfg.accumulate_main_grad, ctx.w_dtype
         if cfg.fuse_wgrad and need_wgrad:
@@ -290,9 +296,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                     fp8_wgrad, cfg.cast_backend, *cfg.q_grad, None, None, need_dbias)
             else:
                 dy_data, dy_t, dy_si, colsum = cops.eager.fp8_quantize(
-                    dy_list, cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
+                    [dy], cfg.fmt_bwd, cfg.margin, FP8_ALIGN, need_dgrad or not fp8_wgrad,
                     fp8_wgrad, need_dbias, scale, amax, GRAD_OUTPUT * E, cfg.cast_backend, False,
-                    *cfg.q_grad)
+                    *cfg.q_grad, None, list(m_splits))
                 dy_si_t = dy_si
             if cfg.delayed:   # one launch: every tensor of every expert
                 update_scales(ctx.state, 3 * E, cfg.amax_group, cfg.num_e4m3,
