@@ -510,8 +510,6 @@ def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> 
     on the tensors): ``hot``/``cold`` as above, and ``layer``: what the torch layer's custom op
     does per call on CUDA tensors, a new ``GroupedFP8`` over the tensors each call (same
     pointers: the memo hits) handed to the op as they are."""
-    import time
-
     import ml_dtypes
 
     from ..grouped_fp8 import GroupedFP8

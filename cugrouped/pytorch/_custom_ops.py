@@ -25,6 +25,7 @@ import torch
 from .. import ops as _ops
 from ..grouped_block_fp8 import MX_DIMS, block_scale_entries, result_type, scale_dtype
 from ..grouped_fp8 import GroupedFP8
+from ..ops import _gemm_direct
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
 from ..ops.scatter_rows import scatter_rows as _scatter_rows
@@ -100,6 +101,24 @@ def _gemm_view(backend: str):
     shapes, strides and dtypes: no DLPack round trip per tensor, and the ops' per-call memo keys
     them), CPU tensors as zero-copy NumPy views (the reference backend computes on NumPy)."""
     return _same if backend == "cuda" else _arr
+
+
+# The per-tensor FP8 GEMMs on CUDA take the direct route (cugrouped.ops._gemm_direct): these ops
+# made or allocated every operand and output themselves, so the public ops' argument checks
+# (about half of a call's host time, new at every MoE step) would only confirm them. False:
+# through the public ops, checks included (tests compare the two).
+DIRECT_GEMMS = True
+
+
+def _index(device: torch.device) -> int:
+    return device.index or 0
+
+
+def _direct(device: torch.device, planned) -> None:
+    """Launch a :mod:`~cugrouped.ops._gemm_direct` ``(problem, out blocks)`` on ``device``'s
+    current torch stream."""
+    with launch_context(device):
+        _gemm_direct.launch(*planned, _index(device))
 
 
 def token_align(block: int = 0) -> int:
@@ -311,6 +330,13 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
                 backend, fast_accum=True, x_block=0, w_block=0):
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
+    if backend == "cuda" and not (x_block or w_block) and DIRECT_GEMMS:
+        _direct(x_data.device, _gemm_direct.fprop(
+            x_data.data_ptr(), x_scale_inv.data_ptr(), x_format, w_data.data_ptr(),
+            w_scale_inv.data_ptr(), w_format, m_splits, k, n, y.data_ptr(), dtype_name(y.dtype),
+            tuple(b.data_ptr() for b in bias) if bias else None, fast_accum,
+            _index(x_data.device)))
+        return
     conv = _gemm_view(backend)
     xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
                   x_block)
@@ -342,6 +368,12 @@ def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
 def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
                 backend, fast_accum=False, dy_block=0, w_block=0):
     E, n = len(m_splits), dy_data.shape[1]
+    if backend == "cuda" and not (dy_block or w_block) and DIRECT_GEMMS:
+        _direct(dy_data.device, _gemm_direct.dgrad(
+            dy_data.data_ptr(), dy_scale_inv.data_ptr(), dy_format, w_t.data_ptr(),
+            w_scale_inv.data_ptr(), w_format, m_splits, k, n, dx.data_ptr(),
+            dtype_name(dx.dtype), fast_accum, _index(dy_data.device)))
+        return
     conv = _gemm_view(backend)
     dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, token_align(dy_block),
                    conv, dy_block)
@@ -360,6 +392,15 @@ def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
 def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
            accumulate, out_dtype, backend, fast_accum=False, x_block=0, dy_block=0):
     """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
+    if backend == "cuda" and not (x_block or dy_block) and DIRECT_GEMMS and (
+            not isinstance(out, (list, tuple)) or all(g.is_contiguous() for g in out)):
+        ptrs = tuple(g.data_ptr() for g in out) if isinstance(out, (list, tuple)) else \
+            out.data_ptr()
+        _direct(x_t.device, _gemm_direct.wgrad(
+            x_t.data_ptr(), x_scale_inv.data_ptr(), x_format, dy_t.data_ptr(),
+            dy_scale_inv.data_ptr(), dy_format, m_splits, k, n, token_align(0), ptrs, out_dtype,
+            accumulate, fast_accum, _index(x_t.device)))
+        return
     conv = _gemm_view(backend)
     xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
                   x_block)
