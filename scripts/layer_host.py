@@ -91,6 +91,8 @@ def cuda_path_on_cpu():
         mock.patch.object(cops, "_arr", cops._same),
         mock.patch.object(functional, "_torch_inputs", torch_inputs),
         mock.patch.object(functional, "_gemm_device", lambda problem: torch.device("cpu")),
+        # (a gather's row index stays a tensor, as a CUDA one does, not a NumPy view)
+        mock.patch.object(functional, "to_array", lambda t: (t, None)),
         mock.patch.object(cupy.cuda.runtime, "getDevice", lambda: 0),
         # torch CPU tensors read as device-0 arrays by as_view, at no extra cost per view
         mock.patch.dict(_array._TORCH_DEVICES, {torch.device("cpu"): 0}),

@@ -401,11 +401,6 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
                    amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, row_index=row_index,
                    activation=activation)
     xp = DeviceLikeHost if backend == "emulate" else __import__("cupy")
-    if g.m_dev is not None:
-        plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
-    else:
-        plans = plan_launches(g.m_splits, g.k, align)
-    mode = "CAST_AMAX" if scale is not None else "AMAX_ONLY"
     # New outputs are allocated inside the scope too: CuPy allocates on the current device, and
     # the kernels (on the inputs' device) must not be handed another device's memory.
     with _launch.device_scope(backend, g.device):
@@ -413,7 +408,7 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         res.total_rows = g.total_rows
         if g.m_dev is not None:
             res.m_splits, res.m_pad_splits = g.m_dev.owner, None
-        _launch_all(backend, g, res, plans, align, mode, fp8_format,
+        launch_cast(backend, g, res, fp8_format, align, scale is not None,
                     (margin, eps, bool(power_2_scale)), column_sums, bool(amax_accumulate),
                     activation)
     if backend == "emulate" and res.data is not None:
@@ -422,6 +417,22 @@ def cast_arrays(inputs, m_splits=None, *, fp8_format="e4m3", scale=None, margin=
         res.data = res.data.view(ml_dtypes.float8_e4m3fn if fp8_format == "e4m3"
                                  else ml_dtypes.float8_e5m2)
     return res
+
+
+def launch_cast(backend: str, g: GroupedInput, res: GroupedFP8, fp8_format: str, align: int,
+                given_scale: bool, rule: tuple, column_sums: bool, amax_accumulate: bool = False,
+                activation: str | None = None) -> None:
+    """Launch the cast of the normalized inputs ``g`` into the buffers of ``res`` (its
+    ``scale`` read when ``given_scale``, else written), every check done: the tail of
+    :func:`cast_arrays`, and what the torch layer's own cast op calls with buffers it allocated
+    itself (``cugrouped.pytorch._custom_ops.fp8_quantize``). ``rule``: ``(margin, amax_epsilon
+    as its float32 value, power_2_scale)``. On the device: under the caller's device scope."""
+    if g.m_dev is not None:
+        plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
+    else:
+        plans = plan_launches(g.m_splits, g.k, align)
+    _launch_all(backend, g, res, plans, align, "CAST_AMAX" if given_scale else "AMAX_ONLY",
+                fp8_format, rule, column_sums, amax_accumulate, activation)
 
 
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
