@@ -41,7 +41,7 @@ def cuda_path_on_cpu():
 
     from cugrouped import _array, _jit
     from cugrouped.bench.gemm import host_loop_state
-    from cugrouped.ops import _launch
+    from cugrouped.ops import _cast_inputs, _launch
     from cugrouped.ops import grouped_gemm as gg
     from cugrouped.pytorch import _custom_ops as cops
     from cugrouped.pytorch import functional
@@ -80,6 +80,7 @@ def cuda_path_on_cpu():
         return tensors[0].device, inputs, dtype, functional._bytes, m_splits
 
     state = host_loop_state()
+    real_own_device = _cast_inputs._own_device
     patches = patches_before + [
         mock.patch.object(_jit, "get_function", get_function),
         mock.patch.object(_launch, "device_workspace", lambda n, ints: host_buffer(n, ints, np.int32)),
@@ -93,6 +94,9 @@ def cuda_path_on_cpu():
         mock.patch.object(functional, "_gemm_device", lambda problem: torch.device("cpu")),
         # (a gather's row index stays a tensor, as a CUDA one does, not a NumPy view)
         mock.patch.object(functional, "to_array", lambda t: (t, None)),
+        # a list of experts read as the tensors' own attributes place them: device 0 too
+        mock.patch.object(_cast_inputs, "_own_device",
+                          lambda x, kind: 0 if kind == "torch" else real_own_device(x, kind)),
         mock.patch.object(cupy.cuda.runtime, "getDevice", lambda: 0),
         # torch CPU tensors read as device-0 arrays by as_view, at no extra cost per view
         mock.patch.dict(_array._TORCH_DEVICES, {torch.device("cpu"): 0}),

@@ -253,9 +253,10 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     templates = st.templates.get(config)
     if templates is None or len(templates) > HEURISTIC_CACHE_SIZE:
         templates = st.templates[config] = {}
-    rows = vp.launch_rows
     recorders = _launch._recorders.get()
-    if vp.misaligned_scales:
+    if not vp.misaligned_scales:
+        rows = vp.launch_rows
+    else:
         # per-tensor scales cuBLASLt would refuse, copied to 16-byte slots on the caller's stream
         # before the fork (the side streams see them; the join orders the next call's copies
         # after this call's GEMMs, so one scratch per stream is enough)
