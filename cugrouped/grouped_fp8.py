@@ -98,7 +98,8 @@ class GroupedFP8(GroupedSplits):
         per-expert views below read the counts back to the host (a sync: for inspection only).
     amax, scale, scale_inv : float32 arrays ``(E,)``, on the data's device
         ``amax`` of the unscaled input, the scale used (``q = fp8(x * scale)``) and its inverse
-        (what the GEMMs dequantize with).
+        (what the GEMMs dequantize with; they also take a ``scale_inv`` that is a strided
+        ``(E,)`` view, and read one whose elements are 16-byte aligned where it is).
     fp8_format : ``"e4m3"`` or ``"e5m2"``;  k : int;  align : int
     column_sums : float32 array ``(E, k)`` or None
         With ``column_sums=True``: each expert's column sums of the unscaled input (dbias).

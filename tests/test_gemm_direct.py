@@ -31,18 +31,23 @@ TORCH_OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": to
 ALIGN = cops.token_align(0)
 
 
-def buffers(m_splits, k, n, out_dtype, seed=0):
-    """Aligned CPU buffers shaped as the layer's casts and allocations make them."""
+def buffers(m_splits, k, n, out_dtype, scale_stride=4):
+    """Aligned CPU buffers shaped as the layer's casts and allocations make them (the scales at
+    ``scale_stride`` floats apart: 4, the casts' 16-byte slots, or 1, contiguous)."""
     E = len(m_splits)
     rows = sum(m_splits)
     pad = sum(cops.padded(m, ALIGN) for m in m_splits)
     u8, f32 = torch.uint8, torch.float32
+
+    def scales():
+        return layer_host.aligned_empty((E, scale_stride), f32)[:, 0]
+
     b = {
         "x": layer_host.aligned_empty((rows, k), u8), "x_t": layer_host.aligned_empty(k * pad, u8),
-        "x_si": layer_host.aligned_empty(E, f32), "w": layer_host.aligned_empty((E * n, k), u8),
-        "w_t": layer_host.aligned_empty(E * n * k, u8), "w_si": layer_host.aligned_empty(E, f32),
+        "x_si": scales(), "w": layer_host.aligned_empty((E * n, k), u8),
+        "w_t": layer_host.aligned_empty(E * n * k, u8), "w_si": scales(),
         "dy": layer_host.aligned_empty((rows, n), u8), "dy_t": layer_host.aligned_empty(n * pad, u8),
-        "dy_si": layer_host.aligned_empty(E, f32),
+        "dy_si": scales(),
         "y": layer_host.aligned_empty((rows, n), TORCH_OUT[out_dtype]),
         "dx": layer_host.aligned_empty((rows, k), TORCH_OUT[out_dtype]),
         "dw": layer_host.aligned_empty((E, n, k), TORCH_OUT[out_dtype]),
@@ -50,9 +55,9 @@ def buffers(m_splits, k, n, out_dtype, seed=0):
         "bias": [layer_host.aligned_empty(n, TORCH_OUT["bfloat16" if out_dtype == "float32"
                                                       else out_dtype]) for _ in range(E)],
     }
-    for v in b.values():        # defined bytes (nothing reads them: only pointers matter)
+    for v in b.values():        # defined values (nothing reads them: only pointers matter)
         for t in (v if isinstance(v, list) else [v]):
-            t.view(torch.uint8).zero_()
+            t.zero_()
     return b
 
 
@@ -81,6 +86,7 @@ def checked(pass_name, b, m_splits, k, n, out_dtype, fmts, fast_accum, bias=Fals
 def direct(pass_name, b, m_splits, k, n, out_dtype, fmts, fast_accum, bias=False, out="dw",
            accumulate=False):
     p = {name: (t.data_ptr() if isinstance(t, torch.Tensor) else None) for name, t in b.items()}
+    p.update({name: cops._scales(b[name]) for name in ("x_si", "w_si", "dy_si")})
     if pass_name == "fprop":
         return _gemm_direct.fprop(p["x"], p["x_si"], fmts[0], p["w"], p["w_si"], fmts[1],
                                   m_splits, k, n, p["y"], out_dtype,
@@ -117,11 +123,13 @@ CASES = [("fprop", ("e4m3", "e4m3"), {}), ("fprop", ("e4m3", "e4m3"), {"bias": T
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("out_dtype,scale_stride", [("bfloat16", 4), ("float16", 1),
+                                                    ("float32", 4), ("bfloat16", 1)])
 @pytest.mark.parametrize("pass_name,fmts,kw", CASES)
-def test_direct_problem_is_what_the_checks_build(split, out_dtype, pass_name, fmts, kw):
+def test_direct_problem_is_what_the_checks_build(split, out_dtype, scale_stride, pass_name, fmts,
+                                                 kw):
     m_splits, k, n = SPLITS[split]
-    b = buffers(m_splits, k, n, out_dtype)
+    b = buffers(m_splits, k, n, out_dtype, scale_stride)
     fast = pass_name == "fprop"
     with mock.patch.dict(_array._TORCH_DEVICES, {torch.device("cpu"): 0}):   # as CUDA tensors
         want, want_out = checked(pass_name, b, m_splits, k, n, out_dtype, fmts, fast, **kw)
@@ -166,11 +174,13 @@ def recorded():
         yield run
 
 
+@pytest.mark.parametrize("scale_stride", [4, 1])
 @pytest.mark.parametrize("split", ["skewed", "empty_middle", "single", "not_mult16"])
 @pytest.mark.parametrize("pass_name,fmts,kw", CASES)
-def test_a_custom_op_makes_the_same_calls_either_way(recorded, split, pass_name, fmts, kw):
+def test_a_custom_op_makes_the_same_calls_either_way(recorded, split, pass_name, fmts, kw,
+                                                     scale_stride):
     m_splits, k, n = SPLITS[split]
-    b = buffers(m_splits, k, n, "bfloat16")
+    b = buffers(m_splits, k, n, "bfloat16", scale_stride)
     fast = pass_name == "fprop"
 
     def op():
@@ -190,6 +200,9 @@ def test_a_custom_op_makes_the_same_calls_either_way(recorded, split, pass_name,
         checked_calls = recorded(op)
     live = sum(1 for m in m_splits if m)
     assert sum(c[0] == "matmul" for c in direct_calls) == live
+    # scales in 16-byte slots are read where they are; packed ones are copied to slots first
+    copies = [c for c in direct_calls if c[0] == "memcpy2d"]
+    assert (copies == []) == (scale_stride == 4 or len(m_splits) == 1)
     assert direct_calls == checked_calls
 
 

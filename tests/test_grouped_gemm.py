@@ -422,8 +422,9 @@ def test_scale_copies_put_each_callers_float_in_a_16_byte_slot(case):
            "scattered": [9, 2, 40, 41], "sparse": [0, 1, 63], "one": [6], "far": [3, 5]}[case]
     src = base + 4 * np.asarray(idx, np.int64)
     if case == "far":                     # two allocations far apart: no strided read between
-        far = rng.standard_normal(4).astype(np.float32)
-        src = np.asarray([base + 12, far.ctypes.data + 4], np.int64)
+        # (the middle of a 1 MiB array: anything outside it, the pool too, is 512 KiB away)
+        far = rng.standard_normal(1 << 18).astype(np.float32)
+        src = np.asarray([base + 12, far.ctypes.data + (1 << 19)], np.int64)
         assert abs(int(src[1] - src[0])) > gg.SCALE_SPAN_MAX
     if case == "scattered":
         src[1] += 1                       # an odd byte offset: no common step of 4 or more
@@ -2334,3 +2335,53 @@ def test_m_splits_errors(call, exc, match):
     xs, ws = np.split(x, [7, 7, 19]), [rand(rng, (48, 32)) for _ in range(4)]
     with pytest.raises(exc, match=match):
         call(x, xs, ws)
+
+
+@pytest.mark.parametrize("ptrs,want", [
+    ([0x1000], (0x1000, 4, 1)), ([0x1000, 0x1004, 0x1008], (0x1000, 4, 3)),
+    ([0x1000, 0x1010], (0x1000, 16, 2)), ([0x1000, 0x1004, 0x100C], None),
+    ([0x1000, 0x1000], None), ([0x1008, 0x1004], None), ([0x1000, 0x1002], None),
+    ([0x1000, 0x1000 + gg.SCALE_SPAN_MAX + 4], None)])
+def test_scale_span_is_even_steps_through_one_array_only(ptrs, want):
+    from cugrouped.ops._gemm_plan import scale_span
+
+    assert scale_span(np.asarray(ptrs, np.int64)) == want
+
+
+def test_scales_of_one_array_go_to_each_experts_own_slot_whatever_the_counts():
+    """An (E,) scale_inv is copied whole, expert e's float to slot e: with other experts empty
+    (new token counts) every expert's new scale pointer is the same, so no descriptor is re-set."""
+    X, W, _ = make_fp8([5, 3, 19, 3], 32, 16, seed=1)
+    X2 = cugrouped.multi_pad_cast_transpose(
+        [np.ones((m, 32), np.float32) for m in (0, 6, 0, 2)])
+    dst = 0x7C0000000000
+    rows = {}
+    for name, x in (("all", X), ("some empty", X2)):
+        p = gg.check_fprop(x, W)
+        vp = gg.plan_arrays(p, gg.outputs(p, None, np)[1])
+        copies, launch_rows = vp.realigned(dst)
+        assert [(c.src, c.spitch, c.height) for c in copies] == [
+            (int(np.asarray(W.scale_inv).ctypes.data), 4, 4),
+            (int(np.asarray(x.scale_inv).ctypes.data), 4, 4)]
+        rows[name] = {r[0]: r[4:6] for r in launch_rows}
+    assert rows["some empty"] == {e: rows["all"][e] for e in (1, 3)}
+    assert rows["all"][2] == (dst + 32, dst + 4 * 16 + 32)
+
+
+def test_scale_inv_at_a_stride_is_read_in_place():
+    """A GroupedFP8 whose scale_inv is a strided (E,) view (each in its own 16-byte slot): the
+    same results as with a packed copy, and the loop reads the scales where they are (no copy);
+    a zero or negative stride is refused, naming the argument."""
+    X, W, DY = make_fp8([5, 0, 19, 3], 32, 16, seed=2)
+    slots = np.zeros((4, 4), np.float32)
+    slots[:, 0] = X.scale_inv
+    Xs = dataclasses.replace(X, scale_inv=slots[:, 0])
+    want = grouped_fprop(X, W)
+    np.testing.assert_array_equal(np.asarray(grouped_fprop(Xs, W)).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    p = gg.check_fprop(Xs, W)
+    assert list(p.left_scale) == [slots.ctypes.data + 16 * e for e in range(4)]
+    vp = gg.plan_arrays(p, gg.outputs(p, None, np)[1])
+    assert [c for c in vp.realigned(0x7C0000000000)[0] if c.src == slots.ctypes.data] == []
+    with pytest.raises(ValueError, match="x.scale_inv: expected a float32 array of shape"):
+        gg.check_fprop(dataclasses.replace(X, scale_inv=np.asarray(X.scale_inv)[::-1]), W)

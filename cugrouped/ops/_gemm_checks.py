@@ -117,11 +117,14 @@ def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
         scale_mode = _BLOCK_MODE[g.block_scaling_dim]
     else:
         sv = as_view(g.scale_inv, arg=f"{arg}.scale_inv")
-        if sv.dtype != "float32" or sv.shape != (E_,) or (E_ > 1 and sv.strides != (1,)):
-            raise ValueError(f"{arg}.scale_inv: expected a contiguous float32 array of shape "
-                             f"({E_},), got {sv.dtype} {sv.shape}")
-        # one float32 per expert: its scale_inv's address (one arange, not three array ops)
-        scales = np.arange(sv.ptr, sv.ptr + 4 * E_, 4, dtype=np.int64)
+        step = sv.strides[0] if E_ > 1 and len(sv.shape) == 1 else 1
+        if sv.dtype != "float32" or sv.shape != (E_,) or step < 1:
+            raise ValueError(f"{arg}.scale_inv: expected a float32 array of shape ({E_},) "
+                             f"(contiguous, or at a positive element stride), got {sv.dtype} "
+                             f"{sv.shape} strides {sv.strides}")
+        # one float32 per expert: its scale_inv's address (one arange, not three array ops); at
+        # a stride of 4 each sits in its own 16-byte slot, as cuBLASLt wants them
+        scales = np.arange(sv.ptr, sv.ptr + 4 * step * E_, 4 * step, dtype=np.int64)
         scale_mode = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
     on_device, device, kind = _where([dv, sv], arg)
     k = g.k

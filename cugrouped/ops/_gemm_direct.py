@@ -28,6 +28,7 @@ from ._gemm_plan import Blocks, Problem, bias_dtype_for, plan_arrays
 _FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SCALAR = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
+Scales = tuple[int, int]       # a float32 (E,) scale_inv array: (address, element stride)
 
 
 def _counts(m_splits: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -36,33 +37,34 @@ def _counts(m_splits: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return m, m.cumsum() - m
 
 
-def _scales(scale_inv: int, num: int) -> np.ndarray:
-    """Each expert's ``scale_inv`` address in a contiguous float32 ``(E,)`` array."""
-    return np.arange(scale_inv, scale_inv + 4 * num, 4, dtype=np.int64)
+def _scales(scale_inv: int, stride: int, num: int) -> np.ndarray:
+    """Each expert's ``scale_inv`` address in a float32 ``(E,)`` array of element ``stride``."""
+    return np.arange(scale_inv, scale_inv + 4 * stride * num, 4 * stride, dtype=np.int64)
 
 
 def _place(device: int) -> tuple[bool, int, str]:
     return (True, device, "torch")
 
 
-def fprop(x: int, x_scale_inv: int, x_format: str, w: int, w_scale_inv: int, w_format: str,
-          m_splits: Sequence[int], k: int, n: int, out: int, out_dtype: str,
+def fprop(x: int, x_scale_inv: Scales, x_format: str, w: int, w_scale_inv: Scales,
+          w_format: str, m_splits: Sequence[int], k: int, n: int, out: int, out_dtype: str,
           bias: tuple[int, ...] | None, fast_accum: bool, device: int) -> tuple[Problem, Blocks]:
     """``y_i = x_i · W_iᵀ (+ b_i)``: ``x`` the row-wise ``(Σm, k)`` FP8 bytes, ``w`` the row-wise
     ``(E·n, k)`` ones, ``out`` a contiguous ``(Σm, n)`` array of ``out_dtype``, ``bias`` one
-    contiguous ``(n,)`` vector per expert (of :func:`bias_dtype_for`) or None; addresses."""
+    contiguous ``(n,)`` vector per expert (of :func:`bias_dtype_for`) or None; addresses. Each
+    ``*_scale_inv`` is the ``(address, element stride)`` of a float32 ``(E,)`` array."""
     m, first_row = _counts(m_splits)
     num = m.shape[0]
     left = Blocks(x + first_row * k, m, k, k, _FP8[x_format])
     right = Blocks(w + (n * k) * np.arange(num, dtype=np.int64), n, k, k, _FP8[w_format])
     bdt = bias_dtype_for(out_dtype, True) if bias is not None else None
     problem = Problem("fprop", True, left, False, right, True, (k,) * num,
-                      _scales(x_scale_inv, num), _scales(w_scale_inv, num), bias, bdt,
+                      _scales(*x_scale_inv, num), _scales(*w_scale_inv, num), bias, bdt,
                       bool(fast_accum), False, out_dtype, _place(device), _SCALAR, _SCALAR)
     return problem, Blocks(out + first_row * (n * _ITEMSIZE[out_dtype]), m, n, n, out_dtype)
 
 
-def dgrad(dy: int, dy_scale_inv: int, dy_format: str, w_t: int, w_scale_inv: int,
+def dgrad(dy: int, dy_scale_inv: Scales, dy_format: str, w_t: int, w_scale_inv: Scales,
           w_format: str, m_splits: Sequence[int], k: int, n: int, out: int, out_dtype: str,
           fast_accum: bool, device: int) -> tuple[Problem, Blocks]:
     """``dx_i = dy_i · W_i``: ``dy`` the row-wise ``(Σm, n)`` FP8 bytes, ``w_t`` the weights'
@@ -73,12 +75,12 @@ def dgrad(dy: int, dy_scale_inv: int, dy_format: str, w_t: int, w_scale_inv: int
     left = Blocks(dy + first_row * n, m, n, n, _FP8[dy_format])
     right = Blocks(w_t + (k * n) * np.arange(num, dtype=np.int64), k, n, n, _FP8[w_format])
     problem = Problem("dgrad", True, left, False, right, True, (n,) * num,
-                      _scales(dy_scale_inv, num), _scales(w_scale_inv, num), None, None,
+                      _scales(*dy_scale_inv, num), _scales(*w_scale_inv, num), None, None,
                       bool(fast_accum), False, out_dtype, _place(device), _SCALAR, _SCALAR)
     return problem, Blocks(out + first_row * (k * _ITEMSIZE[out_dtype]), m, k, k, out_dtype)
 
 
-def wgrad(x_t: int, x_scale_inv: int, x_format: str, dy_t: int, dy_scale_inv: int,
+def wgrad(x_t: int, x_scale_inv: Scales, x_format: str, dy_t: int, dy_scale_inv: Scales,
           dy_format: str, m_splits: Sequence[int], k: int, n: int, align: int,
           out: int | Sequence[int], out_dtype: str, accumulate: bool, fast_accum: bool,
           device: int) -> tuple[Problem, Blocks]:
@@ -93,7 +95,7 @@ def wgrad(x_t: int, x_scale_inv: int, x_format: str, dy_t: int, dy_scale_inv: in
     right = Blocks(x_t + start * k, k, pad, pad, _FP8[x_format])
     left = Blocks(dy_t + start * n, n, pad, pad, _FP8[dy_format])
     problem = Problem("wgrad", True, left, False, right, True, tuple(pad.tolist()),
-                      _scales(dy_scale_inv, num), _scales(x_scale_inv, num), None, None,
+                      _scales(*dy_scale_inv, num), _scales(*x_scale_inv, num), None, None,
                       bool(fast_accum), bool(accumulate), out_dtype, _place(device), _SCALAR,
                       _SCALAR)
     if isinstance(out, int):

@@ -277,6 +277,10 @@ class VecPlan:
     beta: float
     zero: tuple[int, ...]
     skipped: tuple[int, ...]
+    # per scale column (4: A, 5: B), every expert's scale pointers as ``(first, step, experts)``
+    # when they step evenly through one array (a GroupedFP8's (E,) scale_inv, empty experts
+    # included), else None: what :meth:`_scale_plan` copies in one piece
+    scale_spans: tuple = (None, None)
 
     @property
     def experts(self) -> np.ndarray:
@@ -297,13 +301,24 @@ class VecPlan:
     @functools.cached_property
     def _scale_plan(self) -> tuple[tuple, int]:
         """Per scale column with a misaligned pointer (4: A, 5: B): the column, its copies and its
-        new pointers as offsets into the scratch (A's slots first); and the slots' total bytes."""
+        new pointers as offsets into the scratch (A's slots first); and the slots' total bytes.
+
+        A column whose experts' scales step evenly through one array (:attr:`scale_spans`) is
+        copied whole, every expert's scale to slot ``expert`` (one strided copy, no analysis):
+        each expert's new pointer is then the same at every step whatever the token counts, so
+        the launch re-sets no descriptor (~1.5 us each) once the slots are in place."""
         plan, base = [], 0
-        for col in (4, 5):
-            if (self.ptrs[:, col] % SCALE_POINTER_ALIGN).any():
+        for col, span in zip((4, 5), self.scale_spans):
+            if not (self.ptrs[:, col] % SCALE_POINTER_ALIGN).any():
+                continue
+            if span is not None:
+                first, step, count = span
+                copies = (ScaleCopy(base, first, step, count),)
+                new = base + SCALE_POINTER_ALIGN * self.ptrs[:, 0]
+            else:
                 copies, new = scale_copies(self.ptrs[:, col], base)
-                plan.append((col, copies, new))
-                base += SCALE_POINTER_ALIGN * sum(c.height for c in copies)
+            plan.append((col, copies, new))
+            base += SCALE_POINTER_ALIGN * sum(c.height for c in copies)
         return tuple(plan), base
 
     @property
@@ -447,8 +462,23 @@ def plan_arrays(problem: Problem, out) -> VecPlan:
         zero = ()
     transa = E.CUBLAS_OP_T if rt else E.CUBLAS_OP_N
     transb = E.CUBLAS_OP_T if lt else E.CUBLAS_OP_N
+    spans = (None, None) if not problem.fp8 or problem.block_scaled else (
+        scale_span(problem.right_scale), scale_span(problem.left_scale))
     return VecPlan(gemm_config(problem, transa, transb), T[:, _KEYS], T[:, _PTRS], T[:, _MNK],
-                   1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()))
+                   1.0 if problem.accumulate else 0.0, zero, tuple(skipped.tolist()), spans)
+
+
+def scale_span(ptrs) -> tuple[int, int, int] | None:
+    """``(first, step, count)`` of per-expert scale pointers that step evenly, by at least a
+    float and at most :data:`SCALE_SPAN_MAX` bytes (one array's elements: one strided copy reads
+    each of them and nothing between), else None."""
+    p = ptrs.tolist() if isinstance(ptrs, np.ndarray) else list(ptrs)
+    if len(p) == 1:
+        return (p[0], 4, 1)
+    step = p[1] - p[0]
+    if not 4 <= step <= SCALE_SPAN_MAX or p != list(range(p[0], p[0] + step * len(p), step)):
+        return None
+    return (p[0], step, len(p))
 
 
 # plan_arrays' table: the 17 key columns, the 7 pointer columns and m, n, k.

@@ -126,6 +126,11 @@ def _index(device: torch.device) -> int:
     return device.index or 0
 
 
+def _scales(scale_inv: torch.Tensor) -> tuple[int, int]:
+    """A float32 ``(E,)`` scale_inv tensor as :mod:`~cugrouped.ops._gemm_direct` takes it."""
+    return scale_inv.data_ptr(), scale_inv.stride(0)
+
+
 def _direct(device: torch.device, planned) -> None:
     """Launch a :mod:`~cugrouped.ops._gemm_direct` ``(problem, out blocks)`` on ``device``'s
     current torch stream."""
@@ -357,8 +362,8 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
     n = w_data.shape[0] // E
     if backend == "cuda" and not (x_block or w_block) and DIRECT_GEMMS:
         _direct(x_data.device, _gemm_direct.fprop(
-            x_data.data_ptr(), x_scale_inv.data_ptr(), x_format, w_data.data_ptr(),
-            w_scale_inv.data_ptr(), w_format, m_splits, k, n, y.data_ptr(), dtype_name(y.dtype),
+            x_data.data_ptr(), _scales(x_scale_inv), x_format, w_data.data_ptr(),
+            _scales(w_scale_inv), w_format, m_splits, k, n, y.data_ptr(), dtype_name(y.dtype),
             tuple(b.data_ptr() for b in bias) if bias else None, fast_accum,
             _index(x_data.device)))
         return
@@ -395,8 +400,8 @@ def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format
     E, n = len(m_splits), dy_data.shape[1]
     if backend == "cuda" and not (dy_block or w_block) and DIRECT_GEMMS:
         _direct(dy_data.device, _gemm_direct.dgrad(
-            dy_data.data_ptr(), dy_scale_inv.data_ptr(), dy_format, w_t.data_ptr(),
-            w_scale_inv.data_ptr(), w_format, m_splits, k, n, dx.data_ptr(),
+            dy_data.data_ptr(), _scales(dy_scale_inv), dy_format, w_t.data_ptr(),
+            _scales(w_scale_inv), w_format, m_splits, k, n, dx.data_ptr(),
             dtype_name(dx.dtype), fast_accum, _index(dy_data.device)))
         return
     conv = _gemm_view(backend)
@@ -422,8 +427,8 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
         ptrs = tuple(g.data_ptr() for g in out) if isinstance(out, (list, tuple)) else \
             out.data_ptr()
         _direct(x_t.device, _gemm_direct.wgrad(
-            x_t.data_ptr(), x_scale_inv.data_ptr(), x_format, dy_t.data_ptr(),
-            dy_scale_inv.data_ptr(), dy_format, m_splits, k, n, token_align(0), ptrs, out_dtype,
+            x_t.data_ptr(), _scales(x_scale_inv), x_format, dy_t.data_ptr(),
+            _scales(dy_scale_inv), dy_format, m_splits, k, n, token_align(0), ptrs, out_dtype,
             accumulate, fast_accum, _index(x_t.device)))
         return
     conv = _gemm_view(backend)
