@@ -10,6 +10,12 @@ its stages; seconds):
    at k = 128, 1024 and 4096: what the tests' bounds (ACC_EPS, FAST_ACC_EPS, BLOCK_ACC_EPS)
    must cover.
 
+3. Whether cuBLASLt's heuristic picks the fastest algorithm for one expert's FP8 fprop at the
+   benchmark's shapes (fine-grained E=64: m=128, k=2048, n=1408, where the per-expert loop runs
+   at 0.52x ``torch._scaled_grouped_mm``; DeepSeek-V3's: m=2048, k=7168, n=2048): its first 16
+   candidates timed one by one on the caller's stream (CUDA events, 50 calls each, the median
+   of 5), with the rank of the fastest and how much faster it is than the heuristic's first.
+
 Prints one line per measurement; a failure prints its error and the rest goes on.
 """
 
@@ -122,13 +128,97 @@ def accumulation_error() -> None:
             print(f"probe block     k={k:4d}: {type(exc).__name__}: {exc}")
 
 
+ALGO_CANDIDATES = 16
+ALGO_SHAPES = (("fine-E64 expert", 128, 2048, 1408), ("dsv3 expert", 2048, 7168, 2048))
+
+
+def algorithm_choice() -> None:
+    import ctypes
+
+    cupy = _xp()
+    dry = cupy is np
+    from cugrouped.cublaslt import HeuristicResult, lib
+    from cugrouped.ops import grouped_gemm as gg
+    from test_grouped_gemm import make_fp8
+
+    for name, m, k, n in ALGO_SHAPES:
+        if dry:
+            m, k, n = 16, 32, 16                  # the same path on small host arrays
+        X, W, _ = make_fp8([m], k, n, seed=3, xp=cupy)
+        p = gg.check_fprop(X, W)
+        out, blocks = gg.outputs(p, None, cupy)
+        vp = gg.plan_arrays(p, blocks)
+        call = vp.calls()[0]
+        st = None if dry else gg._state(cupy.cuda.Device().id)
+        wsb = gg.workspace_bytes_for(90) if dry else st.workspace_bytes
+        desc, la, lb, ld, pref = gg.build_descriptors(vp.config, call, wsb)
+        results = (HeuristicResult * ALGO_CANDIDATES)()
+        count = ctypes.c_int(0)
+        if dry:
+            count.value = 3
+        else:
+            status = lib().cublasLtMatmulAlgoGetHeuristic(
+                st.handle, desc.handle, la.handle, lb.handle, ld.handle, ld.handle, pref.handle,
+                ALGO_CANDIDATES, results, ctypes.byref(count))
+            if status:
+                print(f"probe algorithms {name}: cublasLtMatmulAlgoGetHeuristic status {status}")
+                continue
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+        def run(r, reps):
+            """``reps`` calls with candidate ``r``; cuBLAS's status of the first that fails."""
+            if dry:
+                return 0
+            stream = cupy.cuda.get_current_stream().ptr
+            ws = st.caller_workspace(stream)
+            for _ in range(reps):
+                status = st.matmul(st.handle, desc.handle, ctypes.byref(alpha), call.a_ptr,
+                                   la.handle, call.b_ptr, lb.handle, ctypes.byref(beta),
+                                   call.d_ptr, ld.handle, call.d_ptr, ld.handle,
+                                   ctypes.byref(r.algo), ws, wsb, stream)
+                if status:
+                    return status
+            return 0
+
+        times = []
+        for i in range(count.value):
+            r = results[i]
+            if r.workspaceSize > wsb or run(r, 3):
+                times.append(None)
+                continue
+            if dry:
+                times.append(1.0 + i)
+                continue
+            reps = []
+            for _ in range(5):
+                t0, t1 = cupy.cuda.Event(), cupy.cuda.Event()
+                t0.record()
+                run(r, 50)
+                t1.record()
+                t1.synchronize()
+                reps.append(cupy.cuda.get_elapsed_time(t0, t1) * 1e3 / 50)
+            times.append(float(np.median(reps)))
+        ok = [(t, i) for i, t in enumerate(times) if t is not None]
+        if not ok:
+            print(f"probe algorithms {name}: none of {count.value} candidates ran")
+            continue
+        best_t, best = min(ok)
+        first = times[0]
+        flops = 2.0 * m * k * n
+        listing = " ".join("-" if t is None else f"{t:.1f}" for t in times)
+        print(f"probe algorithms {name} (m={m} k={k} n={n}): {count.value} candidates, us each: "
+              f"{listing}; fastest #{best} {best_t:.2f} us ({flops / best_t / 1e6:.0f} TFLOP/s)"
+              + (f", {first / best_t:.2f}x the heuristic's first" if first else
+                 ", the heuristic's first refused"))
+
+
 def main() -> int:
     import cugrouped
 
     if not cugrouped.gpu_available() and os.environ.get("CUGROUPED_PROBE_DRY") != "1":
         print("probe: no GPU")
         return 2
-    for probe in (scale_alignment, accumulation_error):
+    for probe in (scale_alignment, accumulation_error, algorithm_choice):
         try:
             probe()
         except Exception as exc:  # noqa: BLE001
