@@ -217,3 +217,29 @@ def test_non_contiguous_main_grads_take_the_checked_path(recorded):
                                              "e5m2", k, n, m_splits, wide, True, "float32",
                                              "cuda"))
     assert sum(c[0] == "matmul" for c in calls) == len(m_splits)
+
+
+def test_the_direct_route_plans_once_per_counts_and_buffers(recorded):
+    """The same call again (same counts, same buffers) reuses its plan and makes the same calls;
+    new counts, or a buffer elsewhere, plan anew; clear_memo forgets."""
+    m_splits, k, n = SPLITS["skewed"]
+    b = buffers(m_splits, k, n, "bfloat16")
+    other = buffers(m_splits, k, n, "bfloat16")
+
+    def fprop(splits, y):
+        cops._fprop_into(y, b["x"], b["x_si"], "e4m3", b["w"], b["w_si"], "e4m3", [], splits,
+                         "cuda", True)
+
+    gg.clear_memo()
+    planned = []
+    real = _gemm_direct.fprop
+    with mock.patch.dict(_gemm_direct._BUILDERS,
+                         {"fprop": lambda *a: planned.append(a) or real(*a)}):
+        first = recorded(lambda: fprop(m_splits, b["y"]))
+        again = recorded(lambda: fprop(list(m_splits), b["y"]))
+        assert len(planned) == 1 and again == first
+        recorded(lambda: fprop([1, 131, 1, 70], b["y"]))      # new counts
+        recorded(lambda: fprop(m_splits, other["y"]))         # another output buffer
+        assert len(planned) == 3
+        gg.clear_memo()
+        assert recorded(lambda: fprop(m_splits, b["y"])) == first and len(planned) == 4

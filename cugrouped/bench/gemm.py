@@ -508,11 +508,12 @@ def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> 
     With torch installed, rows ``op="gemm-host-torch"`` time the same calls on torch CPU tensors
     over the same buffers, read the way CUDA tensors are (pointers through ``as_view``, memo keyed
     on the tensors): ``hot``/``cold`` as above, and ``layer``: what the torch layer's custom op
-    does per call on CUDA tensors, a new ``GroupedFP8`` over the tensors each call (same
-    pointers: the memo hits) handed to the op as they are."""
+    does per call on CUDA tensors with new token counts, the call described from the tensors'
+    pointers and the counts (:mod:`cugrouped.ops._gemm_direct`: no checks), planned (its memo
+    cleared) and launched."""
     import ml_dtypes
 
-    from ..grouped_fp8 import GroupedFP8
+    from ..ops import _gemm_direct
     from ..ops import grouped_gemm as gg
     from ..ops.pad_cast_transpose import multi_pad_cast_transpose
 
@@ -553,16 +554,14 @@ def bench_host_loop(rows: list[dict], experts=(8, 64, 256), reps: int = 200) -> 
             row = dict(op="gemm-host" if kind == "numpy" else "gemm-host-torch", config=f"E{num}",
                        impl="cugrouped", hot_us=timed(hot, reps), cold_us=timed(cold, max(1, reps // 4)))
             if kind == "torch":
-                splits, pads = tuple(m_splits), tuple(-(-m // 16) * 16 for m in m_splits)
-
                 def layer(x_=x_, w_=w_, o_=o_):   # as cugrouped.pytorch._custom_ops._fprop_into
-                    xg = GroupedFP8(data=x_.data, data_t=None, m_splits=splits, m_pad_splits=pads,
-                                    amax=None, scale=None, scale_inv=x_.scale_inv, fp8_format="e4m3",
-                                    k=k, align=16)
-                    wg = GroupedFP8(data=w_.data, data_t=None, m_splits=(n,) * num,
-                                    m_pad_splits=(n,) * num, amax=None, scale=None,
-                                    scale_inv=w_.scale_inv, fp8_format="e4m3", k=k, align=1)
-                    hot(xg, wg, o_)
+                    _gemm_direct.clear_memo()
+                    _gemm_direct.run(
+                        "fprop", x_.data.data_ptr(),
+                        (x_.scale_inv.data_ptr(), x_.scale_inv.stride(0)), "e4m3",
+                        w_.data.data_ptr(), (w_.scale_inv.data_ptr(), w_.scale_inv.stride(0)),
+                        "e4m3", tuple(m_splits), k, n, o_.data_ptr(), "bfloat16", None, True, 0,
+                        state=st)
 
                 row["layer_us"] = timed(layer, reps)
             gg.clear_memo()

@@ -178,5 +178,9 @@ def prepared_out(call: Checked, out, xp) -> tuple[Any, Blocks, VecPlan]:
 
 
 def clear_memo() -> None:
-    """Forget every memoised check and plan (tests; nothing else needs it)."""
+    """Forget every memoised check and plan, the torch layer's direct ones too (tests; nothing
+    else needs it)."""
+    from . import _gemm_direct
+
     _memo.clear()
+    _gemm_direct.clear_memo()

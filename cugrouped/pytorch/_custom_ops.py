@@ -131,11 +131,11 @@ def _scales(scale_inv: torch.Tensor) -> tuple[int, int]:
     return scale_inv.data_ptr(), scale_inv.stride(0)
 
 
-def _direct(device: torch.device, planned) -> None:
-    """Launch a :mod:`~cugrouped.ops._gemm_direct` ``(problem, out blocks)`` on ``device``'s
-    current torch stream."""
+def _direct(device: torch.device, pass_name: str, *args) -> None:
+    """The :mod:`~cugrouped.ops._gemm_direct` GEMM ``pass_name`` of ``args`` (its builder's
+    arguments but the device) on ``device``'s current torch stream."""
     with launch_context(device):
-        _gemm_direct.launch(*planned, _index(device))
+        _gemm_direct.run(pass_name, *args, _index(device))
 
 
 def token_align(block: int = 0) -> int:
@@ -361,11 +361,10 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
     if backend == "cuda" and not (x_block or w_block) and DIRECT_GEMMS:
-        _direct(x_data.device, _gemm_direct.fprop(
-            x_data.data_ptr(), _scales(x_scale_inv), x_format, w_data.data_ptr(),
-            _scales(w_scale_inv), w_format, m_splits, k, n, y.data_ptr(), dtype_name(y.dtype),
-            tuple(b.data_ptr() for b in bias) if bias else None, fast_accum,
-            _index(x_data.device)))
+        _direct(x_data.device, "fprop", x_data.data_ptr(), _scales(x_scale_inv), x_format,
+                w_data.data_ptr(), _scales(w_scale_inv), w_format, tuple(m_splits), k, n,
+                y.data_ptr(), dtype_name(y.dtype),
+                tuple(b.data_ptr() for b in bias) if bias else None, bool(fast_accum))
         return
     conv = _gemm_view(backend)
     xg = _grouped(x_data, None, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
@@ -399,10 +398,9 @@ def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format
                 backend, fast_accum=False, dy_block=0, w_block=0):
     E, n = len(m_splits), dy_data.shape[1]
     if backend == "cuda" and not (dy_block or w_block) and DIRECT_GEMMS:
-        _direct(dy_data.device, _gemm_direct.dgrad(
-            dy_data.data_ptr(), _scales(dy_scale_inv), dy_format, w_t.data_ptr(),
-            _scales(w_scale_inv), w_format, m_splits, k, n, dx.data_ptr(),
-            dtype_name(dx.dtype), fast_accum, _index(dy_data.device)))
+        _direct(dy_data.device, "dgrad", dy_data.data_ptr(), _scales(dy_scale_inv), dy_format,
+                w_t.data_ptr(), _scales(w_scale_inv), w_format, tuple(m_splits), k, n,
+                dx.data_ptr(), dtype_name(dx.dtype), bool(fast_accum))
         return
     conv = _gemm_view(backend)
     dyg = _grouped(dy_data, None, dy_scale_inv, m_splits, n, dy_format, token_align(dy_block),
@@ -426,10 +424,9 @@ def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_sp
             not isinstance(out, (list, tuple)) or all(g.is_contiguous() for g in out)):
         ptrs = tuple(g.data_ptr() for g in out) if isinstance(out, (list, tuple)) else \
             out.data_ptr()
-        _direct(x_t.device, _gemm_direct.wgrad(
-            x_t.data_ptr(), _scales(x_scale_inv), x_format, dy_t.data_ptr(),
-            _scales(dy_scale_inv), dy_format, m_splits, k, n, token_align(0), ptrs, out_dtype,
-            accumulate, fast_accum, _index(x_t.device)))
+        _direct(x_t.device, "wgrad", x_t.data_ptr(), _scales(x_scale_inv), x_format,
+                dy_t.data_ptr(), _scales(dy_scale_inv), dy_format, tuple(m_splits), k, n,
+                token_align(0), ptrs, out_dtype, bool(accumulate), bool(fast_accum))
         return
     conv = _gemm_view(backend)
     xg = _grouped(None, x_t, x_scale_inv, m_splits, k, x_format, token_align(x_block), conv,
