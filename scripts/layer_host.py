@@ -55,20 +55,23 @@ def cuda_path_on_cpu():
 
     buffers: dict = {}
 
-    class AlignedTorch:
-        """torch for the custom ops, whose ``empty`` starts every tensor on a 512-byte boundary,
-        as torch's CUDA caching allocator does (CPU tensors are 64-byte aligned: their pointers'
-        alignments, part of each cuBLASLt call's shape signature, would miss the cached
-        algorithms a GPU run hits)."""
+    pool = BlockPool()
+
+    class CachingTorch:
+        """torch for the custom ops, whose ``empty`` allocates as torch's CUDA caching allocator
+        does (:class:`BlockPool`): 512-byte aligned blocks (CPU tensors are 64-byte aligned:
+        their pointers' alignments, part of each cuBLASLt call's shape signature, would miss the
+        cached algorithms a GPU run hits), freed blocks reused, so a step that repeats the last
+        one's allocations gets its addresses (what the plans are memoised on)."""
 
         def __getattr__(self, name):
             return getattr(torch, name)
 
         @staticmethod
         def empty(shape, *, dtype, device=None):
-            return aligned_empty(shape, dtype)
+            return pool.empty(shape, dtype)
 
-    patches_before = [mock.patch.object(cops, "torch", AlignedTorch())]
+    patches_before = [mock.patch.object(cops, "torch", CachingTorch())]
 
     def host_buffer(name, size, dtype):
         if name not in buffers or buffers[name].size < size:
@@ -111,23 +114,52 @@ def cuda_path_on_cpu():
             gg.clear_memo()
 
 
-ROUTER_DRAWS = 16   # the token counts a "router" run cycles through, one set per step
+# The token counts a "router" run cycles through, one set per step, after one cycle of warm-up:
+# the steady state of training, where cuBLASLt's per-shape algorithms have been looked up (the
+# counts of each expert recur over many steps) but a set of counts is new. Each count-keyed
+# cache holds fewer sets than this (the cast's tile plans are cleared every step), so none hits.
+ROUTER_DRAWS = 128
 
 
 ALIGN = 512   # torch's CUDA caching allocator's block alignment
 
 
-def aligned_empty(shape, dtype):
-    """An uninitialised CPU tensor whose data starts on an :data:`ALIGN`-byte boundary."""
+def aligned_empty(shape, dtype, raw=None):
+    """An uninitialised CPU tensor whose data starts on an :data:`ALIGN`-byte boundary (in
+    ``raw``, a uint8 block of at least its bytes plus ``ALIGN``, when given)."""
     import math
 
     import torch
 
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    if raw is None:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     off = -raw.data_ptr() % ALIGN
     return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+class BlockPool:
+    """Aligned CPU blocks reused as the CUDA caching allocator reuses device memory: a tensor's
+    block returns to its size's free list when the tensor is collected, and an allocation of
+    that size takes the last one freed. (Nothing here computes with the values, so a block
+    handed out again while a view of its old tensor lives only makes garbage values.)"""
+
+    def __init__(self):
+        self.free: dict = {}
+
+    def empty(self, shape, dtype):
+        import math
+        import weakref
+
+        import torch
+
+        nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dtype.itemsize
+        free = self.free.setdefault(nbytes, [])
+        raw = free.pop() if free else torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        t = aligned_empty(shape, dtype, raw)
+        weakref.finalize(t, free.append, raw)
+        return t
 
 
 def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current",
@@ -136,12 +168,13 @@ def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current
     splits), FP8 with ``recipe`` ("current" or "delayed"): forward, then the input's and the
     weights' gradients. ``counts``: "fixed" (the same token counts every step) or "router" (new
     counts every step, as an MoE router makes them: :data:`ROUTER_DRAWS` seeded jagged sets in
-    turn, the same tokens in all)."""
+    turn, the same tokens in all; run a cycle first for the steady state)."""
     import itertools
 
     import torch
 
     from cugrouped.bench.common import moe_splits
+    from cugrouped.ops import pad_cast_transpose as pct
     from cugrouped.pytorch import (DelayedScaling, Float8CurrentScaling, Format, GroupedLinear,
                                    fp8_autocast)
 
@@ -158,6 +191,8 @@ def layer_step(experts: int, k: int, n: int, tokens: int, recipe: str = "current
         fp8_format=Format.HYBRID)
 
     def step():
+        if counts == "router":
+            pct._plan_cached.cache_clear()     # (256 sets: it would hold all of them)
         with fp8_autocast(fp8_recipe=fp8):
             y = layer(x, next(draws))
             return torch.autograd.grad(y, [x, *params], dy)
@@ -179,7 +214,7 @@ def main(argv=None) -> int:
         for experts, counts, recipe in itertools.product(args.experts, args.counts,
                                                          ("current", "delayed")):
             step = layer_step(experts, 256, 256, 64 * experts, recipe, counts)
-            for _ in range(3):
+            for _ in range(ROUTER_DRAWS if counts == "router" else 3):     # warm-up
                 step()
             launches.clear()
             step()

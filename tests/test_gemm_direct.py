@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
+import re
 import sys
 from unittest import mock
 
@@ -195,7 +196,12 @@ def test_a_custom_op_makes_the_same_calls_either_way(recorded, split, pass_name,
             cops._wgrad(b["x_t"], b["x_si"], fmts[0], b["dy_t"], b["dy_si"], fmts[1], k, n,
                         m_splits, out, kw.get("accumulate", False), "bfloat16", "cuda", fast)
 
-    direct_calls = recorded(op)
+    routed = []
+    real_run = _gemm_direct.run
+    with mock.patch.object(_gemm_direct, "run", lambda *a, **k: routed.append(a[0]) or
+                           real_run(*a, **k)):
+        direct_calls = recorded(op)
+    assert routed == [pass_name]                 # the direct route was taken
     with mock.patch.object(cops, "DIRECT_GEMMS", False):
         checked_calls = recorded(op)
     live = sum(1 for m in m_splits if m)
@@ -238,8 +244,57 @@ def test_the_direct_route_plans_once_per_counts_and_buffers(recorded):
         first = recorded(lambda: fprop(m_splits, b["y"]))
         again = recorded(lambda: fprop(list(m_splits), b["y"]))
         assert len(planned) == 1 and again == first
-        recorded(lambda: fprop([1, 131, 1, 70], b["y"]))      # new counts
+        recorded(lambda: fprop([4, 129, 1, 70], b["y"]))      # new counts, the same rows
         recorded(lambda: fprop(m_splits, other["y"]))         # another output buffer
         assert len(planned) == 3
         gg.clear_memo()
         assert recorded(lambda: fprop(m_splits, b["y"])) == first and len(planned) == 4
+
+
+def _bad_calls(b, m_splits, k, n):
+    """Calls of the custom ops' CUDA branch with something the public checks refuse, each with
+    the start of the error they raise."""
+    E = len(m_splits)
+    ok = dict(y=b["y"], x=b["x"], x_si=b["x_si"], w=b["w"], w_si=b["w_si"])
+
+    def fprop(**kw):
+        a = {**ok, **kw}
+        return lambda: cops._fprop_into(a["y"], a["x"], a["x_si"], kw.get("xf", "e4m3"), a["w"],
+                                        a["w_si"], kw.get("wf", "e4m3"), kw.get("bias", []),
+                                        kw.get("splits", m_splits), "cuda", True)
+
+    def wgrad(out, accumulate=True):
+        return lambda: cops._wgrad(b["x_t"], b["x_si"], "e4m3", b["dy_t"], b["dy_si"], "e5m2", k,
+                                   n, m_splits, out, accumulate, str(out[0].dtype)[6:], "cuda")
+
+    main = b["main"]
+    return {
+        "counts over x's rows": (fprop(splits=[m + 1 for m in m_splits]), "x.data: expected"),
+        "scales too few": (fprop(x_si=b["x_si"][:E - 1]), "x.scale_inv: expected"),
+        "e5m2 x e5m2": (fprop(xf="e5m2", wf="e5m2"), "w, x: E5M2 x E5M2 is not"),
+        "bias of another dtype": (fprop(bias=[t.float() for t in b["bias"]]), "bias[0]: expected"),
+        "bias too few": (fprop(bias=b["bias"][:-1]), "bias: expected"),
+        "main_grad too small": (wgrad([g[:, : k // 2] for g in main]), "out[0]: expected shape"),
+        "main_grads too few": (wgrad(main[:-1]), "out: expected"),
+        "main_grads of two dtypes": (wgrad([main[0]] + [g.to(torch.bfloat16) for g in main[1:]]),
+                                     "out[1]: dtype"),
+        "main_grad on another device": (wgrad([main[0].to("meta")] + main[1:]),
+                                        "out[0]: tensors on meta are not supported"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls(buffers([3, 9], 32, 16, "float32"), [3, 9], 32,
+                                                  16)))
+def test_what_the_checks_refuse_goes_through_the_checks(recorded, case):
+    """The custom ops are reachable as torch.ops.cugrouped.*: an argument the direct route does
+    not expect (wrong sizes, counts, dtypes, formats, devices) is not described from its pointers
+    but goes the public way, whose checks raise naming it; nothing is launched."""
+    m_splits, k, n = [3, 9], 32, 16
+    b = buffers(m_splits, k, n, "float32")
+    call, match = _bad_calls(b, m_splits, k, n)[case]
+    calls = []
+    with mock.patch.object(_gemm_direct, "run", side_effect=AssertionError("direct route")), \
+            pytest.raises((ValueError, TypeError, RuntimeError, NotImplementedError),
+                          match=re.escape(match)) as err:
+        calls = recorded(call)
+    assert calls == [] and str(err.value).startswith(match)

@@ -26,6 +26,11 @@ def test_a_layer_step_takes_the_cuda_path_and_launches_only(recipe, casts):
 
     experts = 5
     live = sum(1 for m in moe_splits(experts, 64 * experts, True, 1) if m)
+    from cugrouped.ops import _gemm_direct
+    from cugrouped.pytorch import _custom_ops as cops
+
+    routed = []
+    real_run = _gemm_direct.run
     with layer_host.cuda_path_on_cpu() as launches:
         step = layer_host.layer_step(experts, 32, 48, 64 * experts, recipe)
         step()
@@ -33,8 +38,15 @@ def test_a_layer_step_takes_the_cuda_path_and_launches_only(recipe, casts):
         state = gg._state(0)
         seen = []
         state.matmul = lambda *a: seen.append(a) or 0
-        with cugrouped.record_launches() as log:
+        # the layer's casts and GEMMs take their direct routes (not the public ops' checks)
+        with cugrouped.record_launches() as log, \
+                mock.patch.object(cops._functional, "multi_pad_cast_transpose",
+                                  side_effect=AssertionError("the public cast")), \
+                mock.patch.object(gg, "checked", side_effect=AssertionError("the public GEMM")), \
+                mock.patch.object(_gemm_direct, "run",
+                                  lambda *a, **k: routed.append(a[0]) or real_run(*a, **k)):
             grads = step()
+    assert routed == ["fprop", "dgrad", "wgrad"]
     assert {e.backend for e in log} == {"cuda"}
     kernels = [e.kernel for e in log]
     assert sum("pad_cast_transpose_kernel" in k for k in kernels) == casts
@@ -95,3 +107,22 @@ def test_custom_op_outputs_start_where_cuda_allocations_do():
         assert t.data_ptr() % layer_host.ALIGN == 0
         assert t.shape == ((shape,) if isinstance(shape, int) else shape) and t.dtype == dtype
         assert t.is_contiguous()
+
+
+def test_the_block_pool_reuses_a_freed_block_of_the_same_size():
+    """The harness's caching allocator: a collected tensor's block is the next one of its size
+    (the addresses a repeated step gets on a GPU), aligned; other sizes get their own."""
+    import gc
+
+    import torch
+
+    pool = layer_host.BlockPool()
+    a = pool.empty((4, 8), torch.float32)
+    ptr = a.data_ptr()
+    other = pool.empty(7, torch.uint8)
+    del a
+    gc.collect()
+    b = pool.empty((8, 4), torch.float32)            # the same bytes
+    assert b.data_ptr() == ptr and b.data_ptr() % layer_host.ALIGN == 0 and b.shape == (8, 4)
+    c = pool.empty((4, 8), torch.float32)            # b is alive: a new block
+    assert c.data_ptr() not in (ptr, other.data_ptr())

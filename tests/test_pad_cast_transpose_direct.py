@@ -127,15 +127,17 @@ def test_the_direct_cast_launches_what_the_public_op_launches(variant, m_splits)
     assert direct == public
 
 
-@pytest.mark.parametrize("bad", ["short", "strided", "float64"])
+@pytest.mark.parametrize("bad", ["short", "strided", "float64", "meta"])
 def test_state_slices_it_does_not_expect_go_through_the_public_checks(bad):
     E = 4
     x = _inputs([8] * E, 32)
     whole = layer_host.aligned_empty(8 * E, torch.float32).fill_(1.0)
     scale = {"short": whole[:E + 1], "strided": whole[::2][:2 * E],
-             "float64": whole.double()}[bad]
+             "float64": whole.double(), "meta": whole.to("meta")}[bad]
+    match = ("scale: tensors on meta are not supported" if bad == "meta" else
+             "scale: expected a contiguous float32 array")
     with layer_host.cuda_path_on_cpu():
-        with pytest.raises(ValueError, match="scale: expected a contiguous float32 array"):
+        with pytest.raises(ValueError, match=match):
             cops._OPS["fp8_quantize"][1]([x], "e4m3", 0, 16, True, True, False, scale, None,
                                          E if bad == "short" else 0, "emulate",
                                          m_splits=[8] * E)

@@ -110,9 +110,11 @@ def _gemm_view(backend: str):
 DIRECT_CASTS = True
 
 
-def _vector(t: torch.Tensor | None, num: int) -> bool:
-    """None, or a contiguous float32 ``(num,)`` tensor (a state slice the direct cast may write)."""
-    return t is None or (t.dtype == torch.float32 and t.shape == (num,) and t.is_contiguous())
+def _vector(t: torch.Tensor | None, num: int, device: torch.device) -> bool:
+    """None, or a contiguous float32 ``(num,)`` tensor on ``device`` (a state slice the direct
+    cast may write)."""
+    return t is None or (t.dtype == torch.float32 and t.shape == (num,) and t.is_contiguous()
+                         and t.device == device)
 
 
 # The per-tensor FP8 GEMMs on CUDA take the direct route (cugrouped.ops._gemm_direct): these ops
@@ -120,6 +122,73 @@ def _vector(t: torch.Tensor | None, num: int) -> bool:
 # (about half of a call's host time, new at every MoE step) would only confirm them. False:
 # through the public ops, checks included (tests compare the two).
 DIRECT_GEMMS = True
+
+
+# What the direct GEMM route relies on, confirmed per call in O(1) tensor reads (and one pass
+# over the counts): these ops are reachable as torch.ops.cugrouped.* too, and a caller other
+# than the layer gets the public checks' error for anything else (the checked route raises it).
+_FP8_PAIRS = {("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")}
+_GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fp8_bytes(t, device, shape=None, numel=None) -> bool:
+    return (t.device == device and t.element_size() == 1 and t.is_contiguous()
+            and (shape is None or t.shape == shape) and (numel is None or t.numel() == numel))
+
+
+def _scales_ok(t, device, num: int) -> bool:
+    return t.device == device and t.dtype == torch.float32 and t.shape == (num,)
+
+
+def _counts_ok(m_splits, k: int, n: int) -> bool:
+    return len(m_splits) > 0 and min(m_splits) >= 0 and k > 0 and n > 0 and not k % 16 \
+        and not n % 16
+
+
+def _direct_fprop_ok(y, x, x_si, x_format, w, w_si, w_format, bias, m_splits) -> bool:
+    E, dev = len(m_splits), x.device
+    if x.dim() != 2 or w.dim() != 2 or not E or w.shape[0] % E:
+        return False
+    k, n = x.shape[1], w.shape[0] // E
+    rows = sum(m_splits)
+    return (_counts_ok(m_splits, k, n) and (x_format, w_format) in _FP8_PAIRS
+            and _fp8_bytes(x, dev, (rows, k)) and _fp8_bytes(w, dev, (E * n, k))
+            and _scales_ok(x_si, dev, E) and _scales_ok(w_si, dev, E)
+            and y.dtype in _GEMM_OUT and y.device == dev and y.shape == (rows, n)
+            and y.is_contiguous()
+            and (not bias or (len(bias) == E and all(
+                b.dtype == fused_bias_dtype(y.dtype) and b.device == dev and b.shape == (n,)
+                and b.is_contiguous() for b in bias))))
+
+
+def _direct_dgrad_ok(dx, dy, dy_si, dy_format, w_t, w_si, w_format, k, m_splits) -> bool:
+    E, dev = len(m_splits), dy.device
+    if dy.dim() != 2:
+        return False
+    n, rows = dy.shape[1], sum(m_splits)
+    return (_counts_ok(m_splits, k, n) and (dy_format, w_format) in _FP8_PAIRS
+            and _fp8_bytes(dy, dev, (rows, n)) and _fp8_bytes(w_t, dev, numel=E * k * n)
+            and _scales_ok(dy_si, dev, E) and _scales_ok(w_si, dev, E)
+            and dx.dtype in _GEMM_OUT and dx.device == dev and dx.shape == (rows, k)
+            and dx.is_contiguous())
+
+
+def _direct_wgrad_ok(x_t, x_si, x_format, dy_t, dy_si, dy_format, k, n, m_splits, out,
+                     out_dtype) -> bool:
+    E, dev = len(m_splits), x_t.device
+    if not _counts_ok(m_splits, k, n) or (x_format, dy_format) not in _FP8_PAIRS:
+        return False
+    pad = token_align(0)
+    cols = sum(-(-m // pad) * pad for m in m_splits)
+    want = getattr(torch, out_dtype, None)
+    outs = list(out) if isinstance(out, (list, tuple)) else None
+    return (_fp8_bytes(x_t, dev, numel=k * cols) and _fp8_bytes(dy_t, dev, numel=n * cols)
+            and _scales_ok(x_si, dev, E) and _scales_ok(dy_si, dev, E) and want in _GEMM_OUT
+            and (all(g.dtype == want and g.device == dev and g.shape == (n, k)
+                     and g.is_contiguous() for g in outs) and len(outs) == E
+                 if outs is not None else
+                 out.dtype == want and out.device == dev and out.shape == (E, n, k)
+                 and out.is_contiguous()))
 
 
 def _index(device: torch.device) -> int:
@@ -227,7 +296,7 @@ def fp8_quantize(xs: List[torch.Tensor], fp8_format: str, margin: int, align: in
                      fp8_format=fp8_format, k=s_data[1], align=align,
                      column_sums=colsum if column_sums else None)
     backend = _backend(xs[0], cast_backend)
-    if backend == "cuda" and DIRECT_CASTS and _vector(sc, E) and _vector(amax, E):
+    if backend == "cuda" and DIRECT_CASTS and _vector(sc, E, dev) and _vector(amax, E, dev):
         # every output made here, the state slices checked above: the inputs normalized (and
         # checked) and the options checked, then straight to the launches
         _pct.check_options(fp8_format, margin, align, rowwise, columnwise, column_sums)
@@ -360,7 +429,8 @@ def _fprop_into(y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format,
                 backend, fast_accum=True, x_block=0, w_block=0):
     E, k = len(m_splits), x_data.shape[1]
     n = w_data.shape[0] // E
-    if backend == "cuda" and not (x_block or w_block) and DIRECT_GEMMS:
+    if backend == "cuda" and not (x_block or w_block) and DIRECT_GEMMS and _direct_fprop_ok(
+            y, x_data, x_scale_inv, x_format, w_data, w_scale_inv, w_format, bias, m_splits):
         _direct(x_data.device, "fprop", x_data.data_ptr(), _scales(x_scale_inv), x_format,
                 w_data.data_ptr(), _scales(w_scale_inv), w_format, tuple(m_splits), k, n,
                 y.data_ptr(), dtype_name(y.dtype),
@@ -397,7 +467,8 @@ def fp8_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, dy_format: str,
 def _dgrad_into(dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
                 backend, fast_accum=False, dy_block=0, w_block=0):
     E, n = len(m_splits), dy_data.shape[1]
-    if backend == "cuda" and not (dy_block or w_block) and DIRECT_GEMMS:
+    if backend == "cuda" and not (dy_block or w_block) and DIRECT_GEMMS and _direct_dgrad_ok(
+            dx, dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits):
         _direct(dy_data.device, "dgrad", dy_data.data_ptr(), _scales(dy_scale_inv), dy_format,
                 w_t.data_ptr(), _scales(w_scale_inv), w_format, tuple(m_splits), k, n,
                 dx.data_ptr(), dtype_name(dx.dtype), bool(fast_accum))
@@ -420,8 +491,9 @@ def _(dy_data, dy_scale_inv, dy_format, w_t, w_scale_inv, w_format, k, m_splits,
 def _wgrad(x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
            accumulate, out_dtype, backend, fast_accum=False, x_block=0, dy_block=0):
     """``out``: an ``(E, n, k)`` tensor or a list of E ``(n, k)`` ``main_grad`` tensors."""
-    if backend == "cuda" and not (x_block or dy_block) and DIRECT_GEMMS and (
-            not isinstance(out, (list, tuple)) or all(g.is_contiguous() for g in out)):
+    if backend == "cuda" and not (x_block or dy_block) and DIRECT_GEMMS and _direct_wgrad_ok(
+            x_t, x_scale_inv, x_format, dy_t, dy_scale_inv, dy_format, k, n, m_splits, out,
+            out_dtype):
         ptrs = tuple(g.data_ptr() for g in out) if isinstance(out, (list, tuple)) else \
             out.data_ptr()
         _direct(x_t.device, "wgrad", x_t.data_ptr(), _scales(x_scale_inv), x_format,
