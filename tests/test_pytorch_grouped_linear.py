@@ -1229,6 +1229,35 @@ def test_gpu_fused_wgrad_overwrite_then_accumulate_matches_cpu(recipe, g_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [False, True], ids=["grads", "main_grad"])
+@pytest.mark.parametrize("list_mode", [False, True], ids=["tensor", "list"])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_gpu_direct_routes_give_the_public_ops_bits(recipe, list_mode, fuse):
+    """The layer's casts and GEMMs by their direct routes (no checks of the layer's own buffers;
+    cugrouped/ops/_gemm_direct.py) and through the public ops give the same bits: output, input,
+    weight and bias gradients (or the main_grads), over two steps."""
+    from unittest import mock
+
+    from cugrouped.pytorch import _custom_ops as cops
+
+    sp = [0, 37, 5, 64]
+    base = make_layer(4, k=64, n=32, dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse)
+    x = torch.randn(sum(sp), 64).bfloat16().cuda()
+    dy = torch.randn(sum(sp), 32).bfloat16().cuda()
+    res = []
+    for direct in (True, False):
+        layer = copy.deepcopy(base).cuda()
+        for w in layer.weights() if fuse else ():
+            w.main_grad = torch.zeros(w.shape, device="cuda", dtype=torch.float32)
+        with mock.patch.object(cops, "DIRECT_GEMMS", direct), \
+                mock.patch.object(cops, "DIRECT_CASTS", direct):
+            out = run(layer, x, sp, RECIPES[recipe], list_mode, dy, steps=2)
+        res.append(list(out[:2]) + [[w.main_grad for w in layer.weights()] if fuse else out[2],
+                                    out[3]])
+    assert_bits_equal(res[0], res[1], recipe)
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync_in_forward_and_backward():
     layer = make_layer(4, k=64, n=32, dtype=torch.bfloat16).cuda()
     x = torch.randn(100, 64, device="cuda").bfloat16().requires_grad_()
