@@ -10,7 +10,8 @@
 2. The grouped GEMM loop's host time on this machine's CPU, split: the same operands again (the
    memo hits) or the memo cleared before each call (checks and plan redone, as new token counts
    make them), over 1, 4, 8 or 16 side streams (with the GPU time of each: small per-expert GEMMs
-   fill few SMs each), against a per-expert ``torch._scaled_mm`` loop (cuBLASLt
+   fill few SMs each), issued by 1, 2, 4 or 8 host threads (``set_host_threads``: cuBLAS's host
+   work side by side), against a per-expert ``torch._scaled_mm`` loop (cuBLASLt
    called by torch), the CUDA API calls of a call (CUPTI, as in 3.) and a cProfile of the hot
    path -> ``host_gemm.txt``.
 3. The PyTorch layer's host time per training step, the CUDA API calls of a step (torch's
@@ -185,12 +186,45 @@ def host_gemm(out: pathlib.Path) -> None:
             lines.extend(got)
         return []
 
+    def thread_sweep(experts, sets, y):
+        """The same operands, the loop's calls issued by 1, 2, 4 and 8 host threads
+        (set_host_threads) over 4 and 8 side streams: host time per call and GPU time."""
+        got = []
+        try:
+            for side in (4, 8):
+                gg.set_side_streams(side)
+                for threads in (1, 2, 4, 8):
+                    if threads > side:
+                        continue
+                    gg.set_host_threads(threads)
+                    for _ in range(5):
+                        grouped_fprop(*sets[0], out=y)
+                    cupy.cuda.Device().synchronize()
+                    times = []
+                    for _ in range(50):
+                        cupy.cuda.Device().synchronize()
+                        t0 = time.perf_counter()
+                        grouped_fprop(*sets[0], out=y)
+                        times.append(time.perf_counter() - t0)
+                    us = float(np.median(times)) * 1e6
+                    dev = median_ms(lambda i: grouped_fprop(*sets[0], out=y), 30)
+                    got.append(f"grouped_fprop E={experts:3d} {side:2d} side streams, {threads} "
+                               f"host thread(s): {us:7.1f} us per call, {us / experts:5.2f} us "
+                               f"per expert, GPU {dev:.3f} ms")
+        finally:
+            gg.set_host_threads(1)
+            gg.set_side_streams(gg.NUM_STREAMS)
+            lines.extend(got)
+        return []
+
     try:
         for experts, k, n in ((8, 7168, 2048), (64, 2048, 1408)):
             m = moe_splits(experts, 256 * experts, True, 1)
             sets = [make_fp8(m, k, n, seed=s, xp=cupy)[:2] for s in range(2)]
             y = cupy.empty((sum(m), n), cupy.uint16)
             _guarded(lines, f"side-stream sweep E={experts}", lambda: sweep(experts, sets, y))
+            _guarded(lines, f"host-thread sweep E={experts}",
+                     lambda: thread_sweep(experts, sets, y))
             _guarded(lines, f"new counts E={experts}",
                      lambda: _new_counts_every_call(experts, k, n, sets[0][1], moe_splits))
             _guarded(lines, f"torch._scaled_mm loop E={experts}",

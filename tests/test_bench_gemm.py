@@ -174,7 +174,8 @@ def test_wgrad_speedups_compare_like_output_dtypes():
     fp8 = {"fprop": "f8", "dgrad": "d8", "wgrad": "w8", "wgrad-bf16": "w8bf"}
     impls = bg._impls("wgrad", fp8, {p: "f16" for p in bg.PASSES}, peers)
     assert impls[1][0] == "cugrouped-fp8-s16" and impls[1][2:] == (True, True, "float32")
-    del impls[1]                    # (its function: test_the_wide_row_runs_on_16_side_streams)
+    assert impls[2][0] == "cugrouped-fp8-t4" and impls[2][2:] == (True, True, "float32")
+    del impls[1:3]         # (their functions: test_the_wide_row_runs_on_16_side_streams, ...)
     assert [(i[0], i[1], i[2], i[4]) for i in impls] == [
         ("cugrouped-fp8", "w8", True, "float32"), ("cugrouped-fp8-bf16dW", "w8bf", True, "bfloat16"),
         ("cugrouped-fp16", "f16", False, "float16"), ("torch-scaled_mm-loop", "sm", True, "float32"),
@@ -193,7 +194,8 @@ def test_wgrad_speedups_compare_like_output_dtypes():
                                   speedup_note="GEMM only, cast excluded"), impl
     # fprop: one reference, bf16 output everywhere
     fprop = bg._impls("fprop", fp8, {p: "f16" for p in bg.PASSES}, peers)
-    assert [i[0] for i in fprop][:3] == ["cugrouped-fp8", "cugrouped-fp8-s16", "cugrouped-fp16"]
+    assert [i[0] for i in fprop][:4] == ["cugrouped-fp8", "cugrouped-fp8-s16", "cugrouped-fp8-t4",
+                                         "cugrouped-fp16"]
     assert {i[4] for i in fprop} == {"bfloat16", "float16"}
 
 
@@ -216,6 +218,20 @@ def test_the_wide_row_runs_on_16_side_streams():
     with pytest.raises(RuntimeError, match="boom"):
         wide(2)
     assert seen == [(1, 16), (2, 16)] and gg.side_streams() == gg.NUM_STREAMS
+
+
+def test_the_threaded_row_issues_from_4_host_threads():
+    """The ``-t4`` row calls our FP8 function with 4 host threads set, and sets back the count
+    the call found."""
+    from cugrouped.ops import grouped_gemm as gg
+
+    seen = []
+    fp8 = {"fprop": lambda i: seen.append(gg.host_threads()), "dgrad": None, "wgrad": None,
+           "wgrad-bf16": None}
+    [threaded] = [fn for impl, fn, *_ in bg._impls("fprop", fp8, {p: None for p in bg.PASSES}, {})
+                  if impl == "cugrouped-fp8-t4"]
+    threaded(0)
+    assert seen == [4] and gg.host_threads() == 1
 
 
 def test_our_16_bit_wgrad_dw_dtypes_pass_the_ops_checks():
@@ -280,10 +296,11 @@ def test_bench_gemm_rows_on_a_model_gpu(monkeypatch, capsys):
     assert "wgrad torch-scaled_grouped_mm  skipped: RuntimeError: mat2 must be column major" in \
         capsys.readouterr().out
     got = {(r["pass_name"], r["impl"]): r for r in rows}
-    # each pass: our FP8 loop on 4 and on 16 side streams, our fp16, the peers (one refuses)
-    assert len(rows) == 7 + 7 + 7 and ("wgrad", "torch-scaled_grouped_mm") not in got
+    # each pass: our FP8 loop on 4 and on 16 side streams and from 4 host threads, our fp16,
+    # the peers (one refuses)
+    assert len(rows) == 8 + 8 + 8 and ("wgrad", "torch-scaled_grouped_mm") not in got
     for (pass_name, impl), r in got.items():
-        base = impl.removesuffix(f"-s{bg.WIDE_STREAMS}")     # the same work on more streams
+        base = impl if impl not in bg.VARIANTS else "cugrouped-fp8"   # the same work
         assert r["ms"] == pytest.approx(cost[base], abs=1e-9), (pass_name, impl)
         assert r["tflops"] == pytest.approx(bg.gemm_flops(cfg, pass_name) / r["ms"] / 1e9)
         assert r["lead_ms"] == 0.2 and abs(r["drift_pct"]) < 1e-6
@@ -304,6 +321,7 @@ def test_the_wide_row_is_never_the_peers_reference():
     reference the peers' speed-ups (and the targets) are taken against."""
     refs: dict = {}
     assert bg.speedup_columns("cugrouped-fp8-s16", True, "bfloat16", 1.0, refs) == {}
+    assert bg.speedup_columns("cugrouped-fp8-t4", True, "bfloat16", 1.0, refs) == {}
     assert refs == {}
     assert bg.speedup_columns("torch-scaled_grouped_mm", True, "bfloat16", 2.0, refs) == {}
     assert bg.speedup_columns("cugrouped-fp8", True, "bfloat16", 4.0, refs) == {}

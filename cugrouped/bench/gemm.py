@@ -346,21 +346,36 @@ _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 WIDE_STREAMS = 16
 
 
+# The loop's calls issued by this many host threads (set_host_threads): a row of its own, so that
+# a run shows what issuing cuBLAS's calls from several threads saves in host time.
+HOST_THREADS = 4
+# The rows of the default loop under another setting: never the peers' reference.
+VARIANTS = (f"cugrouped-fp8-s{WIDE_STREAMS}", f"cugrouped-fp8-t{HOST_THREADS}")
+
+
 def _with_side_streams(fn, n: int):
     from ..ops import grouped_gemm as gg
 
     return with_setting(fn, gg.set_side_streams, n)
 
 
+def _with_host_threads(fn, n: int):
+    from ..ops import grouped_gemm as gg
+
+    return with_setting(fn, gg.set_host_threads, n)
+
+
 def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
     """``(impl, fn, is_fp8, is_ours, out_dtype)`` per row of one pass, cugrouped's first (its FP8
-    loop also over :data:`WIDE_STREAMS` side streams, ``cugrouped-fp8-s16``). wgrad's
+    loop also over :data:`WIDE_STREAMS` side streams, ``cugrouped-fp8-s16``, and issued by
+    :data:`HOST_THREADS` host threads, ``cugrouped-fp8-t4``). wgrad's
     output dtypes differ: cugrouped FP8 writes float32 (``cugrouped-fp8``) and bfloat16
     (``cugrouped-fp8-bf16dW``), the per-expert ``_scaled_mm`` loop float32, the rest 16 bits."""
     wg = pass_name == "wgrad"
-    impls = [("cugrouped-fp8", fp8[pass_name], True, True, "float32" if wg else "bfloat16"),
-             (f"cugrouped-fp8-s{WIDE_STREAMS}", _with_side_streams(fp8[pass_name], WIDE_STREAMS),
-              True, True, "float32" if wg else "bfloat16")]
+    odt = "float32" if wg else "bfloat16"
+    impls = [("cugrouped-fp8", fp8[pass_name], True, True, odt),
+             (VARIANTS[0], _with_side_streams(fp8[pass_name], WIDE_STREAMS), True, True, odt),
+             (VARIANTS[1], _with_host_threads(fp8[pass_name], HOST_THREADS), True, True, odt)]
     if wg:
         impls.append(("cugrouped-fp8-bf16dW", fp8["wgrad-bf16"], True, True, "bfloat16"))
     impls.append(("cugrouped-fp16", f16[pass_name], False, True, "float16"))
@@ -376,7 +391,7 @@ def speedup_columns(impl: str, is_fp8: bool, out_dtype: str, ms: float, refs: di
     gets the speed-up of that reference over it (``speedup_reference`` names it) and, for a
     16-bit row, ``speedup_note`` (the FP8 side's cast is not in the GEMM time)."""
     if impl.startswith("cugrouped-fp8"):
-        if impl != f"cugrouped-fp8-s{WIDE_STREAMS}":     # the default loop is the reference
+        if impl not in VARIANTS:                        # the default loop is the reference
             refs.setdefault(_WIDTH[out_dtype], (impl, ms))
         return {}
     if _WIDTH[out_dtype] not in refs:

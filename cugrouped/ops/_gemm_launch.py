@@ -43,6 +43,35 @@ def set_side_streams(n: int) -> int:
     return old
 
 
+# Host threads issuing the loop's cuBLASLt calls (1: the caller's thread alone; see
+# :mod:`._host_threads`), each with at least this many calls: handing a batch to a worker and
+# waiting for it costs tens of us (measured on a 2-vCPU CI machine), which a few calls' worth of
+# cuBLAS host work (~8 us each on an H200) does not repay.
+_host_threads = 1
+MIN_CALLS_PER_THREAD = 8
+
+
+def host_threads() -> int:
+    """How many host threads issue the per-expert loop's ``cublasLtMatmul`` calls."""
+    return _host_threads
+
+
+def set_host_threads(n: int) -> int:
+    """Set :func:`host_threads` (1..``MAX_SIDE_STREAMS``) for the calls that follow in this
+    process; returns the previous value. With ``n > 1`` the calls of each side stream are issued
+    by one of ``min(n, side_streams(), calls // MIN_CALLS_PER_THREAD)`` threads (the caller's
+    among them): cuBLAS's own host work per call (~8 us on an H200) runs beside the other
+    threads' (ctypes releases the GIL in the call), so the loop's host time per expert can fall
+    towards its Python part. Not during a CUDA graph capture (the caller's thread issues
+    everything then). A tuning knob: the same calls on the same streams in the same order per
+    stream, the same bits."""
+    global _host_threads
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_SIDE_STREAMS:
+        raise ValueError(f"n: expected an int in [1, {MAX_SIDE_STREAMS}], got {n!r}")
+    old, _host_threads = _host_threads, int(n)
+    return old
+
+
 # ---------------------------------------------------------------------------------------------
 # The launch (CUDA only).
 #
@@ -67,7 +96,7 @@ class _DeviceState:
 
     def __init__(self, device: int, compute_capability: int, handle, streams, workspace_ptrs,
                  current_stream, make_event, heuristic, matmul, memset, memcpy2d, scale_scratch,
-                 make_side_stream=None):
+                 make_side_stream=None, bind_thread=None, is_capturing=None):
         self.device = device
         self.compute_capability = int(compute_capability)
         self.workspace_bytes = workspace_bytes_for(self.compute_capability)
@@ -93,6 +122,11 @@ class _DeviceState:
         self.alpha = ctypes.c_float(1.0)
         self.betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
         self.grouped = None                       # grouped-GEMM state, made on first use
+        # () -> None, run once by each host thread that issues calls (cudaSetDevice)
+        self.bind_thread = bind_thread
+        # stream pointer -> whether it is being captured into a CUDA graph
+        self.is_capturing = is_capturing or (lambda stream: False)
+        self._issuers = None                      # HostThreads, made on first use
         self.cublas_version = 0                   # 0: the grouped GEMM is never chosen
         self.has_grouped_symbol = False
 
@@ -120,7 +154,8 @@ class _DeviceState:
                  _real_heuristic(handle), lib().cublasLtMatmul,
                  lambda ptr, nb, stream: cupy.cuda.runtime.memsetAsync(ptr, 0, nb, stream),
                  _memcpy2d, lambda nb: _launch.device_scratch("gemm scales", nb).data.ptr,
-                 side_stream)
+                 side_stream, lambda: cupy.cuda.runtime.setDevice(device),
+                 lambda stream: bool(cupy.cuda.runtime.streamIsCapturing(stream)))
         st._keep = (handle, keep)  # owners of the handle and workspaces
         from ..cublaslt import has_grouped_gemm, version
 
@@ -140,6 +175,16 @@ class _DeviceState:
             self.stream_ptrs.append(stream.ptr)
             self.ws_ptrs.append(ws)
             self.done_events.append(event)
+
+    def issuers(self, n: int):
+        """:class:`~._host_threads.HostThreads` of ``n`` issuers (made again for another ``n``)."""
+        if self._issuers is None or self._issuers.count != n:
+            from ._host_threads import HostThreads
+
+            if self._issuers is not None:
+                self._issuers.close()
+            self._issuers = HostThreads(n, self.bind_thread)
+        return self._issuers
 
     def caller_workspace(self, stream_ptr: int) -> int:
         """A workspace for a call made on the caller's own stream (a single expert)."""
@@ -285,7 +330,12 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     else:
         streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
     nstreams = len(streams)
+    threads = min(_host_threads, nstreams, ncalls // MIN_CALLS_PER_THREAD)
     try:
+        if threads > 1 and not st.is_capturing(caller.ptr):
+            _issue_threaded(st, rows, descs, templates, config, recorders, matmul, handle, alpha,
+                            beta, ws, wsb, streams, threads)
+            return
         for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
             desc = descs[e]
             ptrs = desc.ptrs
@@ -312,6 +362,34 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
                 ev = st.done_events[idx]
                 ev.record(st.streams[idx])
                 caller.wait_event(ev)
+
+
+def _issue_threaded(st: _DeviceState, rows, descs, templates, config, recorders, matmul, handle,
+                    alpha, beta, ws, wsb, streams, threads: int) -> None:
+    """:func:`_launch_loop`'s calls issued by ``threads`` host threads, stream ``s``'s by thread
+    ``s % threads`` in the loop's order: everything but the calls themselves (descriptor
+    pointers, templates, records) is done here first, on the caller's thread."""
+    nstreams = len(streams)
+    batches: list[list] = [[] for _ in range(threads)]
+    for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
+        desc = descs[e]
+        ptrs = desc.ptrs
+        if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
+            desc.set_pointers(sa, sb, bias)
+        t = templates.get(key)
+        if t is None:
+            t = templates[key] = _template(st, config, shape_signature(key), desc)
+        for log in recorders:
+            log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
+        s = j % nstreams
+        batches[s % threads].append(
+            (e, (handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld, t.algo,
+                 ws[s], wsb, streams[s])))
+    failure = st.issuers(threads).run(matmul, batches)
+    if failure is not None:
+        from ..cublaslt import check
+
+        check(failure[1], "cublasLtMatmul", f"expert {failure[0]}")
 
 
 def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str | None = None) -> None:

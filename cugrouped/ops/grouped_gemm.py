@@ -51,8 +51,9 @@ from ._gemm_grouped import (  # noqa: F401  (re-exported)
     grouped_setup_spec, grouped_workspace_layout, path_for,
 )
 from ._gemm_launch import (  # noqa: F401  (re-exported)
-    HEURISTIC_CACHE_SIZE, MAX_SIDE_STREAMS, NUM_STREAMS, _DeviceState, _launch_loop,
-    _launch_plan, _state, build_descriptors, launch_checked, set_side_streams, side_streams,
+    HEURISTIC_CACHE_SIZE, MAX_SIDE_STREAMS, MIN_CALLS_PER_THREAD, NUM_STREAMS, _DeviceState,
+    _launch_loop, _launch_plan, _state, build_descriptors, host_threads, launch_checked,
+    set_host_threads, set_side_streams, side_streams,
 )
 from ._gemm_memo import (  # noqa: F401  (re-exported)
     MEMO_OUTPUTS, MEMO_SIZE, Checked, _call_key, checked, clear_memo, prepared_out,
@@ -70,6 +71,7 @@ __all__ = [
     "plan_problem", "check_fprop", "check_dgrad", "check_wgrad", "outputs", "check_alignment",
     "gemm_config", "bias_dtype_for", "workspace_bytes_for", "build_descriptors",
     "FP8_MULTIPLE", "NUM_STREAMS", "MAX_SIDE_STREAMS", "side_streams", "set_side_streams",
+    "host_threads", "set_host_threads",
     "OUT_DTYPES", "Blocks", "as_blocks", "pointer_alignments",
     "VecPlan", "plan_arrays", "grouped_gemm_unsupported", "choose_path", "grouped_workspace_layout",
     "grouped_descriptors", "GROUPED_MAX_GROUPS", "block_scaling_unsupported",
