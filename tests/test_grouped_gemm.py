@@ -1088,6 +1088,33 @@ def test_gpu_side_stream_count_changes_no_bit(side):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("threads", [2, 4])
+def test_gpu_host_threads_change_no_bit(threads):
+    """The three passes with their cuBLASLt calls issued from 2 or 4 host threads (40 experts:
+    enough calls for every thread) give the bits of the caller's thread alone, twice over (the
+    workers made on the first call, reused on the second)."""
+    import cupy
+
+    m_splits = [9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11, 4, 6] * 2
+    X, W, G = make_fp8(m_splits, 32, 16, seed=9, xp=cupy)
+    Wt = dataclasses.replace(W, data=None)
+
+    def run():
+        return [cupy.asnumpy(a) for a in (grouped_fprop(X, W), grouped_dgrad(G, Wt),
+                                          grouped_wgrad(X, G))]
+
+    want = run()
+    old = gg.set_host_threads(threads)
+    try:
+        for _ in range(2):
+            got = run()
+            for g, w in zip(got, want):
+                assert g.tobytes() == w.tobytes()
+    finally:
+        gg.set_host_threads(old)
+
+
+@pytest.mark.gpu
 def test_gpu_loop_replays_in_a_cuda_graph():
     """The per-expert loop captured into a CUDA graph: the side streams forked from the capturing
     stream and joined back (more experts than side streams, empty experts skipped), workspaces
