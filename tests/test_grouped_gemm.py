@@ -1070,21 +1070,22 @@ def test_gpu_launch_count_streams_and_out():
 def test_gpu_side_stream_count_changes_no_bit(side):
     """The three passes over 1, 7 or 16 side streams (streams made on first use) give the bits
     of the default 4: each expert's GEMM is the same call on another stream."""
-    import cupy
-
-    m_splits = [9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11]
-    X, W, G = make_fp8(m_splits, 32, 16, seed=8, xp=cupy)
-    Wt = dataclasses.replace(W, data=None)
-
-    def run():
-        return [cupy.asnumpy(a) for a in (grouped_fprop(X, W), grouped_dgrad(G, Wt),
-                                          grouped_wgrad(X, G))]
-
+    run = _three_passes([9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11], seed=8)
     want = run()
     with _side_streams(side):
         got = run()
-    for g, w in zip(got, want):
-        assert g.tobytes() == w.tobytes()
+    assert got == want
+
+
+def _three_passes(m_splits, seed):
+    """A function running fprop, dgrad and wgrad on the GPU over one set of FP8 operands,
+    returning their outputs' bytes."""
+    import cupy
+
+    X, W, G = make_fp8(m_splits, 32, 16, seed=seed, xp=cupy)
+    Wt = dataclasses.replace(W, data=None)
+    return lambda: [cupy.asnumpy(a).tobytes() for a in (
+        grouped_fprop(X, W), grouped_dgrad(G, Wt), grouped_wgrad(X, G))]
 
 
 @pytest.mark.gpu
@@ -1093,23 +1094,12 @@ def test_gpu_host_threads_change_no_bit(threads):
     """The three passes with their cuBLASLt calls issued from 2 or 4 host threads (40 experts:
     enough calls for every thread) give the bits of the caller's thread alone, twice over (the
     workers made on the first call, reused on the second)."""
-    import cupy
-
-    m_splits = [9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11, 4, 6] * 2
-    X, W, G = make_fp8(m_splits, 32, 16, seed=9, xp=cupy)
-    Wt = dataclasses.replace(W, data=None)
-
-    def run():
-        return [cupy.asnumpy(a) for a in (grouped_fprop(X, W), grouped_dgrad(G, Wt),
-                                          grouped_wgrad(X, G))]
-
+    run = _three_passes([9, 0, 17, 33, 1, 64, 2, 0, 5, 16, 40, 3, 8, 12, 7, 21, 30, 11, 4, 6] * 2,
+                        seed=9)
     want = run()
     old = gg.set_host_threads(threads)
     try:
-        for _ in range(2):
-            got = run()
-            for g, w in zip(got, want):
-                assert g.tobytes() == w.tobytes()
+        assert [run(), run()] == [want, want]
     finally:
         gg.set_host_threads(old)
 

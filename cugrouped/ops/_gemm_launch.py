@@ -331,11 +331,11 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
         streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
     nstreams = len(streams)
     threads = min(_host_threads, nstreams, ncalls // MIN_CALLS_PER_THREAD)
+    # set_host_threads: the calls gathered per issuing thread (stream s's by thread s % threads,
+    # in the loop's order), everything else done here first; None: issued here and now
+    batches = ([[] for _ in range(threads)] if threads > 1 and not st.is_capturing(caller.ptr)
+               else None)
     try:
-        if threads > 1 and not st.is_capturing(caller.ptr):
-            _issue_threaded(st, rows, descs, templates, config, recorders, matmul, handle, alpha,
-                            beta, ws, wsb, streams, threads)
-            return
         for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
             desc = descs[e]
             ptrs = desc.ptrs
@@ -347,12 +347,23 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
             for log in recorders:
                 log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
             s = j % nstreams
+            if batches is not None:
+                batches[s % threads].append(
+                    (e, (handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
+                         t.algo, ws[s], wsb, streams[s])))
+                continue
             status = matmul(handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld,
                             t.algo, ws[s], wsb, streams[s])
             if status:
                 from ..cublaslt import check
 
                 check(status, "cublasLtMatmul", f"expert {e}")
+        if batches is not None:
+            failure = st.issuers(threads).run(matmul, batches)
+            if failure is not None:
+                from ..cublaslt import check
+
+                check(failure[1], "cublasLtMatmul", f"expert {failure[0]}")
     finally:
         # Join even when an expert fails (no algorithm, a refused call): the experts already
         # launched on the side streams must be ordered before the caller's next work, or the
@@ -362,34 +373,6 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
                 ev = st.done_events[idx]
                 ev.record(st.streams[idx])
                 caller.wait_event(ev)
-
-
-def _issue_threaded(st: _DeviceState, rows, descs, templates, config, recorders, matmul, handle,
-                    alpha, beta, ws, wsb, streams, threads: int) -> None:
-    """:func:`_launch_loop`'s calls issued by ``threads`` host threads, stream ``s``'s by thread
-    ``s % threads`` in the loop's order: everything but the calls themselves (descriptor
-    pointers, templates, records) is done here first, on the caller's thread."""
-    nstreams = len(streams)
-    batches: list[list] = [[] for _ in range(threads)]
-    for j, (e, a, b, d, sa, sb, bias, key) in enumerate(rows):
-        desc = descs[e]
-        ptrs = desc.ptrs
-        if ptrs[0] != sa or ptrs[1] != sb or ptrs[2] != bias:
-            desc.set_pointers(sa, sb, bias)
-        t = templates.get(key)
-        if t is None:
-            t = templates[key] = _template(st, config, shape_signature(key), desc)
-        for log in recorders:
-            log.append(_launch.Launch("cuda", "cublasLtMatmul", 1, 1))
-        s = j % nstreams
-        batches[s % threads].append(
-            (e, (handle, desc.handle, alpha, a, t.la, b, t.lb, beta, d, t.ld, d, t.ld, t.algo,
-                 ws[s], wsb, streams[s])))
-    failure = st.issuers(threads).run(matmul, batches)
-    if failure is not None:
-        from ..cublaslt import check
-
-        check(failure[1], "cublasLtMatmul", f"expert {failure[0]}")
 
 
 def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str | None = None) -> None:
