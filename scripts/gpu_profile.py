@@ -187,9 +187,12 @@ def host_gemm(out: pathlib.Path) -> None:
         return []
 
     def thread_sweep(experts, sets, y):
-        """The same operands, the loop's calls issued by 1, 2, 4 and 8 host threads
-        (set_host_threads) over 4 and 8 side streams: host time per call and GPU time."""
+        """The same operands, the loop's calls issued by up to 1, 2, 4 and 8 host threads
+        (set_host_threads; a call uses a divisor of its side streams, with at least
+        MIN_CALLS_PER_THREAD calls each: at E=8, one) over 4 and 8 side streams: host time per
+        call and GPU time."""
         got = []
+        old = (gg.side_streams(), gg.host_threads())
         try:
             for side in (4, 8):
                 gg.set_side_streams(side)
@@ -208,12 +211,12 @@ def host_gemm(out: pathlib.Path) -> None:
                         times.append(time.perf_counter() - t0)
                     us = float(np.median(times)) * 1e6
                     dev = median_ms(lambda i: grouped_fprop(*sets[0], out=y), 30)
-                    got.append(f"grouped_fprop E={experts:3d} {side:2d} side streams, {threads} "
-                               f"host thread(s): {us:7.1f} us per call, {us / experts:5.2f} us "
-                               f"per expert, GPU {dev:.3f} ms")
+                    got.append(f"grouped_fprop E={experts:3d} {side:2d} side streams, up to "
+                               f"{threads} host thread(s): {us:7.1f} us per call, "
+                               f"{us / experts:5.2f} us per expert, GPU {dev:.3f} ms")
         finally:
-            gg.set_host_threads(1)
-            gg.set_side_streams(gg.NUM_STREAMS)
+            gg.set_side_streams(old[0])
+            gg.set_host_threads(old[1])
             lines.extend(got)
         return []
 

@@ -76,7 +76,7 @@ def _by_stream(calls):
     return out
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, 8])        # 8: a pool of 8, of which the 4 streams use 4
 def test_threads_make_the_same_calls_per_stream_as_one(threads, n):
     m_splits = [5, 0, 19, 3, 40, 1, 7, 0, 9, 12, 33] * 6     # 54 calls: 6 per thread and more
     p, blocks, vp = _fprop_plan(m_splits)
@@ -94,13 +94,14 @@ def test_threads_make_the_same_calls_per_stream_as_one(threads, n):
     assert len(threaded) == len(serial) == live
     assert _by_stream(threaded) == _by_stream(serial)
     assert threaded_events == serial_events                      # one fork, every stream joined
-    issuers = min(n, gg.side_streams(), live // gg.MIN_CALLS_PER_THREAD)
+    issuers = _host_threads.issuers_for(n, gg.side_streams(), live, gg.MIN_CALLS_PER_THREAD)
     assert issuers > 1
     assert len({tid for tid, _ in threaded}) == issuers          # the workers issued theirs
     assert threading.get_ident() in {tid for tid, _ in threaded}  # and the caller its own
-    assert len(bound) == issuers - 1 and threading.get_ident() not in bound
+    assert st2._issuers.count == n                               # one pool, of n issuers
+    assert len(bound) == n - 1 and threading.get_ident() not in bound
     assert [e.kernel for e in log].count("cublasLtMatmul") == live
-    st2.issuers(issuers).close()
+    st2._issuers.close()
 
 
 def test_a_failed_call_names_its_expert_and_every_stream_is_joined(threads):
@@ -168,9 +169,74 @@ def test_few_calls_or_one_stream_stay_on_the_caller(threads):
             gg.set_side_streams(old)
     assert len(calls) == 1 + 24 + len(few) and {tid for tid, _ in calls} == {threading.get_ident()}
     assert st._issuers is None
+    calls.clear()
     p, blocks, vp = _fprop_plan(few + [3])            # enough for two: two issue them
     gg._launch_plan(vp, p, blocks, st)
-    assert st._issuers.count == 2
+    assert len({tid for tid, _ in calls}) == 2
+    st._issuers.close()
+
+
+def test_one_pool_serves_calls_that_use_fewer_of_its_threads(threads):
+    """The pool has set_host_threads' count whatever a call uses of it: calls with more or
+    fewer experts (more or fewer threads' worth) do not make it again."""
+    st, calls, _ = _state_recording()
+    threads(4)
+    plans = [_fprop_plan([3] * e) for e in (16, 32, 16, 40)]
+    used, pools = [], set()
+    for p, blocks, vp in plans:
+        calls.clear()
+        gg._launch_plan(vp, p, blocks, st)
+        used.append(len({tid for tid, _ in calls}))
+        pools.add(id(st._issuers))
+    assert used == [2, 4, 2, 4] and len(pools) == 1 and st._issuers.count == 4
+    st._issuers.close()
+
+
+@pytest.mark.parametrize("wanted,streams,calls,want", [
+    (4, 4, 64, 4), (4, 4, 31, 2), (4, 4, 15, 1), (8, 4, 64, 4), (4, 3, 64, 3), (2, 3, 64, 1),
+    (4, 16, 64, 4), (8, 16, 48, 4), (4, 6, 64, 3), (1, 4, 64, 1), (4, 1, 64, 1)])
+def test_issuers_divide_the_streams_and_have_calls_enough(wanted, streams, calls, want):
+    assert _host_threads.issuers_for(wanted, streams, calls, 8) == want
+
+
+def test_a_worker_whose_bind_failed_answers_every_batch_with_it():
+    def bind():
+        raise RuntimeError("cudaSetDevice: no device")
+
+    pool = _host_threads.HostThreads(2, bind)
+    try:
+        for _ in range(2):                       # every time, and never a hang
+            with pytest.raises(RuntimeError, match="cudaSetDevice: no device"):
+                pool.run(lambda: 0, [[(0, ())], [(1, ())]])
+        assert pool.run(lambda: 0, [[(0, ())], []]) is None   # the caller's alone: fine
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(lambda: 0, [[(0, ())]])
+
+
+def test_the_callers_own_failure_waits_for_the_workers_first():
+    """An exception in the caller's batch is raised only once every worker has issued its
+    batch (the side streams are joined right after: nothing may be issued later)."""
+    worker_done = threading.Event()
+    caller = threading.get_ident()
+
+    def fn(x):
+        if threading.get_ident() == caller:
+            raise KeyboardInterrupt
+        threading.Event().wait(0.05)             # a slow worker
+        worker_done.set()
+        return 0
+
+    pool = _host_threads.HostThreads(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(fn, [[(0, (0,))], [(1, (1,))]])
+        assert worker_done.is_set()
+        worker_done.clear()
+        assert pool.run(fn, [[], [(1, (1,))]]) is None and worker_done.is_set()
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("bad", [0, 33, 2.0, True, "4"])
@@ -186,6 +252,7 @@ def test_the_issuers_are_made_again_for_another_count_and_stop_on_close():
     assert st.issuers(3) is a and all(t.is_alive() for t in a._threads)
     b = st.issuers(2)
     assert b is not a and b.count == 2 and not any(t.is_alive() for t in a._threads)
+    assert a.closed and not b.closed
     b.close()
     assert not any(t.is_alive() for t in b._threads)
 

@@ -17,6 +17,7 @@ from ._gemm_grouped import _launch_grouped, path_for
 from ._gemm_memo import Checked, prepared_out
 from ._gemm_plan import (SCALE_POINTER_ALIGN, ExpertGemm, Problem, VecPlan, as_blocks,
                          block_scaling_unsupported, shape_signature, workspace_bytes_for)
+from ._host_threads import issuers_for
 
 # Side streams the per-expert loop is spread over by default (TransformerEngine uses 4).
 NUM_STREAMS = 4
@@ -59,8 +60,9 @@ def host_threads() -> int:
 def set_host_threads(n: int) -> int:
     """Set :func:`host_threads` (1..``MAX_SIDE_STREAMS``) for the calls that follow in this
     process; returns the previous value. With ``n > 1`` the calls of each side stream are issued
-    by one of ``min(n, side_streams(), calls // MIN_CALLS_PER_THREAD)`` threads (the caller's
-    among them): cuBLAS's own host work per call (~8 us on an H200) runs beside the other
+    by one of up to ``min(n, side_streams(), calls // MIN_CALLS_PER_THREAD)`` threads (the
+    caller's among them; a number that divides the side streams, each thread issuing whole
+    streams): cuBLAS's own host work per call (~8 us on an H200) runs beside the other
     threads' (ctypes releases the GIL in the call), so the loop's host time per expert can fall
     towards its Python part. Not during a CUDA graph capture (the caller's thread issues
     everything then). A tuning knob: the same calls on the same streams in the same order per
@@ -177,12 +179,14 @@ class _DeviceState:
             self.done_events.append(event)
 
     def issuers(self, n: int):
-        """:class:`~._host_threads.HostThreads` of ``n`` issuers (made again for another ``n``)."""
+        """:class:`~._host_threads.HostThreads` of ``n`` issuers (made again for another ``n``:
+        a call may use fewer of them)."""
         if self._issuers is None or self._issuers.count != n:
             from ._host_threads import HostThreads
 
-            if self._issuers is not None:
-                self._issuers.close()
+            old, self._issuers = self._issuers, None
+            if old is not None:
+                old.close()
             self._issuers = HostThreads(n, self.bind_thread)
         return self._issuers
 
@@ -330,7 +334,7 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
     else:
         streams, ws = [caller.ptr], [st.caller_workspace(caller.ptr)]
     nstreams = len(streams)
-    threads = min(_host_threads, nstreams, ncalls // MIN_CALLS_PER_THREAD)
+    threads = issuers_for(_host_threads, nstreams, ncalls, MIN_CALLS_PER_THREAD)
     # set_host_threads: the calls gathered per issuing thread (stream s's by thread s % threads,
     # in the loop's order), everything else done here first; None: issued here and now
     batches = ([[] for _ in range(threads)] if threads > 1 and not st.is_capturing(caller.ptr)
@@ -359,7 +363,7 @@ def _launch_loop(st: _DeviceState, vp: VecPlan, fp8: bool) -> None:
 
                 check(status, "cublasLtMatmul", f"expert {e}")
         if batches is not None:
-            failure = st.issuers(threads).run(matmul, batches)
+            failure = st.issuers(_host_threads).run(matmul, batches)
             if failure is not None:
                 from ..cublaslt import check
 
