@@ -7,8 +7,9 @@ copies what ``scripts/gpu_check.sh OUT_DIR`` left in ``OUT_DIR`` (log, JUnit XML
 ``benchmarks/results/<date>-<gpu>/`` and writes a summary into README's Status between the
 ``<!-- gpu-results:begin -->`` and ``<!-- gpu-results:end -->`` markers: when and where it ran
 (GPU, driver, CUDA, cuBLASLt, torch, CuPy, the commit), each test stage's counts and failures,
-how each stage ended, the main numbers as tables (cast, GEMMs, layer, against the peers), and
-the targets table (``cugrouped.bench.targets``) of the CSV's rows.
+how each stage ended, the main numbers as tables (cast, GEMMs, layer, against the peers; each
+tuning knob's rows against the default's), and the targets table (``cugrouped.bench.targets``)
+of the CSV's rows.
 Prints what it wrote; ``--dry-run`` only prints. Pure file work: no GPU, no network. A stage
 that left no file is reported as such, not skipped silently (a bench that failed still has its
 tests recorded, and the other way round).
@@ -158,7 +159,45 @@ def benchmark_tables(rows: list[dict]) -> str:
                        f"{_x(sp.get('torch-grouped_mm-bf16'))}{gm_host} | "
                        f"{_x(sp.get('torch-pad-linear-loop-bf16'))} |")
         out.append("")
+    tuning = tuning_table(rows)
+    if tuning:
+        out += [tuning, ""]
     return "\n".join(out).rstrip()
+
+
+# (op, the default row's impl, a variant's impl, the field that tells rows of a config apart,
+# the knob that sets the variant)
+TUNING = (("cast", "cugrouped", "cugrouped-tpb2", "scaling", "set_tiles_per_block(2)"),
+          ("gemm", "cugrouped-fp8", "cugrouped-fp8-s16", "pass_name", "set_side_streams(16)"),
+          ("gemm", "cugrouped-fp8", "cugrouped-fp8-t4", "pass_name", "set_host_threads(4)"))
+
+
+def tuning_table(rows: list[dict]) -> str:
+    """Each tuning knob's rows against the default's of the same run, config and pass (or
+    scaling): device time, its ratio (above 1: the knob is faster) and the host time per expert
+    where the CSV has it. Empty without variant rows."""
+    out = []
+    for op, base, variant, field, knob in TUNING:
+        for r in rows:
+            if r.get("op") != op or r.get("impl") != variant:
+                continue
+            d = next((b for b in rows if b.get("op") == op and b.get("impl") == base
+                      and b.get("config") == r.get("config") and b.get(field) == r.get(field)
+                      and b.get("out_dtype") == r.get("out_dtype")), None)
+            if d is None:
+                continue
+            ratio = d["ms"] / r["ms"] if isinstance(d.get("ms"), float) and \
+                isinstance(r.get("ms"), float) and r["ms"] > 0 else None
+            host = (f"{_f(d, 'host_us_per_expert', '.1f')} -> {_f(r, 'host_us_per_expert', '.1f')}"
+                    if "host_us_per_expert" in r else "-")
+            out.append(f"| `{knob}` | {r.get('config', '')} | {r.get(field, '')} | "
+                       f"{_f(d, 'ms', '.3f')} | {_f(r, 'ms', '.3f')} | {_x(ratio)} | {host} |")
+    if not out:
+        return ""
+    return "\n".join(["Tuning knobs, each against the default in the same run (speed-up above 1: "
+                      "the knob is faster):", "",
+                      "| knob | config | pass / scaling | default ms | knob ms | speed-up | host "
+                      "µs/expert, default -> knob |", "|---|---|---|---|---|---|---|", *out])
 
 
 def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: str | None,
