@@ -6,14 +6,16 @@ addresses and counts. In MoE training both are new at every step, so every call 
 took the whole path, about half of a GEMM call's host time (``scripts/layer_host.py``). The
 layer's custom ops (:mod:`cugrouped.pytorch._custom_ops`) know what those checks establish: their
 casts made every operand (row-wise ``(Σm, k)``, or transposed and padded to 16 tokens, one
-float32 ``scale_inv`` per expert, contiguous), torch allocated every output, all on one device,
-and the layer checked ``k`` and ``n`` (multiples of 16). So they describe the call here, from
-pointers and counts, as the :class:`~._gemm_plan.Problem` and output :class:`~._gemm_plan.Blocks`
-the checks would have produced, and launch it through the same plan and loop.
+float32 ``scale_inv`` per expert), torch allocated every output, all on one device, and the layer
+checked ``k`` and ``n`` (multiples of 16); they confirm that in O(1) tensor reads per call and
+send anything else the public way, whose checks say what is wrong. So they describe the call
+here, from pointers and counts, as the :class:`~._gemm_plan.Problem` and output
+:class:`~._gemm_plan.Blocks` the checks would have produced, and launch it through the same plan
+and loop (:func:`run`, the plan memoised on those numbers).
 
 The builders are pure functions of ints (tested on the CPU: each equals the checks' result over
-the split taxonomy, and a layer step's launches are the same either way); :func:`launch` runs
-on the device. Package-private.
+the split taxonomy, and a layer step's launches are the same either way); :func:`launch` and
+:func:`run` launch on the device. Package-private.
 """
 
 from __future__ import annotations
