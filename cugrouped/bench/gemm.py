@@ -353,29 +353,20 @@ HOST_THREADS = 4
 VARIANTS = (f"cugrouped-fp8-s{WIDE_STREAMS}", f"cugrouped-fp8-t{HOST_THREADS}")
 
 
-def _with_side_streams(fn, n: int):
-    from ..ops import grouped_gemm as gg
-
-    return with_setting(fn, gg.set_side_streams, n)
-
-
-def _with_host_threads(fn, n: int):
-    from ..ops import grouped_gemm as gg
-
-    return with_setting(fn, gg.set_host_threads, n)
-
-
 def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
     """``(impl, fn, is_fp8, is_ours, out_dtype)`` per row of one pass, cugrouped's first (its FP8
     loop also over :data:`WIDE_STREAMS` side streams, ``cugrouped-fp8-s16``, and issued by
     :data:`HOST_THREADS` host threads, ``cugrouped-fp8-t4``). wgrad's
     output dtypes differ: cugrouped FP8 writes float32 (``cugrouped-fp8``) and bfloat16
     (``cugrouped-fp8-bf16dW``), the per-expert ``_scaled_mm`` loop float32, the rest 16 bits."""
+    from ..ops import grouped_gemm as gg
+
     wg = pass_name == "wgrad"
     odt = "float32" if wg else "bfloat16"
-    impls = [("cugrouped-fp8", fp8[pass_name], True, True, odt),
-             (VARIANTS[0], _with_side_streams(fp8[pass_name], WIDE_STREAMS), True, True, odt),
-             (VARIANTS[1], _with_host_threads(fp8[pass_name], HOST_THREADS), True, True, odt)]
+    ours = fp8[pass_name]
+    impls = [("cugrouped-fp8", ours, True, True, odt),
+             (VARIANTS[0], with_setting(ours, gg.set_side_streams, WIDE_STREAMS), True, True, odt),
+             (VARIANTS[1], with_setting(ours, gg.set_host_threads, HOST_THREADS), True, True, odt)]
     if wg:
         impls.append(("cugrouped-fp8-bf16dW", fp8["wgrad-bf16"], True, True, "bfloat16"))
     impls.append(("cugrouped-fp16", f16[pass_name], False, True, "float16"))

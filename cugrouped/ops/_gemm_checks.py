@@ -16,7 +16,7 @@ from ..cublaslt import _enums as E
 from ..grouped_block_fp8 import MX_BLOCK, MX_DIMS, GroupedBlockFP8, block_scale_sizes, scale_dtype
 from ..grouped_fp8 import GroupedFP8
 from ._gemm_plan import (Block, Blocks, Problem, as_blocks, bias_dtype_for, first,
-                         pointer_alignments)
+                         pointer_alignments, scale_pointers)
 from ._launch import check_bool
 
 # cuBLASLt FP8 GEMMs need the reduction and output dims, leading dims and pointers in multiples of
@@ -25,6 +25,8 @@ FP8_MULTIPLE = 16
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 PLAIN_DTYPES = ("bfloat16", "float16", "float32")
 _FP8_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+# The FP8 format pairs cuBLASLt multiplies (no E5M2 x E5M2).
+FP8_PAIRS = frozenset({("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")})
 # cuBLASLt's scale mode of a GroupedBlockFP8 by block_scaling_dim.
 _BLOCK_MODE = {1: E.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
                2: E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
@@ -122,9 +124,9 @@ def _fp8_operand(g, copy: str, arg: str, need: str) -> _Operand:
             raise ValueError(f"{arg}.scale_inv: expected a float32 array of shape ({E_},) "
                              f"(contiguous, or at a positive element stride), got {sv.dtype} "
                              f"{sv.shape} strides {sv.strides}")
-        # one float32 per expert: its scale_inv's address (one arange, not three array ops); at
-        # a stride of 4 each sits in its own 16-byte slot, as cuBLASLt wants them
-        scales = np.arange(sv.ptr, sv.ptr + 4 * step * E_, 4 * step, dtype=np.int64)
+        # one float32 per expert (at a stride of 4 each in its own 16-byte slot, as cuBLASLt
+        # wants them)
+        scales = scale_pointers(sv.ptr, step, E_)
         scale_mode = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
     on_device, device, kind = _where([dv, sv], arg)
     k = g.k
@@ -212,7 +214,7 @@ def _check_pair(a: _Operand, a_name: str, b: _Operand, b_name: str) -> None:
     if a.scale_mode == b.scale_mode == E.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
         raise ValueError(f"{a_name}, {b_name}: cuBLASLt has no 128x128-by-128x128 block-scaled "
                          "GEMM; cast one of them with block_scaling_dim=1")
-    if a.fmt == "e5m2" and b.fmt == "e5m2":
+    if a.fmt and (a.fmt, b.fmt) not in FP8_PAIRS:
         raise ValueError(f"{a_name}, {b_name}: E5M2 x E5M2 is not a cuBLASLt FP8 GEMM (supported "
                          "pairs: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3); cast one of them as e4m3")
     if a.fmt is None and a.dtype != b.dtype:

@@ -14,8 +14,8 @@ here, from pointers and counts, as the :class:`~._gemm_plan.Problem` and output
 and loop (:func:`run`, the plan memoised on those numbers).
 
 The builders are pure functions of ints (tested on the CPU: each equals the checks' result over
-the split taxonomy, and a layer step's launches are the same either way); :func:`launch` and
-:func:`run` launch on the device. Package-private.
+the split taxonomy, and a layer step's launches are the same either way); :func:`run` launches
+on the device. Package-private.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..cublaslt import _enums as E
-from ._gemm_plan import Blocks, Problem, bias_dtype_for, plan_arrays
+from ._gemm_checks import _FP8_DTYPE as _FP8
+from ._gemm_plan import _ITEMSIZE, Blocks, Problem, bias_dtype_for, plan_arrays
+from ._gemm_plan import scale_pointers as _scales
 
-_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SCALAR = E.CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
 Scales = tuple[int, int]       # a float32 (E,) scale_inv array: (address, element stride)
 
@@ -37,11 +37,6 @@ def _counts(m_splits: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The counts as int64 and each expert's first row (their exclusive prefix sum)."""
     m = np.array(m_splits, dtype=np.int64)
     return m, m.cumsum() - m
-
-
-def _scales(scale_inv: int, stride: int, num: int) -> np.ndarray:
-    """Each expert's ``scale_inv`` address in a float32 ``(E,)`` array of element ``stride``."""
-    return np.arange(scale_inv, scale_inv + 4 * stride * num, 4 * stride, dtype=np.int64)
 
 
 def _place(device: int) -> tuple[bool, int, str]:
@@ -107,20 +102,15 @@ def wgrad(x_t: int, x_scale_inv: Scales, x_format: str, dy_t: int, dy_scale_inv:
     return problem, Blocks(ptrs, n, k, k, out_dtype)
 
 
-def launch(problem: Problem, out: Blocks, device: int) -> None:
-    """Plan and launch ``problem`` writing ``out`` on ``device``'s current stream, as the public
-    ops do once their checks pass (the caller has made ``device`` and the stream CuPy's
-    current ones)."""
-    _launch(plan_arrays(problem, out), problem, out, device)
-
-
 _BUILDERS = {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad}
 MEMO_SIZE = 256
 _memo: dict = {}
 
 
 def run(pass_name: str, *args, state=None) -> None:
-    """``launch(*<pass_name>(*args))``, the plan memoised on ``args`` (every value the builder
+    """Plan and launch ``<pass_name>(*args)`` on the device's current stream, as the public ops
+    do once their checks pass (the caller has made the device and the stream CuPy's current
+    ones), the plan memoised on ``args`` (every value the builder
     reads, ints and strings: the key costs about what one array operation does). A training step
     that brings the same counts and the same buffers back (fixed token counts, and the caching
     allocator's addresses) plans nothing; new counts miss. ``args`` as the builder takes them,

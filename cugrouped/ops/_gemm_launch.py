@@ -24,6 +24,8 @@ NUM_STREAMS = 4
 # At most this many (each holds a cuBLASLt workspace, 32 MiB on Hopper).
 MAX_SIDE_STREAMS = 32
 _side_streams = NUM_STREAMS
+# what set_side_streams and set_host_threads take
+_COUNTS, _COUNTS_EXPECTED = range(1, MAX_SIDE_STREAMS + 1), f"an int in [1, {MAX_SIDE_STREAMS}]"
 
 
 def side_streams() -> int:
@@ -38,9 +40,7 @@ def set_side_streams(n: int) -> int:
     per GEMM call. Streams are made on first use (not during a CUDA graph capture: run a call
     with the new count once before capturing). A tuning knob: the results are the same bits."""
     global _side_streams
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_SIDE_STREAMS:
-        raise ValueError(f"n: expected an int in [1, {MAX_SIDE_STREAMS}], got {n!r}")
-    old, _side_streams = _side_streams, int(n)
+    old, _side_streams = _side_streams, _launch.setting(n, _COUNTS, _COUNTS_EXPECTED)
     return old
 
 
@@ -68,9 +68,7 @@ def set_host_threads(n: int) -> int:
     everything then). A tuning knob: the same calls on the same streams in the same order per
     stream, the same bits."""
     global _host_threads
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_SIDE_STREAMS:
-        raise ValueError(f"n: expected an int in [1, {MAX_SIDE_STREAMS}], got {n!r}")
-    old, _host_threads = _host_threads, int(n)
+    old, _host_threads = _host_threads, _launch.setting(n, _COUNTS, _COUNTS_EXPECTED)
     return old
 
 

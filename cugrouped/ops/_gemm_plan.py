@@ -103,6 +103,12 @@ def as_blocks(blocks) -> Blocks:
     return Blocks(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], blocks[0].dtype)
 
 
+def scale_pointers(ptr: int, stride: int, num: int) -> np.ndarray:
+    """Each expert's per-tensor scale address in a float32 ``(num,)`` array at ``ptr`` with an
+    element stride of ``stride``."""
+    return np.arange(ptr, ptr + 4 * stride * num, 4 * stride, dtype=np.int64)
+
+
 def pointer_alignment(ptr: int, cap: int = 256) -> int:
     """Largest power of two (at most ``cap``, cuBLASLt's default assumption) dividing ``ptr``."""
     ptr = int(ptr)

@@ -44,6 +44,14 @@ def check_bool(value, arg: str) -> None:
         raise TypeError(f"{arg}: expected a bool, got {value!r}")
 
 
+def setting(n, allowed, expected: str) -> int:
+    """A tuning knob's new value ``n`` as an int, if it is an int (NumPy's too, not a bool) in
+    ``allowed`` (a range or a tuple); else a ValueError naming ``expected``."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n not in allowed:
+        raise ValueError(f"n: expected {expected}, got {n!r}")
+    return int(n)
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     backend: str

@@ -139,9 +139,8 @@ def set_tiles_per_block(n: int) -> int:
     until a GPU measurement says otherwise (``python -m cugrouped bench cast``: the
     ``cugrouped-tpb2`` rows)."""
     global _tiles_per_block
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n not in TILES_PER_BLOCK:
-        raise ValueError(f"n: expected one of {TILES_PER_BLOCK}, got {n!r}")
-    old, _tiles_per_block = _tiles_per_block, int(n)
+    old = _tiles_per_block
+    _tiles_per_block = _launch.setting(n, TILES_PER_BLOCK, f"one of {TILES_PER_BLOCK}")
     return old
 
 

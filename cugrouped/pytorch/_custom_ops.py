@@ -27,6 +27,7 @@ from ..grouped_block_fp8 import MX_DIMS, block_scale_entries, result_type, scale
 from ..grouped_fp8 import GroupedFP8
 from ..ops import _cast_inputs, _gemm_direct
 from ..ops import pad_cast_transpose as _pct
+from ..ops._gemm_checks import FP8_MULTIPLE, FP8_PAIRS
 from ..ops.grouped_gemm import bias_dtype_for
 from ..ops.scale_update import update_scales
 from ..ops.scatter_rows import scatter_rows as _scatter_rows
@@ -127,7 +128,6 @@ DIRECT_GEMMS = True
 # What the direct GEMM route relies on, confirmed per call in O(1) tensor reads (and one pass
 # over the counts): these ops are reachable as torch.ops.cugrouped.* too, and a caller other
 # than the layer gets the public checks' error for anything else (the checked route raises it).
-_FP8_PAIRS = {("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")}
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -137,12 +137,13 @@ def _fp8_bytes(t, device, shape=None, numel=None) -> bool:
 
 
 def _scales_ok(t, device, num: int) -> bool:
-    return t.device == device and t.dtype == torch.float32 and t.shape == (num,)
+    return t.device == device and t.dtype == torch.float32 and t.shape == (num,) and (
+        num <= 1 or t.stride(0) >= 1)
 
 
 def _counts_ok(m_splits, k: int, n: int) -> bool:
-    return len(m_splits) > 0 and min(m_splits) >= 0 and k > 0 and n > 0 and not k % 16 \
-        and not n % 16
+    return len(m_splits) > 0 and min(m_splits) >= 0 and k > 0 and n > 0 and \
+        not k % FP8_MULTIPLE and not n % FP8_MULTIPLE
 
 
 def _direct_fprop_ok(y, x, x_si, x_format, w, w_si, w_format, bias, m_splits) -> bool:
@@ -151,7 +152,7 @@ def _direct_fprop_ok(y, x, x_si, x_format, w, w_si, w_format, bias, m_splits) ->
         return False
     k, n = x.shape[1], w.shape[0] // E
     rows = sum(m_splits)
-    return (_counts_ok(m_splits, k, n) and (x_format, w_format) in _FP8_PAIRS
+    return (_counts_ok(m_splits, k, n) and (x_format, w_format) in FP8_PAIRS
             and _fp8_bytes(x, dev, (rows, k)) and _fp8_bytes(w, dev, (E * n, k))
             and _scales_ok(x_si, dev, E) and _scales_ok(w_si, dev, E)
             and y.dtype in _GEMM_OUT and y.device == dev and y.shape == (rows, n)
@@ -166,7 +167,7 @@ def _direct_dgrad_ok(dx, dy, dy_si, dy_format, w_t, w_si, w_format, k, m_splits)
     if dy.dim() != 2:
         return False
     n, rows = dy.shape[1], sum(m_splits)
-    return (_counts_ok(m_splits, k, n) and (dy_format, w_format) in _FP8_PAIRS
+    return (_counts_ok(m_splits, k, n) and (dy_format, w_format) in FP8_PAIRS
             and _fp8_bytes(dy, dev, (rows, n)) and _fp8_bytes(w_t, dev, numel=E * k * n)
             and _scales_ok(dy_si, dev, E) and _scales_ok(w_si, dev, E)
             and dx.dtype in _GEMM_OUT and dx.device == dev and dx.shape == (rows, k)
@@ -176,10 +177,9 @@ def _direct_dgrad_ok(dx, dy, dy_si, dy_format, w_t, w_si, w_format, k, m_splits)
 def _direct_wgrad_ok(x_t, x_si, x_format, dy_t, dy_si, dy_format, k, n, m_splits, out,
                      out_dtype) -> bool:
     E, dev = len(m_splits), x_t.device
-    if not _counts_ok(m_splits, k, n) or (x_format, dy_format) not in _FP8_PAIRS:
+    if not _counts_ok(m_splits, k, n) or (x_format, dy_format) not in FP8_PAIRS:
         return False
-    pad = token_align(0)
-    cols = sum(-(-m // pad) * pad for m in m_splits)
+    cols = sum(padded(m, token_align(0)) for m in m_splits)
     want = getattr(torch, out_dtype, None)
     outs = list(out) if isinstance(out, (list, tuple)) else None
     return (_fp8_bytes(x_t, dev, numel=k * cols) and _fp8_bytes(dy_t, dev, numel=n * cols)
