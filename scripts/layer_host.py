@@ -71,8 +71,6 @@ def cuda_path_on_cpu():
         def empty(shape, *, dtype, device=None):
             return pool.empty(shape, dtype)
 
-    patches_before = [mock.patch.object(cops, "torch", CachingTorch())]
-
     def host_buffer(name, size, dtype):
         if name not in buffers or buffers[name].size < size:
             buffers[name] = np.zeros(size, dtype)
@@ -84,7 +82,8 @@ def cuda_path_on_cpu():
 
     state = host_loop_state()
     real_own_device = _cast_inputs._own_device
-    patches = patches_before + [
+    patches = [
+        mock.patch.object(cops, "torch", CachingTorch()),
         mock.patch.object(_jit, "get_function", get_function),
         mock.patch.object(_launch, "device_workspace", lambda n, ints: host_buffer(n, ints, np.int32)),
         mock.patch.object(_launch, "device_scratch", lambda n, nb: host_buffer(n, nb, np.uint8)),
