@@ -1,4 +1,4 @@
-"""Two facts about cuBLASLt's FP8 GEMMs on this GPU, measured (run by scripts/gpu_check.sh after
+"""Four facts about cuBLASLt's FP8 GEMMs on this GPU, measured (run by scripts/gpu_check.sh after
 its stages; seconds):
 
 1. Which per-tensor scale pointer alignments ``cublasLtMatmul`` accepts: a one-expert fprop whose
@@ -15,6 +15,14 @@ its stages; seconds):
    at 0.52x ``torch._scaled_grouped_mm``; DeepSeek-V3's: m=2048, k=7168, n=2048): its first 16
    candidates timed one by one on the caller's stream (CUDA events, 50 calls each, the median
    of 5), with the rank of the fastest and how much faster it is than the heuristic's first.
+
+4. cuBLASLt's grouped GEMM against the per-expert loop, where this cuBLAS has it (13.5+ for FP8
+   on Hopper: the image's 13.1 does not; scripts/cublas_parts.py carries a newer one): every pass
+   at the benchmark's fine-E64 and DeepSeek-V3 shapes, jagged token counts rounded up to 16 (the
+   grouped path's rule, ``GROUPED_DIM_BYTES``) and as they are (the rule lifted for the probe:
+   does cuBLAS take, and compute right, any m?): whether cuBLAS accepts it, the largest
+   difference from the loop relative to the loop's largest output, and both paths' device time
+   and host time per expert, timed together.
 
 Prints one line per measurement; a failure prints its error and the rest goes on.
 """
@@ -212,13 +220,96 @@ def algorithm_choice() -> None:
                  ", the heuristic's first refused"))
 
 
+GROUPED_SHAPES = (("fine-E64", 64, 2048, 1408, 8192), ("dsv3-E8", 8, 7168, 2048, 16384))
+
+
+def _as_f32(xp, a):
+    """An output as float32: bfloat16 bits (uint16) widened, anything else cast."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _grouped_operands(xp, m_splits, k, n):
+    """FP8 x, w and dy for ``m_splits`` experts, cast by cugrouped on ``xp``'s device."""
+    import cugrouped
+
+    rng = np.random.default_rng(7)
+    x = xp.asarray(rng.standard_normal((sum(m_splits), k), dtype=np.float32).astype(np.float16))
+    dy = xp.asarray((rng.standard_normal((sum(m_splits), n), dtype=np.float32) * 1e-3)
+                    .astype(np.float16))
+    w = xp.asarray((rng.standard_normal((len(m_splits), n, k), dtype=np.float32) * 0.02)
+                   .astype(np.float16))
+    X = cugrouped.multi_pad_cast_transpose(x, m_splits, dtype="float16")
+    DY = cugrouped.multi_pad_cast_transpose(dy, m_splits, dtype="float16", fp8_format="e5m2")
+    W = cugrouped.multi_pad_cast_transpose(list(w), align=1)
+    return X, W, DY
+
+
+def grouped_gemm() -> None:
+    xp = _xp()
+    dry = xp is np
+    import cugrouped
+    from cugrouped.bench.common import moe_splits, time_together
+    from cugrouped.ops import _gemm_grouped, grouped_gemm as gg
+
+    if not dry:
+        st = gg._state(xp.cuda.Device().id)
+        why = _gemm_grouped.grouped_gemm_unsupported(
+            st.cublas_version, st.compute_capability, fp8=True, in_dtype="float8_e4m3fn",
+            has_symbol=st.has_grouped_symbol)
+        if why:
+            print(f"probe grouped: not run: {why}")
+            return
+    rule = _gemm_grouped.GROUPED_DIM_BYTES
+    for name, experts, k, n, tokens in GROUPED_SHAPES:
+        if dry:
+            experts, k, n, tokens = 4, 32, 16, 96     # the same path on small host arrays
+        jagged = moe_splits(experts, tokens, True, seed=0)
+        rounded = [-(-m // 16) * 16 for m in jagged]
+        for label, splits, lifted in (("m rounded to 16", rounded, False), ("jagged m", jagged, True)):
+            X, W, DY = _grouped_operands(xp, splits, k, n)
+            calls = {"fprop": lambda path: cugrouped.grouped_fprop(X, W, path=path),
+                     "dgrad": lambda path: cugrouped.grouped_dgrad(DY, W, path=path),
+                     "wgrad": lambda path: cugrouped.grouped_wgrad(X, DY, path=path)}
+            for pass_name, call in calls.items():
+                head = f"probe grouped {name} {label} {pass_name}"
+                _gemm_grouped.GROUPED_DIM_BYTES = 1 if lifted else rule
+                gg.clear_memo()
+                try:
+                    loop = _as_f32(xp, call("loop"))
+                    with cugrouped.record_launches() as log:
+                        got = _as_f32(xp, call(None if dry else "grouped"))
+                    if not dry and "cublasLtMatmul[grouped]" not in [e.kernel for e in log]:
+                        print(f"{head}: the grouped call did not run")
+                        continue
+                    scale = float(xp.abs(loop).max()) or 1.0
+                    diff = float(xp.abs(got - loop).max()) / scale
+                    nan = bool(xp.isnan(got).any())
+                    if dry:
+                        print(f"{head}: ran (dry), max |grouped - loop| / max |loop| = {diff:.2e}")
+                        continue
+                    t = time_together({"loop": lambda i: call("loop"),
+                                       "grouped": lambda i: call("grouped")}, 20, host_runs=20)
+                    lp, gp = t["loop"], t["grouped"]
+                    print(f"{head}: accepted; max |grouped - loop| / max |loop| = {diff:.2e}"
+                          f"{' NaN!' if nan else ''}; loop {lp.ms * 1e3:.1f} us (host "
+                          f"{lp.host_us / experts:.2f} us/expert), grouped {gp.ms * 1e3:.1f} us "
+                          f"(host {gp.host_us / experts:.2f} us/expert): {lp.ms / gp.ms:.2f}x")
+                except Exception as exc:  # noqa: BLE001 (cuBLAS refusing is a finding)
+                    print(f"{head}: {type(exc).__name__}: {str(exc)[:200]}")
+                finally:
+                    _gemm_grouped.GROUPED_DIM_BYTES = rule
+                    gg.clear_memo()
+
+
 def main() -> int:
     import cugrouped
 
     if not cugrouped.gpu_available() and os.environ.get("CUGROUPED_PROBE_DRY") != "1":
         print("probe: no GPU")
         return 2
-    for probe in (scale_alignment, accumulation_error, algorithm_choice):
+    for probe in (scale_alignment, accumulation_error, algorithm_choice, grouped_gemm):
         try:
             probe()
         except Exception as exc:  # noqa: BLE001

@@ -129,13 +129,17 @@ def benchmark_tables(rows: list[dict]) -> str:
         out.append("")
     gemms = [r for r in rows if r.get("op") == "gemm" and r.get("impl") == "cugrouped-fp8"]
     if gemms:
-        out += ["FP8 grouped GEMMs (the per-expert cuBLASLt loop; each peer's speed-up measured "
-                "against cugrouped's row of the same output width):", "",
+        grouped = any(r.get("gemm_path") == "grouped" for r in gemms)
+        how = ("the per-expert cuBLASLt loop, or cuBLASLt's grouped GEMM where a pass says "
+               "(grouped)" if grouped else "the per-expert cuBLASLt loop")
+        out += [f"FP8 grouped GEMMs ({how}; each peer's speed-up measured against cugrouped's row "
+                "of the same output width):", "",
                 "| config | pass | ms | TFLOP/s | host µs/expert | vs `_scaled_mm` loop | "
                 "vs `_scaled_grouped_mm` | vs bf16 `_grouped_mm` |", "|---|---|---|---|---|---|---|---|"]
         for r in gemms:
             sp = _peer_speedups(rows, "gemm", r["config"], {"pass_name": r.get("pass_name")})
-            out.append(f"| {r['config']} | {r.get('pass_name', '')} | {_f(r, 'ms', '.3f')} | "
+            mark = " (grouped)" if r.get("gemm_path") == "grouped" else ""
+            out.append(f"| {r['config']} | {r.get('pass_name', '')}{mark} | {_f(r, 'ms', '.3f')} | "
                        f"{_f(r, 'tflops', '.0f')} | {_f(r, 'host_us_per_expert', '.1f')} | "
                        f"{_x(sp.get('torch-scaled_mm-loop'))} | "
                        f"{_x(sp.get('torch-scaled_grouped_mm'))} | "

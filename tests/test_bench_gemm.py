@@ -305,6 +305,7 @@ def test_bench_gemm_rows_on_a_model_gpu(monkeypatch, capsys):
         assert r["tflops"] == pytest.approx(bg.gemm_flops(cfg, pass_name) / r["ms"] / 1e9)
         assert r["lead_ms"] == 0.2 and abs(r["drift_pct"]) < 1e-6
         assert ("host_us_per_expert" in r) == impl.startswith("cugrouped")
+        assert r.get("gemm_path") == ("loop" if impl.startswith("cugrouped") else None)
     fp = got[("fprop", "torch-scaled_grouped_mm")]
     assert fp["speedup_of_cugrouped_fp8"] == pytest.approx(1.25)
     assert fp["speedup_reference"] == "cugrouped-fp8"
@@ -327,3 +328,15 @@ def test_the_wide_row_is_never_the_peers_reference():
     assert bg.speedup_columns("cugrouped-fp8", True, "bfloat16", 4.0, refs) == {}
     assert bg.speedup_columns("torch-scaled_grouped_mm", True, "bfloat16", 2.0, refs) == dict(
         speedup_of_cugrouped_fp8=0.5, speedup_reference="cugrouped-fp8")
+
+
+def test_path_taken_reads_the_launch_records():
+    """A cugrouped row's ``gemm_path`` is what its call launched: cuBLASLt's grouped call, or
+    the loop's per-expert calls (or nothing launched at all: the loop's reading)."""
+    from cugrouped.ops import _launch
+
+    assert bg.path_taken(lambda i: _launch.note_launch("cuda", "cublasLtMatmul[grouped]", 1, 1)) \
+        == "grouped"
+    assert bg.path_taken(lambda i: [_launch.note_launch("cuda", "cublasLtMatmul", 1, 1)
+                                    for _ in range(3)]) == "loop"
+    assert bg.path_taken(lambda i: None) == "loop"

@@ -172,7 +172,16 @@ def test_benchmark_tables_of_the_recorded_h200_run():
     assert "| dsv3-E8-jagged | current | 0.221 | 3192 | 74.8 | 10.66x | 1.63x |" in text
     assert "| fine-E64-2048to1408 | fprop | 0.231 | 205 | 10.3 | 1.74x | 0.52x | 0.77x |" in text
     assert "| dsv3-E8-jagged-16k | 1.500 | 2.92 | 1.43x | 1.40x (0.49) | 1.73x |" in text
+    assert "(the per-expert cuBLASLt loop;" in text and "(grouped)" not in text
     assert rec.benchmark_tables([]) == ""
+    # a pass that took cuBLASLt's grouped GEMM says so (the bench's gemm_path column)
+    marked = [dict(r, gemm_path="grouped") if r.get("impl") == "cugrouped-fp8"
+              and r.get("pass_name") == "wgrad" and r.get("config") == "fine-E64-2048to1408" else r
+              for r in rows]
+    text2 = rec.benchmark_tables(marked)
+    assert "| fine-E64-2048to1408 | wgrad (grouped) | 0.381 |" in text2
+    assert "or cuBLASLt's grouped GEMM where a pass says (grouped)" in text2
+    assert "| fine-E64-2048to1408 | fprop | 0.231 |" in text2
     # in the README block, before the targets table
     block = rec.summary("d", dict(gpu="G", date="D"), {}, [], "targets", text)
     assert block.index("| config | pass |") < block.index("targets")

@@ -376,6 +376,16 @@ def _impls(pass_name: str, fp8: dict, f16: dict, peers: dict) -> list[tuple]:
     return impls
 
 
+def path_taken(fn) -> str:
+    """Which path one call of ``fn`` took: ``"grouped"`` (cuBLASLt's grouped GEMM) or ``"loop"``
+    (read from the launch records; cugrouped chooses at run time, see ``grouped_gemm``)."""
+    from .. import record_launches
+
+    with record_launches() as log:
+        fn(0)
+    return "grouped" if any(e.kernel == "cublasLtMatmul[grouped]" for e in log) else "loop"
+
+
 def speedup_columns(impl: str, is_fp8: bool, out_dtype: str, ms: float, refs: dict) -> dict:
     """The speed-up columns of one row of a pass, its rows taken in :func:`_impls` order:
     a cugrouped FP8 row becomes the reference for its output width in ``refs``; any other row
@@ -445,10 +455,11 @@ def bench_gemm(quick: bool, rows: list[dict]) -> None:
                     row["pct_roofline"] = roofline_pct(
                         ms, flops, gemm_bytes(cfg, pass_name, is_fp8, _WIDTH[out_dtype]), peak, bw)
                 if is_ours:
-                    row.update(host_us_per_expert=t.host_us / cfg.experts)
+                    row.update(host_us_per_expert=t.host_us / cfg.experts, gemm_path=path_taken(fn))
                 row.update(speedup_columns(impl, is_fp8, out_dtype, ms, refs))
                 rows.append(row)
-                extra = f" host {row['host_us_per_expert']:5.1f} us/expert" if is_ours else ""
+                extra = (f" host {row['host_us_per_expert']:5.1f} us/expert ({row['gemm_path']})"
+                         if is_ours else "")
                 if "speedup_of_cugrouped_fp8" in row:
                     extra += (f" {row['speedup_reference']} {row['speedup_of_cugrouped_fp8']:5.2f}x "
                               f"faster" + (f" ({CAST_EXCLUDED})" if "speedup_note" in row else ""))

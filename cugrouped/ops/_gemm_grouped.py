@@ -44,6 +44,10 @@ GROUPED_BAD_VERSIONS = (130700, 130801)    # [lo, hi): TE reports data corruptio
 GROUPED_MIN_VERSION_MXFP8 = 130300
 GROUPED_MIN_VERSION_HOPPER_BLOCK = 130600
 GROUPED_MAX_GROUPS = 256                   # what one setup launch's argument block will hold
+# Every group's m, n and k a multiple of this many bytes of the input type: NVIDIA's grouped
+# samples state it; scripts/gpu_probe_gemm.py's grouped probe tries 1 (MoE token counts are any
+# m) on the GPU, to relax it once a GPU shows cuBLAS right without it.
+GROUPED_DIM_BYTES = 16
 _GROUPED_INPUTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -92,7 +96,8 @@ def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capabili
     :func:`grouped_block_unsupported`), for a bias epilogue (not offered by the grouped path),
     more than :data:`GROUPED_MAX_GROUPS` experts, the cuBLAS
     versions with the per-group-output corruption (``discrete_out``: wgrad into a list of
-    ``main_grad`` buffers), and when a group's m, n or k is not a multiple of 16 bytes of its
+    ``main_grad`` buffers), and when a group's m, n or k is not a multiple of
+    :data:`GROUPED_DIM_BYTES` (16) bytes of its
     input type (NVIDIA's grouped samples state that requirement; to be relaxed once a GPU test
     shows more works), or fewer than two experts compute anything.
     ``requested="loop"`` forces the loop; ``"grouped"`` raises if the grouped GEMM cannot run.
@@ -114,9 +119,10 @@ def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capabili
     if reason is None and discrete_out and GROUPED_BAD_VERSIONS[0] <= version < GROUPED_BAD_VERSIONS[1]:
         reason = f"cuBLAS {version} corrupts per-group outputs (fixed in 13.8.1)"
     if reason is None:
-        unit = 16 // _ITEMSIZE[in_dtype]
+        unit = max(1, GROUPED_DIM_BYTES // _ITEMSIZE[in_dtype])
         if np.any(vp.mnk % unit):
-            reason = f"a group's m, n or k is not a multiple of {unit} elements (16 bytes)"
+            reason = (f"a group's m, n or k is not a multiple of {unit} elements "
+                      f"({GROUPED_DIM_BYTES} bytes)")
     if reason is None and vp.mnk.shape[0] < 2:
         reason = "fewer than two experts to compute"
     if reason is None:
