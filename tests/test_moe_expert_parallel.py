@@ -598,6 +598,49 @@ def test_plan_counts_equal_bincount_without_it(E, W, T, k):
     assert plan.tokens_per_expert.tolist() == torch.bincount(ids.flatten(), minlength=E).tolist()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_regroup_index_by_hand(seed):
+    """The single all-to-all's regroup (``fuse_permute``): received rows come by source rank,
+    (s, l) blocks; grouped by expert they are (l, s) blocks. Its index, computed on the counts'
+    device, against the rows listed one by one; empty blocks, ranks and experts included."""
+    from cugrouped.pytorch.moe import _regroup_index
+
+    rng = np.random.default_rng(seed)
+    W, L = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    recv = rng.integers(0, 4, W * L) * (rng.random(W * L) > 0.3)
+    received = [(s, l, j) for s in range(W) for l in range(L) for j in range(recv[s * L + l])]
+    grouped = [(s, l, j) for l in range(L) for s in range(W) for j in range(recv[s * L + l])]
+    at = {row: i for i, row in enumerate(received)}
+    want = [at[row] for row in grouped]
+    row_index, where = _regroup_index(torch.tensor(recv, dtype=torch.int64), W, L, len(want))
+    assert row_index.tolist() == want
+    assert where.tolist() == [grouped.index(row) for row in received]
+
+
+@pytest.mark.gpu
+def test_gpu_regroup_and_padding_indices_sync_nothing():
+    """The fused single exchange's indices (regroup, then the block recipes' pad rows) from the
+    received counts on the device: no stream sync (torch's sync debug mode raises on one, e.g.
+    a pageable host-to-device copy), the same indices as on the CPU."""
+    from cugrouped.pytorch.moe import _padded_rows, _regroup_index
+
+    W, L = 3, 2
+    recv = [5, 0, 17, 3, 0, 9]
+    m_splits = [sum(recv[s * L + l] for s in range(W)) for l in range(L)]
+    host = _regroup_index(torch.tensor(recv), W, L, sum(recv))
+    host_pad = _padded_rows(m_splits, torch.tensor(recv).view(W, L).sum(0), 16)
+    dev = torch.tensor(recv, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _regroup_index(dev, W, L, sum(recv))
+        padded, dest = _padded_rows(m_splits, dev.view(W, L).sum(0), 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [t.tolist() for t in got] == [t.tolist() for t in host]
+    assert padded == host_pad[0] and dest.tolist() == host_pad[1].tolist()
+
+
 def test_permute_unpermute_round_trip_and_gradcheck():
     torch.manual_seed(0)
     T, k, E, H = 7, 3, 5, 4

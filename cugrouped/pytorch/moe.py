@@ -3,10 +3,12 @@ local expert compute, ``torch.distributed`` all-to-alls to move the tokens.
 
 ::
 
-    import torch.distributed as dist
+    import os
+    import torch, torch.distributed as dist
     from cugrouped.pytorch import fp8_autocast, DelayedScaling
     from cugrouped.pytorch.moe import MoEFeedForward
 
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))   # one GPU per rank (torchrun sets it)
     dist.init_process_group("nccl")               # experts sharded over the world (or group=...)
     moe = MoEFeedForward(hidden_size=1024, ffn_hidden_size=2048, num_experts=64, top_k=2,
                          params_dtype=torch.bfloat16, device="cuda")
@@ -55,7 +57,6 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +89,26 @@ def _padded_rows(m_splits: Sequence[int], counts: torch.Tensor, align: int
     dest = torch.arange(rows, dtype=torch.int64, device=counts.device) + torch.repeat_interleave(
         shift, counts, output_size=rows)
     return padded, dest
+
+
+def _regroup_index(recv: torch.Tensor, ranks: int, local: int, rows: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_index, where)`` of the single all-to-all's regroup: ``recv[s·L + l]`` (on the
+    device) rows came from rank ``s`` for local expert ``l``, received by source rank; grouped
+    by expert, row ``g`` is received row ``row_index[g]``, and received row ``r`` is grouped row
+    ``where[r]``. Computed where ``recv`` lives from it and host ints alone (``rows``: its sum):
+    no host-to-device copy, so no stream sync (a pageable copy in torch waits for the stream)."""
+    counts = recv.view(ranks, local)
+    recv_start = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view(ranks, local)
+    grp_sizes = counts.t().reshape(-1)                        # [l·W + s]
+    # chunk (s, l) starts at recv_start[s, l] received and at grp_start[l, s] grouped; each
+    # grouped row is its received row shifted by the difference
+    shift = recv_start.t().reshape(-1) - (torch.cumsum(grp_sizes, 0) - grp_sizes)
+    row_index = torch.arange(rows, dtype=torch.int64, device=recv.device) + \
+        torch.repeat_interleave(shift, grp_sizes, output_size=rows)
+    where = torch.empty_like(row_index).index_copy_(
+        0, row_index, torch.arange(rows, dtype=torch.int64, device=recv.device))
+    return row_index, where
 
 __all__ = ["MoEFeedForward", "TopKRouter", "RoutingPlan", "plan_routing", "permute_tokens",
            "unpermute_tokens", "all_to_all_chunks", "shard_state_dict", "ACTIVATIONS"]
@@ -249,6 +270,7 @@ class _AllToAllChunks(torch.autograd.Function):
         return _all_to_all_chunks(chunks, in_splits, out_splits, group)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable     # the reverse exchange records no graph
     def backward(ctx, grad):
         totals = [sum(s) for s in ctx.out_splits]
         g = _all_to_all_chunks(grad.contiguous().split(totals), ctx.out_splits, ctx.in_splits,
@@ -355,7 +377,10 @@ class MoEFeedForward(torch.nn.Module):
         latency); measure on your interconnect. Both give the same bits.
     delay_wgrad_compute : backward leaves the experts' weight gradients to :meth:`backward_dw`
         (``GroupedLinear``'s option, on fc1 and fc2), e.g. to run them while the next layer's
-        all-to-all is in flight. The router's gradients are not deferred.
+        all-to-all is in flight. The all-to-alls here are issued on the current stream, so to
+        overlap them call :meth:`backward_dw` under another stream (``torch.cuda.stream``,
+        with the waits and ``record_stream`` that stream semantics need). The router's
+        gradients are not deferred.
     fuse_permute : without expert parallelism (one rank), fc1 reads the tokens through the
         routing order (``GroupedLinear(..., row_index=)``): with FP8 the cast kernel gathers the
         rows, so the permuted copy of the tokens is never made. Same outputs; the input gradient
@@ -371,7 +396,9 @@ class MoEFeedForward(torch.nn.Module):
         see ``GroupedLinear``'s ``input_activation``). False: ``F.silu(a) * b`` in torch first.
 
     ``forward(x)``: ``x (..., hidden_size)`` -> same shape. One host sync per forward (the token
-    counts, as in Megatron's and torchtitan's dispatchers), none in backward. FP8 follows the
+    counts, as in Megatron's and torchtitan's dispatchers), none in backward (a block
+    recomputed under :func:`~cugrouped.pytorch.checkpoint` repeats its forward, sync included,
+    in backward). FP8 follows the
     enclosing :func:`~cugrouped.pytorch.fp8_autocast` (the experts only; the router stays in
     high precision). Under ``Float8BlockScaling`` each expert's rows are padded with zero rows
     to a multiple of 16 (its GEMMs need multiples of 8), under ``MXFP8BlockScaling`` of 32 (a
@@ -504,7 +531,7 @@ class MoEFeedForward(torch.nn.Module):
             host = torch.cat([counts, recv]).tolist()             # host sync
             if single:
                 y_sorted = self._single_exchange(x_sorted, host[:self.num_experts],
-                                                 host[self.num_experts:])
+                                                 host[self.num_experts:], recv)
             else:
                 send_splits = plan.send_counts(host[:self.num_experts])             # [l][r]
                 recv_splits = [[host[self.num_experts + s * L + l] for s in range(W)]
@@ -517,10 +544,10 @@ class MoEFeedForward(torch.nn.Module):
         out = unpermute_tokens(y_sorted, plan, probs)
         return out.reshape(shape)
 
-    def _single_exchange(self, x_sorted, send, recv) -> torch.Tensor:
+    def _single_exchange(self, x_sorted, send, recv, recv_dev) -> torch.Tensor:
         """One all-to-all each way for all local experts (``all_to_all="single"``). ``send[e]``:
         my rows for global expert ``e`` (rank-major ``x_sorted``); ``recv[s·L + l]``: rank
-        ``s``'s rows for my expert ``l``. The received rows, by source rank, are regrouped by
+        ``s``'s rows for my expert ``l`` (``recv_dev``: the same counts on the device). The received rows, by source rank, are regrouped by
         expert (one copy), each expert seeing its rows in source-rank order as with
         ``"per_expert"``; the outputs go back the same way."""
         W, L = self.ep_size, self.num_local_experts
@@ -529,7 +556,7 @@ class MoEFeedForward(torch.nn.Module):
         received = all_to_all_chunks([x_sorted], [send_r], [recv_s], self.group)
         m_splits = [sum(recv[s * L + l] for s in range(W)) for l in range(L)]
         if self.fuse_permute:
-            return all_to_all_chunks([self._experts_regrouped(received, recv, m_splits)],
+            return all_to_all_chunks([self._experts_regrouped(received, recv_dev, m_splits)],
                                      [recv_s], [send_r], self.group)
         by_source = received.split(recv)                        # [s·L + l]
         grouped = torch.cat([by_source[s * L + l] for l in range(L) for s in range(W)])
@@ -538,7 +565,7 @@ class MoEFeedForward(torch.nn.Module):
         back = torch.cat([y_parts[l * W + s] for s in range(W) for l in range(L)])
         return all_to_all_chunks([back], [recv_s], [send_r], self.group)
 
-    def _experts_regrouped(self, received, recv, m_splits) -> torch.Tensor:
+    def _experts_regrouped(self, received, recv_dev, m_splits) -> torch.Tensor:
         """``fuse_permute`` with ``all_to_all="single"``: fc1 reads the received rows (by source
         rank) through the experts' order (``row_index``), pad rows as index -1 where the recipe
         pads, so neither the regrouped nor a padded copy of the tokens is made; fc2's rows go back
@@ -546,22 +573,10 @@ class MoEFeedForward(torch.nn.Module):
         gradient is a plain scatter: the same bits as the unfused exchange."""
         W, L = self.ep_size, self.num_local_experts
         dev = received.device
-        # chunk (s, l) starts at recv_start[s, l] received (by source) and at grp_start[l, s]
-        # grouped (by expert); each grouped row is its received row shifted by the difference
-        counts = np.asarray(recv, dtype=np.int64).reshape(W, L)
-        recv_start = (np.cumsum(counts) - counts.reshape(-1)).reshape(W, L)
-        grp_sizes = counts.T.reshape(-1)
-        shift = recv_start.T.reshape(-1) - (np.cumsum(grp_sizes) - grp_sizes)
-        rows = int(grp_sizes.sum())
-        row_index = torch.arange(rows, dtype=torch.int64, device=dev) + torch.repeat_interleave(
-            torch.from_numpy(shift).to(dev), torch.from_numpy(grp_sizes).to(dev),
-            output_size=rows)                                   # grouped row -> received row
-        where = torch.empty_like(row_index).index_copy_(
-            0, row_index, torch.arange(rows, dtype=torch.int64, device=dev))  # received -> grouped
+        row_index, where = _regroup_index(recv_dev, W, L, sum(m_splits))
         align = _token_align()
         if align > 1:      # pad rows: index -1, a zero row gathered by the cast kernel
-            counts = torch.tensor(m_splits, dtype=torch.int64, device=dev)
-            m_splits, dest = _padded_rows(m_splits, counts, align)
+            m_splits, dest = _padded_rows(m_splits, recv_dev.view(W, L).sum(0), align)
             row_index = torch.full((sum(m_splits),), -1, dtype=torch.int64,
                                    device=dev).index_copy_(0, dest, row_index)
             where = dest[where]
