@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check again, with a newer libcublasLt carried in parts (scripts/cublas_parts.py): its
 # grouped GEMM runs where the image's cuBLAS 13.1 has none. Joins the parts stashed by earlier
-# device calls, checks the library's SHA-256, points CUGROUPED_CUBLASLT at it, and runs
-# scripts/gpu_check.sh without the notebooks (the plain check runs them) and with a longer
-# limit for the GEMM probes (their fourth, the grouped GEMM against the loop, runs here).
-# Usage: scripts/gpu_grouped_check.sh OUT_DIR    (OUT_DIR: as scripts/gpu_check.sh's)
+# device calls, checks the library's SHA-256 and points CUGROUPED_CUBLASLT at it. Then, first
+# and each in a process of its own (the grouped call never ran on a GPU: a fault there must not
+# take the rest), the GEMMs' GPU tests and the grouped probe (scripts/gpu_probe_gemm.py
+# grouped_gemm: the grouped call against the loop); then scripts/gpu_check.sh without the
+# notebooks (the plain check runs them) and without the probes (run here already). The first
+# stages' output ends gpu_check.log (OUT_DIR keeps to gpu_check.sh's 8 files).
+# Usage: scripts/gpu_grouped_check.sh OUT_DIR    (exit 3: the library is not complete)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:?usage: scripts/gpu_grouped_check.sh OUT_DIR}"
@@ -15,7 +18,31 @@ if ! lib=$("$PY" "$ROOT/scripts/cublas_parts.py" join 2> "$OUT/gpu_check.log"); 
     echo "gpu_grouped_check: the carried libcublasLt is not complete (above)" | tee -a "$OUT/gpu_check.log"
     exit 3
 fi
-export CUGROUPED_CUBLASLT="$lib"
-echo "gpu_grouped_check: CUGROUPED_CUBLASLT=$lib"
-CUGROUPED_GPU_NOTEBOOKS_AFTER_S=0 CUGROUPED_GPU_PROBES_S="${CUGROUPED_GPU_PROBES_S:-150}" \
-    exec bash "$ROOT/scripts/gpu_check.sh" "$OUT"
+export CUGROUPED_CUBLASLT="$lib" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/cugrouped-cupy-cache}"
+first="$(mktemp)"
+cd "$ROOT"
+{
+    echo "== gpu_grouped_check: CUGROUPED_CUBLASLT=$lib"
+    timeout 60 "$PY" -m cugrouped info
+    # every GEMM GPU test: with this library the default path is the grouped call wherever it
+    # can run (per-tensor and block-scaled), test_gpu_grouped_vs_loop_vs_reference forces it
+    echo "== GEMM GPU tests (limit ${CUGROUPED_GROUPED_TESTS_S:-150} s)"
+    timeout --signal=INT --kill-after=20 "${CUGROUPED_GROUPED_TESTS_S:-150}" "$PY" -m pytest -m gpu \
+        -q -p no:cacheprovider -rfEs tests/test_grouped_gemm.py tests/test_grouped_gemm_block.py \
+        tests/test_cublaslt.py
+    echo "== GEMM GPU tests: rc=$?"
+    echo "== grouped probe (limit ${CUGROUPED_GROUPED_PROBE_S:-150} s)"
+    timeout --signal=INT --kill-after=20 "${CUGROUPED_GROUPED_PROBE_S:-150}" "$PY" \
+        scripts/gpu_probe_gemm.py grouped_gemm
+    echo "== grouped probe: rc=$?"
+} > "$first" 2>&1
+cat "$first"
+CUGROUPED_GPU_NOTEBOOKS_AFTER_S=0 CUGROUPED_GPU_PROBES_S=0 \
+    CUGROUPED_GPU_CHECK_DEADLINE_S="${CUGROUPED_GPU_CHECK_DEADLINE_S:-$((540 - SECONDS))}" \
+    bash "$ROOT/scripts/gpu_check.sh" "$OUT"
+rc=$?
+{ echo; echo "== the grouped check's first stages (before the GPU check above)"; cat "$first"; } \
+    >> "$OUT/gpu_check.log"
+rm -f "$first"
+exit "$rc"

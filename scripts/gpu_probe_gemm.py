@@ -25,6 +25,8 @@ its stages; seconds):
    and host time per expert, timed together.
 
 Prints one line per measurement; a failure prints its error and the rest goes on.
+``python scripts/gpu_probe_gemm.py [NAME ...]`` runs the probes named (functions of this file:
+scale_alignment, accumulation_error, algorithm_choice, grouped_gemm), by default all.
 """
 
 from __future__ import annotations
@@ -309,7 +311,14 @@ def main() -> int:
     if not cugrouped.gpu_available() and os.environ.get("CUGROUPED_PROBE_DRY") != "1":
         print("probe: no GPU")
         return 2
-    for probe in (scale_alignment, accumulation_error, algorithm_choice, grouped_gemm):
+    probes = (scale_alignment, accumulation_error, algorithm_choice, grouped_gemm)
+    names = sys.argv[1:] or [p.__name__ for p in probes]
+    unknown = set(names) - {p.__name__ for p in probes}
+    if unknown:
+        print(f"probe: unknown {sorted(unknown)}; the probes are "
+              + " ".join(p.__name__ for p in probes))
+        return 2
+    for probe in (p for p in probes if p.__name__ in names):
         try:
             probe()
         except Exception as exc:  # noqa: BLE001
