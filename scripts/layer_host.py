@@ -30,9 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 
 @contextlib.contextmanager
-def cuda_path_on_cpu():
+def cuda_path_on_cpu(gemm_path: str = "loop"):
     """Patch the branch points listed in the module docstring for the duration; yields the list
-    the fake launcher appends ``(kernel name, grid, block, args)`` to."""
+    the fake launcher appends ``(kernel name, grid, block, args)`` to. ``gemm_path="grouped"``:
+    the GEMMs as with a cuBLAS that has the grouped GEMM (13.10 on sm_90), its rule that every
+    m be a multiple of 16 lifted (``GROUPED_DIM_BYTES``: what the GPU probe asks of cuBLAS), so
+    each GEMM is one setup launch and one ``cublasLtMatmul``."""
     from unittest import mock
 
     import cupy
@@ -41,7 +44,7 @@ def cuda_path_on_cpu():
 
     from cugrouped import _array, _jit
     from cugrouped.bench.gemm import host_loop_state
-    from cugrouped.ops import _cast_inputs, _launch
+    from cugrouped.ops import _cast_inputs, _gemm_grouped, _launch
     from cugrouped.ops import grouped_gemm as gg
     from cugrouped.pytorch import _custom_ops as cops
     from cugrouped.pytorch import functional
@@ -81,6 +84,13 @@ def cuda_path_on_cpu():
         return tensors[0].device, inputs, dtype, functional._bytes, m_splits
 
     state = host_loop_state()
+    if gemm_path == "grouped":
+        state.cublas_version, state.has_grouped_symbol = 131000, True
+        state.grouped = _gemm_grouped._GroupedState(
+            alloc=lambda nbytes: host_buffer("grouped workspace", nbytes + 16, np.uint8)[
+                -host_buffer("grouped workspace", nbytes + 16, np.uint8).ctypes.data % 16:][:nbytes])
+    elif gemm_path != "loop":
+        raise ValueError(f"gemm_path: got {gemm_path!r}, expected 'loop' or 'grouped'")
     real_own_device = _cast_inputs._own_device
     patches = [
         mock.patch.object(cops, "torch", CachingTorch()),
@@ -102,6 +112,8 @@ def cuda_path_on_cpu():
         mock.patch.object(cupy.cuda.runtime, "getDevice", lambda: 0),
         # torch CPU tensors read as device-0 arrays by as_view, at no extra cost per view
         mock.patch.dict(_array._TORCH_DEVICES, {torch.device("cpu"): 0}),
+        mock.patch.object(_gemm_grouped, "GROUPED_DIM_BYTES",
+                          1 if gemm_path == "grouped" else _gemm_grouped.GROUPED_DIM_BYTES),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -204,12 +216,15 @@ def main(argv=None) -> int:
     parser.add_argument("--counts", choices=("router", "fixed"), nargs="+",
                         default=["router", "fixed"],
                         help="new token counts every step (as in MoE training), or the same")
+    parser.add_argument("--gemm-path", choices=("loop", "grouped"), default="loop",
+                        help="the per-expert loop (cuBLAS 13.1, the H200 image's), or one grouped "
+                             "call per GEMM (a cuBLAS with the grouped GEMM, any m)")
     parser.add_argument("--profile", action="store_true", help="a cProfile of 20 steps each")
     args = parser.parse_args(argv)
     import cProfile
     import pstats
 
-    with cuda_path_on_cpu() as launches:
+    with cuda_path_on_cpu(args.gemm_path) as launches:
         for experts, counts, recipe in itertools.product(args.experts, args.counts,
                                                          ("current", "delayed")):
             step = layer_step(experts, 256, 256, 64 * experts, recipe, counts)

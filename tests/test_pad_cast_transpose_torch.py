@@ -220,6 +220,16 @@ def test_torch_cuda_on_current_stream_without_sync(splits_kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["multi_pad_cast_transpose", "multi_block_cast_transpose"])
+def test_torch_cuda_counts_with_splits_on_device_false_are_refused(op):
+    """A CUDA count tensor with ``splits_on_device=False`` would have to be read back (a hidden
+    host sync): refused, as the array ops refuse a device count array then."""
+    x = _inputs().cuda()
+    with pytest.raises(TypeError, match="m_splits: a CUDA tensor was given with splits_on_device"):
+        getattr(cugrouped, op)(x, torch.tensor(SPLITS, device="cuda"), splits_on_device=False)
+
+
+@pytest.mark.gpu
 def test_torch_cuda_gather_without_sync():
     """The fused permute from CUDA tensors (tokens, row_index): no host sync, reference bits."""
     tokens = _inputs().cuda()

@@ -102,6 +102,20 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(yc, y) and torch.equal(xc.grad, x.grad)
 
 
+@pytest.mark.parametrize("splits", [(5, 0, 20), (8, 16), (0, 0, 3), (7,), (1, 8, 0, 9, 24)])
+def test_the_padding_made_on_the_device_is_the_hosts(splits):
+    """Under torch.compile the pad indices are made where the tokens are, from the counts alone
+    (a host copy there would be pageable: torch syncs after it); the same plan as the host's."""
+    from cugrouped.pytorch.frozen import _device_padding, _host_padding
+
+    want, got = _host_padding.__wrapped__(splits, False), _device_padding(splits, torch.device("cpu"))
+    if want is None:
+        assert got is None
+        return
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
 def test_a_dtype_cast_of_the_model_keeps_the_scales_float32():
     """``model.bfloat16()`` (common before FP8 training or inference) casts the bias, not the
     block scales the GEMMs read as float32: the same outputs for bfloat16 inputs."""

@@ -192,13 +192,27 @@ def _host_padding(splits: tuple, pinned: bool):
     return (padded, idx.pin_memory(), keep.pin_memory()) if pinned else (padded, idx, keep)
 
 
+def _device_padding(splits: tuple, device: torch.device):
+    """:func:`_host_padding`'s plan made on ``device`` from the host ints alone (ranges, one
+    fill, one scatter: no host data is copied, so no pageable copy and its stream sync)."""
+    if all(m % ROW_MULTIPLE == 0 for m in splits):
+        return None
+    padded = tuple(-(-m // ROW_MULTIPLE) * ROW_MULTIPLE for m in splits)
+    starts = np.cumsum((0,) + padded[:-1]).tolist()
+    keep = torch.cat([torch.arange(d, d + m, dtype=torch.int64, device=device)
+                      for m, d in zip(splits, starts)])
+    idx = torch.full((sum(padded),), -1, dtype=torch.int64, device=device).index_copy_(
+        0, keep, torch.arange(sum(splits), dtype=torch.int64, device=device))
+    return padded, idx, keep
+
+
 def _padding(splits: tuple, device: torch.device):
     """:func:`_host_padding`'s plan with its indices on ``device``: on a GPU copied on the
     current stream from pinned memory (no sync; in order with the work that reads them). Under
-    torch.compile the indices are made in the graph (constants; no pinned memory there)."""
+    torch.compile the indices are made in the graph on ``device`` (:func:`_device_padding`:
+    a copy from the host there would be pageable, and torch syncs after one)."""
     if torch.compiler.is_compiling():
-        plan = _host_padding.__wrapped__(splits, False)
-        return None if plan is None else (plan[0], plan[1].to(device), plan[2].to(device))
+        return _device_padding(splits, device)
     plan = _host_padding(splits, device.type == "cuda")
     if plan is None or device.type != "cuda":
         return plan

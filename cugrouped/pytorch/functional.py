@@ -87,7 +87,8 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
     """What the array ops take for torch ``inputs``: ``(device, inputs, dtype tag, converter of
     buffers, m_splits)``. CUDA tensors go as they are (the ops read their pointers: no DLPack
     round trip per tensor); CPU tensors as zero-copy NumPy views. A CUDA ``m_splits`` tensor is
-    read by the kernel (no host sync); a CPU one becomes a host list."""
+    read by the kernel (no host sync; refused with ``splits_on_device=False``, which would read
+    it back); a CPU one becomes a host list."""
     tensors = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not tensors:
         raise ValueError("inputs: expected at least one expert, got an empty sequence")
@@ -105,7 +106,11 @@ def _torch_inputs(inputs, m_splits, dtype, splits_on_device):
         conv = _arr
     splits = m_splits
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.device.type == "cuda" and splits_on_device is not False:
+        if m_splits.device.type == "cuda":
+            if splits_on_device is False:      # reading it here would be a hidden host sync
+                raise TypeError("m_splits: a CUDA tensor was given with splits_on_device=False; "
+                                "pass a host sequence of ints (or a CPU tensor), or leave "
+                                "splits_on_device=None to let the kernel read it")
             splits = m_splits                               # read by the kernel: no host sync
         else:                                               # a CPU tensor: no device sync
             dt = m_splits.dtype
