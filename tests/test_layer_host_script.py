@@ -56,6 +56,34 @@ def test_a_layer_step_takes_the_cuda_path_and_launches_only(recipe, casts):
     assert len(grads) == 1 + experts and grads[0].shape == (64 * experts, 32)
 
 
+def test_the_grouped_gemm_path_makes_one_call_per_gemm():
+    """``--gemm-path grouped``: each GEMM of the step is one setup launch and one grouped
+    ``cublasLtMatmul`` (jagged counts: the 16-multiple rule lifted), everything else as on the
+    loop; the rule is back after."""
+    from cugrouped.ops import _gemm_grouped
+    from cugrouped.ops import grouped_gemm as gg
+
+    rule = _gemm_grouped.GROUPED_DIM_BYTES
+    with layer_host.cuda_path_on_cpu("grouped") as launches:
+        step = layer_host.layer_step(6, 32, 48, 64 * 6, "current", "router")
+        step()
+        launches.clear()
+        seen = []
+        gg._state(0).matmul = lambda *a: seen.append(a) or 0
+        with cugrouped.record_launches() as log:
+            step()
+    kernels = [e.kernel for e in log]
+    assert kernels.count("cublasLtMatmul[grouped]") == len(seen) == 3
+    assert "cublasLtMatmul" not in kernels
+    assert sum("grouped_gemm_setup" in k for k in kernels) == 3
+    assert sum("pad_cast_transpose_kernel" in k for k in kernels) == 6
+    assert len(launches) == 6 + 3
+    assert _gemm_grouped.GROUPED_DIM_BYTES == rule
+    with pytest.raises(ValueError, match="gemm_path: got 'fast'"):
+        with layer_host.cuda_path_on_cpu("fast"):
+            pass
+
+
 def test_the_patches_are_undone():
     from cugrouped import _jit
     from cugrouped.pytorch import _custom_ops as cops

@@ -14,7 +14,10 @@ here, from pointers and counts, as the :class:`~._gemm_plan.Problem` and output
 and loop (:func:`run`, the plan memoised on those numbers).
 
 The builders are pure functions of ints (tested on the CPU: each equals the checks' result over
-the split taxonomy, and a layer step's launches are the same either way); :func:`run` launches
+the split taxonomy, and a layer step's launches are the same either way). Their blocks carry what
+they know of their own layout (``Blocks.affine``, ``Blocks.consts``), which the grouped GEMM's
+setup would otherwise find out with array operations per call (tested to give the same
+per-group arrays); :func:`run` launches
 on the device. Package-private.
 """
 
@@ -52,13 +55,15 @@ def fprop(x: int, x_scale_inv: Scales, x_format: str, w: int, w_scale_inv: Scale
     ``*_scale_inv`` is the ``(address, element stride)`` of a float32 ``(E,)`` array."""
     m, first_row = _counts(m_splits)
     num = m.shape[0]
-    left = Blocks(x + first_row * k, m, k, k, _FP8[x_format])
-    right = Blocks(w + (n * k) * np.arange(num, dtype=np.int64), n, k, k, _FP8[w_format])
+    left = Blocks(x + first_row * k, m, k, k, _FP8[x_format], affine=(0, k))
+    right = Blocks(w + (n * k) * np.arange(num, dtype=np.int64), n, k, k, _FP8[w_format],
+                   affine=(n * k, 0))
     bdt = bias_dtype_for(out_dtype, True) if bias is not None else None
     problem = Problem("fprop", True, left, False, right, True, (k,) * num,
                       _scales(*x_scale_inv, num), _scales(*w_scale_inv, num), bias, bdt,
                       bool(fast_accum), False, out_dtype, _place(device), _SCALAR, _SCALAR)
-    return problem, Blocks(out + first_row * (n * _ITEMSIZE[out_dtype]), m, n, n, out_dtype)
+    row = n * _ITEMSIZE[out_dtype]
+    return problem, Blocks(out + first_row * row, m, n, n, out_dtype, affine=(0, row))
 
 
 def dgrad(dy: int, dy_scale_inv: Scales, dy_format: str, w_t: int, w_scale_inv: Scales,
@@ -69,12 +74,14 @@ def dgrad(dy: int, dy_scale_inv: Scales, dy_format: str, w_t: int, w_scale_inv: 
     array of ``out_dtype``; addresses."""
     m, first_row = _counts(m_splits)
     num = m.shape[0]
-    left = Blocks(dy + first_row * n, m, n, n, _FP8[dy_format])
-    right = Blocks(w_t + (k * n) * np.arange(num, dtype=np.int64), k, n, n, _FP8[w_format])
+    left = Blocks(dy + first_row * n, m, n, n, _FP8[dy_format], affine=(0, n))
+    right = Blocks(w_t + (k * n) * np.arange(num, dtype=np.int64), k, n, n, _FP8[w_format],
+                   affine=(k * n, 0))
     problem = Problem("dgrad", True, left, False, right, True, (n,) * num,
                       _scales(*dy_scale_inv, num), _scales(*w_scale_inv, num), None, None,
                       bool(fast_accum), False, out_dtype, _place(device), _SCALAR, _SCALAR)
-    return problem, Blocks(out + first_row * (k * _ITEMSIZE[out_dtype]), m, k, k, out_dtype)
+    row = k * _ITEMSIZE[out_dtype]
+    return problem, Blocks(out + first_row * row, m, k, k, out_dtype, affine=(0, row))
 
 
 def wgrad(x_t: int, x_scale_inv: Scales, x_format: str, dy_t: int, dy_scale_inv: Scales,
@@ -89,17 +96,17 @@ def wgrad(x_t: int, x_scale_inv: Scales, x_format: str, dy_t: int, dy_scale_inv:
     num = m.shape[0]
     pad = -(-m // align) * align
     start = pad.cumsum() - pad
-    right = Blocks(x_t + start * k, k, pad, pad, _FP8[x_format])
-    left = Blocks(dy_t + start * n, n, pad, pad, _FP8[dy_format])
+    right = Blocks(x_t + start * k, k, pad, pad, _FP8[x_format], affine=(0, k))
+    left = Blocks(dy_t + start * n, n, pad, pad, _FP8[dy_format], affine=(0, n))
     problem = Problem("wgrad", True, left, False, right, True, tuple(pad.tolist()),
                       _scales(*dy_scale_inv, num), _scales(*x_scale_inv, num), None, None,
                       bool(fast_accum), bool(accumulate), out_dtype, _place(device), _SCALAR,
                       _SCALAR)
     if isinstance(out, int):
-        ptrs = out + (n * k * _ITEMSIZE[out_dtype]) * np.arange(num, dtype=np.int64)
-    else:
-        ptrs = np.array(out, dtype=np.int64)
-    return problem, Blocks(ptrs, n, k, k, out_dtype)
+        size = n * k * _ITEMSIZE[out_dtype]
+        return problem, Blocks(out + size * np.arange(num, dtype=np.int64), n, k, k, out_dtype,
+                               affine=(size, 0))
+    return problem, Blocks(np.array(out, dtype=np.int64), n, k, k, out_dtype)
 
 
 _BUILDERS = {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad}

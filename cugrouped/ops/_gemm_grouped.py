@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import types
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -140,8 +143,10 @@ GROUPED_INT_ARRAYS = ("a_rows", "a_cols", "a_ld", "b_rows", "b_cols", "b_ld", "d
                       "d_ld")
 
 
-def grouped_workspace_layout(groups: int) -> tuple[dict[str, int], int]:
-    """Byte offsets of every array of a grouped call's device workspace, and its total size."""
+@functools.lru_cache(maxsize=None)
+def grouped_workspace_layout(groups: int) -> tuple[Mapping[str, int], int]:
+    """Byte offsets of every array of a grouped call's device workspace (read-only), and its
+    total size."""
     off, pos = {}, 0
     for name in GROUPED_PTR_ARRAYS:
         pos = -(-pos // 16) * 16
@@ -150,7 +155,7 @@ def grouped_workspace_layout(groups: int) -> tuple[dict[str, int], int]:
         off[name], pos = pos, pos + 4 * groups
     pos = -(-pos // 16) * 16
     off["alpha"], off["beta"] = pos, pos + 4
-    return off, pos + 16
+    return types.MappingProxyType(off), pos + 16
 
 
 def grouped_descriptors(config, groups: int, base: int, vp: VecPlan, workspace_bytes: int):
@@ -203,7 +208,13 @@ def _affine(ptrs: np.ndarray, prefix: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
-def _dim(values: np.ndarray, tokens: np.ndarray) -> int | None:
+def _dim(values: np.ndarray, tokens: np.ndarray, const: int | None = None) -> int | None:
+    """A per-expert rows / cols / ld as the setup kernel takes it: one constant, the tokens
+    (:data:`_setup.TOKENS`), or None. ``const``: the one value, when the maker knew it."""
+    if const is not None:
+        return const
+    if values is tokens:            # (the builders' count array itself)
+        return _setup.TOKENS
     if np.all(values == values[0]):
         return int(values[0])
     if np.array_equal(values, tokens):
@@ -230,24 +241,32 @@ def grouped_setup_spec(problem: Problem, vp: VecPlan, out) -> "_setup.SetupSpec 
     E_ = len(L)
     if not 1 <= E_ <= _setup.MAX_GROUPS:
         return None
-    r = np.asarray(problem.reduction, dtype=np.int64)
+    red = problem.reduction
+    r = (np.asarray(red, dtype=np.int64), red[0] if len(set(red)) == 1 else None)
     tokens = grouped_tokens(problem)
-    prefix = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+    prefix = None
     rt, lt = problem.right_t, problem.left_t
-    p, q = O.rows, O.cols
+    p, q = (O.rows, O.consts[0]), (O.cols, O.consts[1])     # (values, the one value or None)
     dims = {"a": ((r, q) if rt else (q, r), R), "b": ((p, r) if lt else (r, p), L),
             "d": ((q, p), O)}
     mats = {}
     for name, ((rows, cols), blk) in dims.items():
-        aff = _affine(blk.ptr, prefix)
-        d = [_dim(np.asarray(v, dtype=np.int64), tokens) for v in (rows, cols, blk.ld)]
+        aff = blk.affine
+        if aff is None:
+            if prefix is None:
+                prefix = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+            aff = _affine(blk.ptr, prefix)
+        d = [_dim(v, tokens, c) for v, c in (rows, cols, (blk.ld, blk.consts[2]))]
         if aff is None or None in d:
             return None
         gs, ts = aff
         mats[name] = _setup.MatrixSpec(int(blk.ptr[0]), gs, ts, *d)  # strides in bytes
-    keep = np.ones(E_, bool)
-    keep[list(vp.skipped)] = False
-    slots = tuple(int(v) for v in np.where(keep, np.cumsum(keep) - 1, -1))
+    if vp.skipped:
+        keep = np.ones(E_, bool)
+        keep[list(vp.skipped)] = False
+        slots = tuple(np.where(keep, np.cumsum(keep) - 1, -1).tolist())
+    else:
+        slots = tuple(range(E_))
     scales = tuple(_scale_spec(sc, tokens, problem.block_scaled)
                    for sc in (problem.right_scale, problem.left_scale))
     if None in scales:
@@ -270,7 +289,7 @@ def _scale_spec(ptrs, tokens: np.ndarray, block: bool) -> "_setup.ScaleSpec | No
         return _setup.ScaleSpec()
     p = np.asarray(ptrs, dtype=np.int64)
     if not block:
-        ok = np.array_equal(p, p[0] + 4 * np.arange(len(p)))
+        ok = p.shape[0] < 2 or bool((p[1:] - p[:-1] == 4).all())
         return _setup.ScaleSpec.per_expert_float(int(p[0])) if ok else None
     for div, mult in _SCALE_ROWS:
         q = _setup.ScaleSpec(int(p[0]), 0, 0, div, mult).q(tokens)
@@ -334,6 +353,12 @@ class _GroupedState:
         return ws
 
 
+@functools.lru_cache(maxsize=256)
+def _grouped_config(config):
+    """The plan's config for the grouped call (``grouped=True``), made once per config."""
+    return dataclasses.replace(config, grouped=True)
+
+
 def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> None:
     """Setup kernel (workspace arrays from the counts) and one grouped ``cublasLtMatmul``, both on
     the caller's stream, device pointer mode (alpha, beta and the per-group scales read from the
@@ -348,7 +373,7 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
     _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]],
                               m_host=grouped_tokens(problem).tolist(),
                               backend=g.setup_backend)
-    config = dataclasses.replace(vp.config, grouped=True)
+    config = _grouped_config(vp.config)
     avg = tuple((vp.mnk.sum(axis=0) // max(groups, 1)).tolist())
     key = (config, groups, base, avg)
     hit = g.calls.get(key)

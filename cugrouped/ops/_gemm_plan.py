@@ -52,13 +52,22 @@ class Blocks(Sequence):
     with, vectorized over experts. Indexing gives a :class:`Block`; a tuple of blocks converts with
     :func:`as_blocks`."""
 
-    __slots__ = ("ptr", "rows", "cols", "ld", "dtype")
+    __slots__ = ("ptr", "rows", "cols", "ld", "dtype", "affine", "consts")
+    _FIELDS = ("ptr", "rows", "cols", "ld", "dtype")
 
-    def __init__(self, ptr, rows, cols, ld, dtype: str):
+    def __init__(self, ptr, rows, cols, ld, dtype: str, affine: tuple[int, int] | None = None):
         self.ptr = np.asarray(ptr, dtype=np.int64).reshape(-1)
         n = self.ptr.shape[0]
         self.rows, self.cols, self.ld = (_int64_column(v, n) for v in (rows, cols, ld))
         self.dtype = dtype
+        # What the grouped path would otherwise find out with array operations, known to the
+        # maker: ``affine`` = (group stride, token stride) in bytes with ``ptr[e] == ptr[0] +
+        # gs * e + ts * P_e`` (P_e the exclusive prefix of the grouped call's tokens, see
+        # ``_gemm_grouped.grouped_tokens``), or None; ``consts``: each of rows, cols, ld given
+        # as one int for every expert, else None. Hints only: not compared, dropped by replace.
+        self.affine = affine
+        self.consts = tuple(int(v) if isinstance(v, (int, np.integer)) else None
+                            for v in (rows, cols, ld))
 
     @property
     def itemsize(self) -> int:
@@ -87,7 +96,7 @@ class Blocks(Sequence):
         return f"Blocks({list(self)!r})"
 
     def replace(self, **kw) -> "Blocks":
-        f = {k: getattr(self, k) for k in self.__slots__}
+        f = {k: getattr(self, k) for k in self._FIELDS}
         f.update(kw)
         return Blocks(**f)
 
