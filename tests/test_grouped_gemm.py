@@ -590,6 +590,11 @@ def test_choose_path():
     assert "bias" in gg.choose_path(p3, vp3, **kw)[1]
     assert "corrupts" in gg.choose_path(p, vp, **{**kw, "version": 130800, "discrete_out": True})[1]
     assert gg.choose_path(p, vp, **{**kw, "version": 130800})[0] == "grouped"
+    # CUDA 13.4 U1's known issue: wrong results on Blackwell from 13.7.0, every grouped call
+    bw = gg.choose_path(p, vp, **{**kw, "version": 130800, "compute_capability": 100})
+    assert bw[0] == "loop" and "Blackwell" in bw[1]
+    assert gg.choose_path(p, vp, **{**kw, "version": 130801, "compute_capability": 100})[0] == \
+        "grouped"
     p4, vp4 = _planned([0, 16, 0])
     assert "fewer than two" in gg.choose_path(p4, vp4, **kw)[1]
     with pytest.raises(ValueError, match="path: got 'fast'"):
@@ -1735,6 +1740,93 @@ def test_grouped_call_computed_by_a_cublaslt_model_equals_the_reference(split, p
     assert calls and all(c["grouped"] for c in calls)
     assert len(calls) == sum(1 for m in m_splits if m)
     _model_close(out, np.asarray(fn(*args, out_dtype=odt, backend="reference")), odt)
+    gg.clear_memo()
+
+
+def test_grouped_pointers_and_lds_must_be_16_bytes_for_every_dtype():
+    """The grouped call's pointers live on the device, where cuBLAS cannot check them: a 16-bit
+    operand the checks accept (2-byte aligned, a slice) goes to the loop, saying why."""
+    kw = dict(version=131000, compute_capability=90, has_symbol=True, discrete_out=False)
+    k, n = 32, 48
+    rng = np.random.default_rng(4)
+    ws = [rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16) for _ in range(3)]
+    xs = [rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16) for m in (16, 32, 48)]
+    p = gg.check_fprop(xs, ws)
+    _, blocks = gg.outputs(p, None, np)
+    assert gg.choose_path(p, gg.plan_arrays(p, blocks), **kw) == ("grouped", "supported")
+    buf = np.zeros(32 * k + 1, ml_dtypes.bfloat16)
+    xs[1] = buf[1:].reshape(32, k)                              # 2 bytes past 16-byte alignment
+    p = gg.check_fprop(xs, ws)
+    _, blocks = gg.outputs(p, None, np)
+    path, why = gg.choose_path(p, gg.plan_arrays(p, blocks), **kw)
+    assert path == "loop" and "not 16-byte aligned" in why
+
+
+@pytest.mark.parametrize("refusal", ["heuristic", "matmul"])
+def test_a_grouped_call_cublas_refuses_runs_as_the_loop(refusal):
+    """cuBLAS turning the grouped call down (the heuristic finds no algorithm, or the call says
+    NOT_SUPPORTED) runs the loop, right, and is remembered: a new plan of the same shape does
+    not ask again. ``path="grouped"`` raises instead."""
+    from cugrouped.cublaslt import CublasLtError
+
+    gg.clear_memo()
+    m_splits, k, n = [16, 32, 48], 32, 48
+    X, W, _ = make_fp8(m_splits, k, n, seed=3)
+    st, calls = _model_state(grouped=True)
+    asked = []
+    if refusal == "heuristic":
+        real = st.heuristic
+
+        def heuristic(desc, la, lb, ld, pref, what):
+            if what.startswith("grouped"):
+                asked.append(what)
+                raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", 15, f"no algorithm for {what}")
+            return real(desc, la, lb, ld, pref, what)
+        st.heuristic = heuristic
+    else:
+        model = st.matmul
+
+        def matmul(handle, desc, alpha, *a):
+            if isinstance(alpha, int):            # the grouped call: a device alpha pointer
+                asked.append(desc)
+                return E.CUBLAS_STATUS_NOT_SUPPORTED
+            return model(handle, desc, alpha, *a)
+        st.matmul = matmul
+    ref = np.asarray(grouped_fprop(X, W, out_dtype="bfloat16", backend="reference"))
+    for _ in range(2):
+        gg.clear_memo()                       # a new plan each time, the same shape
+        call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+        out = gg.new_output(call.problem, np)
+        out[...] = np.nan
+        with cugrouped.record_launches() as log:
+            gg.launch_checked(call, out, np, st)
+        _model_close(out, ref, "bfloat16")
+        assert [e.kernel for e in log].count("cublasLtMatmul") == 3
+    assert len(asked) == 1 and calls and not any(c["grouped"] for c in calls)
+    _, blocks, vp = gg.prepared_out(call, out, np)
+    path, why, _ = gg.path_for(call.problem, vp, blocks, st)
+    assert path == "loop" and "cuBLAS refused the grouped call" in why
+    gg.clear_memo()
+    call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    with pytest.raises(RuntimeError, match="path='grouped' cannot run: .*(no algorithm|NOT_SUPP)"):
+        gg.launch_checked(call, gg.new_output(call.problem, np), np, st, "grouped")
+    gg.clear_memo()
+
+
+def test_the_grouped_descriptor_cache_is_bounded(monkeypatch):
+    from cugrouped.ops import _gemm_grouped
+
+    monkeypatch.setattr(_gemm_grouped, "GROUPED_CALLS_CACHED", 2)
+    gg.clear_memo()
+    st, calls = _model_state(grouped=True)
+    for m_splits in ([16, 32], [32, 48], [48, 64], [64, 80]):     # four average shapes
+        X, W, _ = make_fp8(m_splits, 32, 48, seed=5)
+        grouped_out = gg.new_output(gg.check_fprop(X, W), np)
+        gg.launch_checked(gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16",
+                                                                  fast_accum=True)),
+                          grouped_out, np, st)
+        assert len(st.grouped.calls) <= 2
+    assert sum(c["grouped"] for c in calls) == 4 * 2
     gg.clear_memo()
 
 

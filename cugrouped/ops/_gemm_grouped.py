@@ -15,6 +15,7 @@ import numpy as np
 
 from .._array import data_ptr
 from ..cublaslt import _enums as E
+from ..cublaslt._lib import CublasLtError
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
 from . import grouped_gemm_setup as _setup  # registers the setup kernel (compile-check, warmup)
@@ -119,13 +120,26 @@ def choose_path(problem: Problem, vp: VecPlan, *, version: int, compute_capabili
         reason = "the grouped GEMM has no bias epilogue"
     if reason is None and len(problem.reduction) > GROUPED_MAX_GROUPS:
         reason = f"more than {GROUPED_MAX_GROUPS} experts"
-    if reason is None and discrete_out and GROUPED_BAD_VERSIONS[0] <= version < GROUPED_BAD_VERSIONS[1]:
-        reason = f"cuBLAS {version} corrupts per-group outputs (fixed in 13.8.1)"
+    if reason is None and GROUPED_BAD_VERSIONS[0] <= version < GROUPED_BAD_VERSIONS[1]:
+        if discrete_out:
+            reason = f"cuBLAS {version} corrupts per-group outputs (fixed in 13.8.1)"
+        elif int(compute_capability) >= 100:     # CUDA 13.4 U1's known issue [6798616]
+            reason = (f"cuBLAS {version}'s grouped GEMM can give wrong results on Blackwell "
+                      f"(13.7.0 to 13.8.0)")
     if reason is None:
         unit = max(1, GROUPED_DIM_BYTES // _ITEMSIZE[in_dtype])
         if np.any(vp.mnk % unit):
             reason = (f"a group's m, n or k is not a multiple of {unit} elements "
                       f"({GROUPED_DIM_BYTES} bytes)")
+    if reason is None:
+        # the grouped call's pointers and leading dimensions live on the device, where cuBLAS
+        # cannot check them: 16 bytes each, every dtype (NVIDIA's grouped samples and the
+        # 13.1 notes); the checks hold FP8 to it, a 16-bit operand may come sliced
+        isz = (_ITEMSIZE[as_blocks(problem.right).dtype], _ITEMSIZE[in_dtype],
+               _ITEMSIZE[problem.out_dtype])
+        lds = vp.keys[:, [3, 7, 11]] * np.array(isz, dtype=np.int64)
+        if np.any(vp.keys[:, 12:16] < 16) or np.any(lds % 16):
+            reason = "a group's A, B or D pointer or leading dimension is not 16-byte aligned"
     if reason is None and vp.mnk.shape[0] < 2:
         reason = "fewer than two experts to compute"
     if reason is None:
@@ -301,9 +315,18 @@ def _scale_spec(ptrs, tokens: np.ndarray, block: bool) -> "_setup.ScaleSpec | No
     return None
 
 
+def _path_key(st: "_DeviceState", requested: str | None) -> tuple:
+    return ("_path", st.device, st.compute_capability, st.cublas_version, requested)
+
+
+def forget_path(vp: VecPlan, st: "_DeviceState", requested: str | None, reason: str) -> None:
+    """Make the loop this plan's path from now on (cuBLAS refused its grouped call)."""
+    vp.__dict__[_path_key(st, requested)] = ("loop", reason, None)
+
+
 def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: str | None = None):
     """``(path, reason, setup spec or None)``, decided once per plan, device and request."""
-    key = ("_path", st.device, st.compute_capability, st.cublas_version, requested)
+    key = _path_key(st, requested)
     hit = vp.__dict__.get(key)
     if hit is not None:
         return hit
@@ -328,13 +351,24 @@ def path_for(problem: Problem, vp: VecPlan, out, st: "_DeviceState", requested: 
     return hit
 
 
+GROUPED_CALLS_CACHED = 256     # descriptor sets kept per device (oldest dropped)
+
+
+class GroupedRefused(Exception):
+    """cuBLAS turned a grouped call down (no algorithm, or ``NOT_SUPPORTED``): the loop runs
+    it instead, unless the caller asked for ``path="grouped"``."""
+
+
 class _GroupedState:
-    """Per device: one setup workspace per caller stream (sized for the most groups) and the
-    grouped descriptors + algorithm per (config, groups, workspace, average dims)."""
+    """Per device: one setup workspace per caller stream (sized for the most groups), the
+    grouped descriptors + algorithm per (config, groups, workspace, average dims), at most
+    :data:`GROUPED_CALLS_CACHED` of them, and the calls cuBLAS refused (``refused``: key ->
+    reason; those run as the loop without asking again)."""
 
     def __init__(self, alloc=None, setup_backend: str = "cuda"):
         self.workspaces: dict[int, Any] = {}
         self.calls: dict[tuple, tuple] = {}
+        self.refused: dict[tuple, str] = {}
         self.alloc = alloc            # nbytes -> 16-byte aligned uint8 array (default: CuPy)
         self.setup_backend = setup_backend  # "emulate" / "reference" run the CPU tests
 
@@ -378,9 +412,18 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
     key = (config, groups, base, avg)
     hit = g.calls.get(key)
     if hit is None:
+        why = g.refused.get(key)
+        if why is not None:
+            raise GroupedRefused(why)
         descs = grouped_descriptors(config, groups, base, vp, st.workspace_bytes)
         desc, la, lb, lc, ld, pref = descs
-        res = st.heuristic(desc, la, lb, ld, pref, f"grouped {config} x{groups} avg {avg}")
+        try:
+            res = st.heuristic(desc, la, lb, ld, pref, f"grouped {config} x{groups} avg {avg}")
+        except CublasLtError as exc:
+            g.refused[key] = str(exc)
+            raise GroupedRefused(str(exc)) from None
+        if len(g.calls) >= GROUPED_CALLS_CACHED:
+            del g.calls[next(iter(g.calls))]
         hit = g.calls[key] = (descs, res)
     (desc, la, lb, lc, ld, _), res = hit
     off, _ = grouped_workspace_layout(groups)
@@ -390,6 +433,10 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
                        base + off["b"], lb.handle, base + off["beta"], base + off["c"], lc.handle,
                        base + off["d"], ld.handle, ctypes.byref(res.algo),
                        st.caller_workspace(caller.ptr), st.workspace_bytes, caller.ptr)
+    if status == E.CUBLAS_STATUS_NOT_SUPPORTED:     # (before anything ran: the loop can)
+        why = g.refused[key] = f"cublasLtMatmul: CUBLAS_STATUS_NOT_SUPPORTED for {groups} groups"
+        g.calls.pop(key, None)
+        raise GroupedRefused(why)
     if status:
         from ..cublaslt import check
 

@@ -13,7 +13,7 @@ from ..cublaslt import _enums as E
 from ..cublaslt._enums import CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 as MX_MODE
 from ..cublaslt import descriptors as _D  # imports without loading libcublasLt
 from . import _launch
-from ._gemm_grouped import _launch_grouped, path_for
+from ._gemm_grouped import GroupedRefused, _launch_grouped, forget_path, path_for
 from ._gemm_memo import Checked, prepared_out
 from ._gemm_plan import (SCALE_POINTER_ALIGN, ExpertGemm, Problem, VecPlan, as_blocks,
                          block_scaling_unsupported, shape_signature, workspace_bytes_for)
@@ -382,9 +382,14 @@ def _launch_plan(vp: VecPlan, problem: Problem, out, st: _DeviceState, path: str
         _zero_outputs(st, vp, out, st.current_stream().ptr)
     chosen, _, spec = path_for(problem, vp, out, st, path)
     if chosen == "grouped":
-        _launch_grouped(st, vp, problem, spec)
-    else:
-        _launch_loop(st, vp, problem.fp8)
+        try:
+            _launch_grouped(st, vp, problem, spec)
+            return
+        except GroupedRefused as exc:   # cuBLAS turned it down: the loop computes it
+            if path == "grouped":
+                raise RuntimeError(f"path='grouped' cannot run: {exc}") from None
+            forget_path(vp, st, path, f"cuBLAS refused the grouped call: {exc}")
+    _launch_loop(st, vp, problem.fp8)
 
 
 def launch_checked(call: "Checked", out, xp, st: "_DeviceState", path: str | None = None):
