@@ -3,9 +3,11 @@
 # grouped GEMM runs where the image's cuBLAS 13.1 has none. Joins the parts stashed by earlier
 # device calls, checks the library's SHA-256 and points CUGROUPED_CUBLASLT at it. Then, first
 # and each in a process of its own (the grouped call never ran on a GPU: a fault there must not
-# take the rest), the GEMMs' GPU tests and the grouped probe (scripts/gpu_probe_gemm.py
-# grouped_gemm: the grouped call against the loop); then scripts/gpu_check.sh without the
-# notebooks (the plain check runs them) and without the probes (run here already). The first
+# take the rest), the GEMMs' GPU tests and two probes (scripts/gpu_probe_gemm.py: grouped_gemm,
+# the grouped call against the loop; scale_alignment, whether this cuBLAS still refuses the
+# 4-byte-apart scale pointers 13.1 refused, a bug cuBLAS's notes say CUDA 13.1 Update 1 fixed
+# [5728938]); then scripts/gpu_check.sh without the notebooks (the plain check runs them) and
+# without the probes (run here already). The first
 # stages' output ends gpu_check.log (OUT_DIR keeps to gpu_check.sh's 8 files).
 # Usage: scripts/gpu_grouped_check.sh OUT_DIR    (exit 3: the library is not complete)
 set -uo pipefail
@@ -34,7 +36,7 @@ cd "$ROOT"
     echo "== GEMM GPU tests: rc=$?"
     echo "== grouped probe (limit ${CUGROUPED_GROUPED_PROBE_S:-150} s)"
     timeout --signal=INT --kill-after=20 "${CUGROUPED_GROUPED_PROBE_S:-150}" "$PY" \
-        scripts/gpu_probe_gemm.py grouped_gemm
+        scripts/gpu_probe_gemm.py scale_alignment grouped_gemm
     echo "== grouped probe: rc=$?"
 } > "$first" 2>&1
 cat "$first"
