@@ -1813,6 +1813,58 @@ def test_a_grouped_call_cublas_refuses_runs_as_the_loop(refusal):
     gg.clear_memo()
 
 
+def test_a_plan_launched_again_is_one_matmul_on_its_own_arrays(monkeypatch):
+    """The same plan again (same counts and buffers): its second launch fills a workspace of its
+    own, later ones are the matmul alone, on those arrays; a new stream fills them once more;
+    right every time. Past the cap a plan stays on the shared workspace."""
+    from cugrouped.ops import _gemm_grouped
+
+    gg.clear_memo()
+    m_splits = [16, 0, 48, 32]
+    X, W, _ = make_fp8(m_splits, 32, 48, seed=6)
+    st, calls = _model_state(grouped=True)
+    ref = np.asarray(grouped_fprop(X, W, out_dtype="bfloat16", backend="reference"))
+    call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    out = gg.new_output(call.problem, np)
+    bases, setups = [], []
+    real_matmul = st.matmul
+
+    def matmul(handle, desc, alpha, *a):
+        bases.append(alpha)
+        return real_matmul(handle, desc, alpha, *a)
+    st.matmul = matmul
+    stream = [st.current_stream()]
+    first = stream[0].ptr
+    st.current_stream = lambda: stream[0]
+    st.caller_ws[0x4242] = st.caller_ws[first]       # the other stream's cuBLAS workspace
+    for i in range(5):
+        if i == 3:
+            stream[0] = type(stream[0])(0x4242)     # another caller stream
+        out[...] = np.nan
+        with cugrouped.record_launches() as log:
+            gg.launch_checked(call, out, np, st)
+        setups.append(sum("grouped_gemm_setup" in e.kernel for e in log))
+        _model_close(out, ref, "bfloat16")
+    off, _ = gg.grouped_workspace_layout(3)
+    shared = st.grouped.workspaces[first]
+    own = st.grouped.owned
+    assert len(own) == 1 and setups == [1, 1, 0, 1, 0]
+    assert bases[0] == shared.ctypes.data + off["alpha"]
+    assert bases[1:] == [own[0].ctypes.data + off["alpha"]] * 4
+    assert all(c["grouped"] for c in calls) and len(calls) == 5 * 3
+    # the cap: another plan launched twice keeps to the shared workspace
+    monkeypatch.setattr(_gemm_grouped, "OWN_WORKSPACES_MAX", 1)
+    X2, W2, _ = make_fp8([32, 16], 32, 48, seed=7)
+    call2 = gg.checked("fprop", (X2, W2, None), dict(out_dtype="bfloat16", fast_accum=True))
+    out2 = gg.new_output(call2.problem, np)
+    for _ in range(3):
+        with cugrouped.record_launches() as log:
+            gg.launch_checked(call2, out2, np, st)
+        assert sum("grouped_gemm_setup" in e.kernel for e in log) == 1
+    assert len(st.grouped.owned) == 1
+    gg.clear_memo()
+
+
 def test_the_grouped_descriptor_cache_is_bounded(monkeypatch):
     from cugrouped.ops import _gemm_grouped
 

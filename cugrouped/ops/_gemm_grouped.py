@@ -359,32 +359,72 @@ class GroupedRefused(Exception):
     it instead, unless the caller asked for ``path="grouped"``."""
 
 
+OWN_WORKSPACES_MAX = 64    # plans given a workspace of their own, per device (never freed)
+
+
 class _GroupedState:
     """Per device: one setup workspace per caller stream (sized for the most groups), the
-    grouped descriptors + algorithm per (config, groups, workspace, average dims), at most
-    :data:`GROUPED_CALLS_CACHED` of them, and the calls cuBLAS refused (``refused``: key ->
-    reason; those run as the loop without asking again)."""
+    grouped descriptors per (config, groups, workspace, average dims), at most
+    :data:`GROUPED_CALLS_CACHED` of them, the algorithm per (config, groups, average dims), and
+    the calls cuBLAS refused (``refused``: that key -> reason; those run as the loop without
+    asking again).
+
+    A plan launched a second time gets a workspace and descriptors of its own (at most
+    :data:`OWN_WORKSPACES_MAX`), filled by the setup kernel once per stream: from then on its
+    call is one ``cublasLtMatmul`` (the same counts and buffers every step, as with fixed
+    capacities or in a benchmark's loop). They are kept for the life of the process, never
+    handed back: a CUDA graph captured with such a call reads them on every replay."""
 
     def __init__(self, alloc=None, setup_backend: str = "cuda"):
         self.workspaces: dict[int, Any] = {}
         self.calls: dict[tuple, tuple] = {}
+        self.algos: dict[tuple, Any] = {}
         self.refused: dict[tuple, str] = {}
+        self.owned: list = []         # the plans' own workspaces (kept: see above)
         self.alloc = alloc            # nbytes -> 16-byte aligned uint8 array (default: CuPy)
         self.setup_backend = setup_backend  # "emulate" / "reference" run the CPU tests
+
+    def _new(self, nbytes: int, stream_ptr: int, what: str):
+        if self.alloc is not None:
+            return self.alloc(nbytes)
+        import cupy
+
+        _launch.refuse_capture(stream_ptr, what)
+        return cupy.empty(nbytes, dtype=np.uint8)
 
     def workspace(self, stream_ptr: int):
         ws = self.workspaces.get(stream_ptr)
         if ws is None:
             _, nbytes = grouped_workspace_layout(_setup.MAX_GROUPS)
-            if self.alloc is None:
-                import cupy
-
-                _launch.refuse_capture(stream_ptr, "grouped GEMM pointer arrays")
-                ws = cupy.empty(nbytes, dtype=np.uint8)
-            else:
-                ws = self.alloc(nbytes)
-            self.workspaces[stream_ptr] = ws
+            ws = self.workspaces[stream_ptr] = self._new(nbytes, stream_ptr,
+                                                          "grouped GEMM pointer arrays")
         return ws
+
+    def algorithm(self, st: "_DeviceState", key: tuple, descs):
+        """The heuristic's algorithm for the shape ``key`` (config, groups, average dims),
+        asked once; :class:`GroupedRefused` where cuBLAS has none."""
+        res = self.algos.get(key)
+        if res is None:
+            why = self.refused.get(key)
+            if why is not None:
+                raise GroupedRefused(why)
+            desc, la, lb, lc, ld, pref = descs
+            try:
+                res = st.heuristic(desc, la, lb, ld, pref,
+                                   f"grouped {key[0]} x{key[1]} avg {key[2]}")
+            except CublasLtError as exc:
+                self.refused[key] = str(exc)
+                raise GroupedRefused(str(exc)) from None
+            if len(self.algos) >= GROUPED_CALLS_CACHED:
+                del self.algos[next(iter(self.algos))]
+            self.algos[key] = res
+        return res
+
+
+def _capturing(stream_ptr: int) -> bool:
+    import cupy
+
+    return bool(stream_ptr) and bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
 
 
 @functools.lru_cache(maxsize=256)
@@ -393,39 +433,66 @@ def _grouped_config(config):
     return dataclasses.replace(config, grouped=True)
 
 
+def _own(st: "_DeviceState", g: _GroupedState, vp: VecPlan, config, groups: int, caller):
+    """The plan's own workspace and descriptors ``[ws, base, descs, filled streams]`` from its
+    second launch on (None before, during a graph capture, or past the cap)."""
+    key = ("_grouped_own", st.device)
+    own = vp.__dict__.get(key)
+    if own is not None:
+        return own
+    seen = ("_grouped_seen", st.device)
+    if not vp.__dict__.get(seen):
+        vp.__dict__[seen] = True
+        return None
+    if len(g.owned) >= OWN_WORKSPACES_MAX or (g.alloc is None and _capturing(caller.ptr)):
+        return None
+    ws = g._new(grouped_workspace_layout(groups)[1], caller.ptr, "a plan's grouped GEMM arrays")
+    g.owned.append(ws)
+    base = data_ptr(ws)
+    own = vp.__dict__[key] = [ws, base, grouped_descriptors(config, groups, base, vp,
+                                                            st.workspace_bytes), set()]
+    return own
+
+
 def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> None:
     """Setup kernel (workspace arrays from the counts) and one grouped ``cublasLtMatmul``, both on
     the caller's stream, device pointer mode (alpha, beta and the per-group scales read from the
-    workspace)."""
+    workspace). A plan launched again has its arrays in a workspace of its own already
+    (:class:`_GroupedState`): the matmul alone."""
     if st.grouped is None:
         st.grouped = _GroupedState()
     g = st.grouped
     caller = st.current_stream()
-    ws = g.workspace(caller.ptr)
-    base = data_ptr(ws)
     groups = spec.groups
-    _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]],
-                              m_host=grouped_tokens(problem).tolist(),
-                              backend=g.setup_backend)
     config = _grouped_config(vp.config)
     avg = tuple((vp.mnk.sum(axis=0) // max(groups, 1)).tolist())
-    key = (config, groups, base, avg)
-    hit = g.calls.get(key)
-    if hit is None:
-        why = g.refused.get(key)
-        if why is not None:
-            raise GroupedRefused(why)
-        descs = grouped_descriptors(config, groups, base, vp, st.workspace_bytes)
-        desc, la, lb, lc, ld, pref = descs
-        try:
-            res = st.heuristic(desc, la, lb, ld, pref, f"grouped {config} x{groups} avg {avg}")
-        except CublasLtError as exc:
-            g.refused[key] = str(exc)
-            raise GroupedRefused(str(exc)) from None
-        if len(g.calls) >= GROUPED_CALLS_CACHED:
-            del g.calls[next(iter(g.calls))]
-        hit = g.calls[key] = (descs, res)
-    (desc, la, lb, lc, ld, _), res = hit
+    shape = (config, groups, avg)
+    why = g.refused.get(shape)
+    if why is not None:
+        raise GroupedRefused(why)
+    own = _own(st, g, vp, config, groups, caller)
+    if own is not None:
+        ws, base, descs, filled = own
+        fill = caller.ptr not in filled
+    else:
+        ws = g.workspace(caller.ptr)
+        base = data_ptr(ws)
+        key = (config, groups, base, avg)
+        descs = g.calls.get(key)
+        if descs is None:
+            descs = grouped_descriptors(config, groups, base, vp, st.workspace_bytes)
+            if len(g.calls) >= GROUPED_CALLS_CACHED:
+                del g.calls[next(iter(g.calls))]
+            g.calls[key] = descs
+        fill = True
+    res = g.algorithm(st, shape, descs)
+    if fill:
+        _setup.grouped_gemm_setup(spec, ws[:grouped_workspace_layout(groups)[1]],
+                                  m_host=grouped_tokens(problem).tolist(),
+                                  backend=g.setup_backend)
+        if own is not None:
+            own[3].add(caller.ptr)
+    desc, la, lb, lc, ld, _ = descs
     off, _ = grouped_workspace_layout(groups)
     for log in _launch._recorders.get():
         log.append(_launch.Launch("cuda", "cublasLtMatmul[grouped]", 1, 1))
@@ -434,8 +501,8 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
                        base + off["d"], ld.handle, ctypes.byref(res.algo),
                        st.caller_workspace(caller.ptr), st.workspace_bytes, caller.ptr)
     if status == E.CUBLAS_STATUS_NOT_SUPPORTED:     # (before anything ran: the loop can)
-        why = g.refused[key] = f"cublasLtMatmul: CUBLAS_STATUS_NOT_SUPPORTED for {groups} groups"
-        g.calls.pop(key, None)
+        why = g.refused[shape] = f"cublasLtMatmul: CUBLAS_STATUS_NOT_SUPPORTED for {groups} groups"
+        g.algos.pop(shape, None)
         raise GroupedRefused(why)
     if status:
         from ..cublaslt import check
