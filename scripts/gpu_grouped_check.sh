@@ -6,7 +6,8 @@
 # take the rest), the GEMMs' GPU tests and two probes (scripts/gpu_probe_gemm.py: grouped_gemm,
 # the grouped call against the loop; scale_alignment, whether this cuBLAS still refuses the
 # 4-byte-apart scale pointers 13.1 refused, a bug cuBLAS's notes say CUDA 13.1 Update 1 fixed
-# [5728938]); then scripts/gpu_check.sh without the notebooks (the plain check runs them) and
+# [5728938]), and the GEMM benchmark with that rule lifted (scripts/bench_grouped_any_m.py: rows
+# printed only); then scripts/gpu_check.sh without the notebooks (the plain check runs them) and
 # without the probes (run here already). The first
 # stages' output ends gpu_check.log (OUT_DIR keeps to gpu_check.sh's 8 files).
 # Usage: scripts/gpu_grouped_check.sh OUT_DIR    (exit 3: the library is not complete)
@@ -38,6 +39,12 @@ cd "$ROOT"
     timeout --signal=INT --kill-after=20 "${CUGROUPED_GROUPED_PROBE_S:-150}" "$PY" \
         scripts/gpu_probe_gemm.py scale_alignment grouped_gemm
     echo "== grouped probe: rc=$?"
+    # the benchmark's GEMM rows with the 16-multiple rule lifted: its jagged counts' fprop and
+    # dgrad as one grouped call each, against torch's peers (printed here, no files)
+    echo "== GEMM benchmark, any m (limit ${CUGROUPED_GROUPED_BENCH_S:-120} s)"
+    timeout --signal=INT --kill-after=20 "${CUGROUPED_GROUPED_BENCH_S:-120}" "$PY" \
+        scripts/bench_grouped_any_m.py
+    echo "== GEMM benchmark, any m: rc=$?"
 } > "$first" 2>&1
 cat "$first"
 CUGROUPED_GPU_NOTEBOOKS_AFTER_S=0 CUGROUPED_GPU_PROBES_S=0 \

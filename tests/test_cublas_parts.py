@@ -132,3 +132,24 @@ def test_the_gemm_probes_dry_run_every_probe(tmp_path):
     assert sum(ln.startswith("probe scale pointer offset") for ln in lines) == 7
     assert sum(ln.startswith("probe algorithms") for ln in lines) == 2
     assert not [ln for ln in lines if "Error" in ln], lines
+
+
+def test_the_any_m_benchmark_lifts_the_rule_for_its_run_only(capsys):
+    """scripts/bench_grouped_any_m.py: the GEMM section with GROUPED_DIM_BYTES 1, nothing
+    written, the rule back after (on the CPU: the host rows, the device ones skipped)."""
+    from cugrouped.ops import _gemm_grouped
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_grouped_any_m", ROOT / "scripts" / "bench_grouped_any_m.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = []
+    import cugrouped.bench.gemm as bg
+    from unittest import mock
+
+    with mock.patch.object(bg, "bench_host_loop", lambda rows, **k: seen.append(
+            _gemm_grouped.GROUPED_DIM_BYTES)):
+        assert mod.main([]) == 0
+    out = capsys.readouterr().out
+    assert "GROUPED_DIM_BYTES 16 -> 1" in out and "no GPU here" in out
+    assert seen == [1] and _gemm_grouped.GROUPED_DIM_BYTES == 16
