@@ -182,6 +182,16 @@ def test_cast_bytes_count_the_amax_re_read_only_past_l2():
     assert cast_bytes(T, k, Tp, current=True, l2_bytes=127_999) == 4 * T * k + writes
 
 
+def test_tile_fill_counts_the_padded_rows_in_whole_tiles():
+    from cugrouped.bench.cast import CAST_CONFIGS, tile_fill_pct
+
+    # 100 tokens: padded to 112, two 64-row tiles; 64: one; 0: none; 1: padded to 16, one tile
+    assert tile_fill_pct([100, 64, 0, 1]) == pytest.approx(100 * 165 / (4 * 64))
+    assert tile_fill_pct([128, 64]) == 100.0 and tile_fill_pct([0, 0]) == 100.0
+    fine = next(c for c in CAST_CONFIGS if c.name == "fine-E64-jagged")
+    assert 70 < tile_fill_pct(fine.m_splits()) < 85          # jagged E=64: a fifth unused
+
+
 def test_permute_cast_bytes_read_the_tokens_once_when_they_fit_in_l2():
     from cugrouped.bench.cast import permute_cast_bytes
 
@@ -275,6 +285,7 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
 
     class Ops:                                   # the op, its time by scaling and tiles/block
         padded_splits = staticmethod(bc.pct.padded_splits)
+        TILE_M = bc.pct.TILE_M
         tpb = 1
 
         @staticmethod

@@ -94,6 +94,14 @@ def _cast_inputs(cfg: CastConfig, copies: int, torch):
             cupy.ones(cfg.experts, np.float32))
 
 
+def tile_fill_pct(m_splits, align: int = 16) -> float:
+    """The share of the cast kernel's tile rows that hold tokens: each expert's rows, padded to
+    ``align``, go in whole ``TILE_M``-row tiles, and a tile's empty rows still hold a block's
+    threads (jagged counts at E=64: about a fifth of them; a reading of the cast's bandwidth)."""
+    rows = sum(-(-mp // pct.TILE_M) for mp in pct.padded_splits(m_splits, align)) * pct.TILE_M
+    return 100.0 * sum(m_splits) / rows if rows else 100.0
+
+
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
     """``impls``: which of :data:`CAST_IMPLS` to time (with ``"cugrouped"``, also its kernel at
     two tiles per block, rows ``cugrouped-tpb2``). The GPU check times cugrouped and torch
@@ -154,10 +162,12 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
                 gbs = nbytes / ms / 1e6
                 row = dict(op="cast", config=cfg.name, scaling=scaling, impl=impl, ms=ms,
                            gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
-                           host_us_per_expert=hus / cfg.experts, l2_bytes=l2, **t.columns())
+                           host_us_per_expert=hus / cfg.experts, l2_bytes=l2,
+                           tile_fill_pct=tile_fill_pct(m_splits), **t.columns())
                 rows.append(row)
                 print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {ms:8.3f} ms {gbs:7.0f} GB/s "
-                      f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call")
+                      f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call, "
+                      f"{row['tile_fill_pct']:.0f}% of tile rows used")
                 continue
             # over the cugrouped row timed with it, or (the GPU check's later torch.compile
             # section) the one timed before
