@@ -134,6 +134,9 @@ def stash(parts_dir: pathlib.Path, stash_dir: pathlib.Path) -> tuple[list[str], 
     ``stash_dir`` (a bad part is deleted and named); return (present, missing) part names."""
     manifest = _manifest(parts_dir, stash_dir)
     stash_dir.mkdir(parents=True, exist_ok=True)
+    old = stash_dir / "manifest.json"
+    if old.is_file() and json.loads(old.read_text())["sha256"] != manifest["sha256"]:
+        _clear(stash_dir)          # parts of another library, left on a machine still held
     if (parts_dir / "manifest.json").is_file():
         shutil.copyfile(parts_dir / "manifest.json", stash_dir / "manifest.json")
     present, missing = [], []
@@ -153,6 +156,12 @@ def stash(parts_dir: pathlib.Path, stash_dir: pathlib.Path) -> tuple[list[str], 
     return present, missing
 
 
+def _clear(stash_dir: pathlib.Path) -> None:
+    """Remove every part, partial join and library from ``stash_dir``."""
+    for f in stash_dir.glob(f"{LIB_NAME}*"):
+        f.unlink()
+
+
 def join(parts_dir: pathlib.Path, stash_dir: pathlib.Path) -> pathlib.Path | None:
     """The joined library in ``stash_dir`` (decompressed once, checked against the manifest), or
     None when parts are missing (named on stdout)."""
@@ -165,19 +174,33 @@ def join(parts_dir: pathlib.Path, stash_dir: pathlib.Path) -> pathlib.Path | Non
         print(f"cublas_parts: missing {len(missing)} of {len(manifest['parts'])} parts: "
               + " ".join(missing), file=sys.stderr)
         return None
-    tmp = lib.with_suffix(".partial")
+    bad = [p["name"] for p in manifest["parts"]
+           if _sha256(stash_dir / p["name"]) != p["sha256"]]
+    if bad:                  # (a part stashed for another manifest of the same sizes)
+        for name in bad:
+            (stash_dir / name).unlink()
+        print(f"cublas_parts: {' '.join(bad)} did not match the manifest's SHA-256: dropped; "
+              "carry them again", file=sys.stderr)
+        return None
+    tmp = stash_dir / f"{LIB_NAME}.partial"
     dec, h = lzma.LZMADecompressor(), hashlib.sha256()
-    with open(tmp, "wb") as out:
-        for part in manifest["parts"]:
-            with open(stash_dir / part["name"], "rb") as f:
-                while block := f.read(CHUNK):
-                    data = dec.decompress(block)
-                    h.update(data)
-                    out.write(data)
-    if not dec.eof or h.hexdigest() != manifest["sha256"]:
-        tmp.unlink()
-        raise SystemExit(f"cublas_parts: the joined library does not match the manifest's SHA-256"
-                         f" ({'truncated stream' if not dec.eof else 'wrong bytes'})")
+    why = None
+    try:
+        with open(tmp, "wb") as out:
+            for part in manifest["parts"]:
+                with open(stash_dir / part["name"], "rb") as f:
+                    while block := f.read(CHUNK):
+                        data = dec.decompress(block)
+                        h.update(data)
+                        out.write(data)
+    except lzma.LZMAError as exc:
+        why = f"not an xz stream ({exc})"
+    if why is None and (not dec.eof or h.hexdigest() != manifest["sha256"]):
+        why = "truncated stream" if not dec.eof else "wrong bytes"
+    if why is not None:
+        _clear(stash_dir)
+        raise SystemExit(f"cublas_parts: the joined library does not match the manifest ({why}); "
+                         "the stash is cleared: carry every part again")
     tmp.replace(lib)
     for part in manifest["parts"]:       # the library alone stays (disk: 64 GiB there)
         (stash_dir / part["name"]).unlink()

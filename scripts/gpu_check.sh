@@ -60,7 +60,7 @@ if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
 fi
 # what this image has (a missing package is named here, not mistaken for a missing GPU); the
 # probes are time-limited too (a hung driver must not eat the lease) and start the log
-timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG"
+timeout 60 "$PY" - <<'PYEOF' 2>&1 | tee ${CUGROUPED_GPU_CHECK_LOG_APPEND:+-a} "$LOG"
 import importlib, shutil, sys, warnings
 warnings.simplefilter("ignore")     # megatron.core warns that TE and Apex are absent
 have = []

@@ -84,6 +84,47 @@ def test_missing_and_damaged_parts_are_named_and_nothing_is_joined(library, tmp_
     assert f"missing 1 of {len(names)} parts: {names[-1]}" in err
 
 
+def test_parts_of_another_library_left_in_the_stash_are_not_joined(library, tmp_path, capsys):
+    """A machine still held may keep another make's parts (same names, same sizes): a new
+    manifest clears them; a stashed part whose bytes changed is dropped at the join, and a
+    join that still fails clears the stash and says so (no traceback, no partial file)."""
+    src, data = library
+    old, new = tmp_path / "old", tmp_path / "new"
+    device, stash = tmp_path / "device", tmp_path / "stash"
+    cp.make(src, old, 1 << 20, "old")
+    (tmp_path / "src2").mkdir()
+    other = tmp_path / "src2" / cp.LIB_NAME
+    other.write_bytes(data[::-1])                      # the same size, other bytes
+    names = [p["name"] for p in cp.make(other, new, 1 << 20, "new")["parts"]]
+    _carry(old, device, names)
+    assert cp.stash(device, stash)[1] == []            # the old library, complete
+    _carry(new, device, names[:1])                     # a new make: only its first part so far
+    present, missing = cp.stash(device, stash)
+    assert present == names[:1] and missing == names[1:]
+    _carry(new, device, names[1:])
+    assert cp.stash(device, stash) == (names, [])
+    assert cp.join(device, stash).read_bytes() == data[::-1]
+    # a stashed part changed in place (same size): dropped at the join
+    stash2 = tmp_path / "stash2"
+    _carry(new, device, names)
+    cp.stash(device, stash2)
+    part = stash2 / names[0]
+    part.write_bytes(bytes(b ^ 1 for b in part.read_bytes()))
+    assert cp.join(device, stash2) is None
+    assert f"{names[0]} did not match the manifest's SHA-256: dropped" in capsys.readouterr().err
+    assert not part.exists()
+    # parts that pass their checks but do not make the library (a wrong manifest): cleared
+    stash3 = tmp_path / "stash3"
+    _carry(new, device, names)
+    cp.stash(device, stash3)
+    manifest = json.loads((stash3 / "manifest.json").read_text())
+    manifest["sha256"] = "0" * 64
+    (stash3 / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="wrong bytes.*the stash is cleared"):
+        cp.join(tmp_path / "nowhere", stash3)
+    assert not list(stash3.glob(f"{cp.LIB_NAME}*"))
+
+
 def test_a_wheel_gives_its_libcublaslt(library, tmp_path):
     src, data = library
     wheel = tmp_path / "nvidia_cublas-0-py3-none-manylinux_2_27_x86_64.whl"

@@ -1813,6 +1813,24 @@ def test_a_grouped_call_cublas_refuses_runs_as_the_loop(refusal):
     gg.clear_memo()
 
 
+def test_a_grouped_heuristic_error_that_is_not_a_refusal_is_raised():
+    """Only NOT_SUPPORTED (what "no algorithm" is) sends a grouped call to the loop: another
+    status (a descriptor cuBLAS calls invalid) is a mistake to see, not to hide, and is not
+    remembered."""
+    from cugrouped.cublaslt import CublasLtError
+
+    gg.clear_memo()
+    X, W, _ = make_fp8([16, 32, 48], 32, 48, seed=3)
+    st, calls = _model_state(grouped=True)
+    st.heuristic = lambda desc, la, lb, ld, pref, what: (_ for _ in ()).throw(
+        CublasLtError("cublasLtMatmulAlgoGetHeuristic", E.CUBLAS_STATUS_INVALID_VALUE, what))
+    call = gg.checked("fprop", (X, W, None), dict(out_dtype="bfloat16", fast_accum=True))
+    with pytest.raises(CublasLtError, match="INVALID_VALUE"):
+        gg.launch_checked(call, gg.new_output(call.problem, np), np, st)
+    assert not st.grouped.refused and not calls
+    gg.clear_memo()
+
+
 def test_a_plan_launched_again_is_one_matmul_on_its_own_arrays(monkeypatch):
     """The same plan again (same counts and buffers): its second launch fills a workspace of its
     own, later ones are the matmul alone, on those arrays; a new stream fills them once more;

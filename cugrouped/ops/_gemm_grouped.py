@@ -400,6 +400,11 @@ class _GroupedState:
                                                           "grouped GEMM pointer arrays")
         return ws
 
+    def refuse(self, key: tuple, why: str) -> None:
+        if len(self.refused) >= GROUPED_CALLS_CACHED:
+            del self.refused[next(iter(self.refused))]
+        self.refused[key] = why
+
     def algorithm(self, st: "_DeviceState", key: tuple, descs):
         """The heuristic's algorithm for the shape ``key`` (config, groups, average dims),
         asked once; :class:`GroupedRefused` where cuBLAS has none."""
@@ -412,8 +417,10 @@ class _GroupedState:
             try:
                 res = st.heuristic(desc, la, lb, ld, pref,
                                    f"grouped {key[0]} x{key[1]} avg {key[2]}")
-            except CublasLtError as exc:
-                self.refused[key] = str(exc)
+            except CublasLtError as exc:   # no algorithm is NOT_SUPPORTED; anything else
+                if exc.status != E.CUBLAS_STATUS_NOT_SUPPORTED:   # is a mistake: raised
+                    raise
+                self.refuse(key, str(exc))
                 raise GroupedRefused(str(exc)) from None
             if len(self.algos) >= GROUPED_CALLS_CACHED:
                 del self.algos[next(iter(self.algos))]
@@ -501,7 +508,8 @@ def _launch_grouped(st: "_DeviceState", vp: VecPlan, problem: Problem, spec) -> 
                        base + off["d"], ld.handle, ctypes.byref(res.algo),
                        st.caller_workspace(caller.ptr), st.workspace_bytes, caller.ptr)
     if status == E.CUBLAS_STATUS_NOT_SUPPORTED:     # (before anything ran: the loop can)
-        why = g.refused[shape] = f"cublasLtMatmul: CUBLAS_STATUS_NOT_SUPPORTED for {groups} groups"
+        why = f"cublasLtMatmul: CUBLAS_STATUS_NOT_SUPPORTED for {groups} groups"
+        g.refuse(shape, why)
         g.algos.pop(shape, None)
         raise GroupedRefused(why)
     if status:
