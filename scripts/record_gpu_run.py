@@ -10,6 +10,10 @@ copies what ``scripts/gpu_check.sh OUT_DIR`` left in ``OUT_DIR`` (log, JUnit XML
 how each stage ended, the main numbers as tables (cast, GEMMs, layer, against the peers; each
 tuning knob's rows against the default's), and the targets table (``cugrouped.bench.targets``)
 of the CSV's rows.
+``--grouped`` records a run of ``scripts/gpu_grouped_check.sh`` (the check again with a carried
+libcublasLt that has the grouped GEMM) instead: into ``grouped-cublas-<version>/`` beside the
+run of that day, and between the ``<!-- gpu-grouped:begin -->`` / ``<!-- gpu-grouped:end -->``
+markers, with its first stages' findings (the probes' lines, the any-m benchmark's rows) first.
 Prints what it wrote; ``--dry-run`` only prints. Pure file work: no GPU, no network. A stage
 that left no file is reported as such, not skipped silently (a bench that failed still has its
 tests recorded, and the other way round).
@@ -30,6 +34,7 @@ from cugrouped.bench.plot import load_rows  # noqa: E402  (the CSV as the notebo
 from cugrouped.bench.targets import check_targets, format_targets  # noqa: E402
 
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
+GROUPED_BEGIN, GROUPED_END = "<!-- gpu-grouped:begin -->", "<!-- gpu-grouped:end -->"
 FILES = ("gpu_check.log", "gpu_tests.xml", "gpu_tests_block.xml", "bench.csv", "bench-cast.png",
          "bench-gemm.png", "bench-layer.png", "bench-host.png")
 TEST_STAGES = (("GPU tests", "gpu_tests.xml"), ("GPU tests, block scaling", "gpu_tests_block.xml"))
@@ -232,12 +237,28 @@ def summary(dest: str, facts: dict, tests: dict, endings: list[str], targets: st
     return "\n".join(lines)
 
 
-def update_readme(text: str, block: str) -> str:
+def first_stage_findings(log: str) -> list[str]:
+    """What ``gpu_grouped_check.sh``'s first stages found (the part of its log before the
+    GPU check's header): the library it loaded, the probes' lines, the any-m benchmark's rows
+    (those with a time), and how each stage ended."""
+    head = log.split("\n== gpu_check ", 1)[0]
+    out, bench = [], False
+    for line in head.splitlines():
+        if line.startswith("== GEMM benchmark, any m"):
+            bench = "rc=" not in line
+        if line.startswith("cuBLASLt ") or line.startswith("probe ") or (
+                line.startswith("== ") and re.search(r": (rc=|SKIPPED)", line)) or (
+                bench and re.search(r" ms +[0-9.]+ TFLOP/s", line)):
+            out.append(line)
+    return out
+
+
+def update_readme(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the part between the markers (markers included) replaced by ``block``."""
-    i, j = text.find(BEGIN), text.find(END)
+    i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
-        raise ValueError(f"README: expected the markers {BEGIN} ... {END} (in Status)")
-    return text[:i] + block + text[j + len(END):]
+        raise ValueError(f"README: expected the markers {begin} ... {end} (in Status)")
+    return text[:i] + block + text[j + len(end):]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", help="the folder scripts/gpu_check.sh wrote (the device run's gc/)")
     ap.add_argument("--repo", default=str(ROOT), help="the checkout to record into")
     ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    ap.add_argument("--grouped", action="store_true",
+                    help="a run of scripts/gpu_grouped_check.sh (the device run's gg/)")
     args = ap.parse_args(argv)
     src, repo = Path(args.out_dir), Path(args.repo)
     if not src.is_dir():
@@ -268,9 +291,22 @@ def main(argv: list[str] | None = None) -> int:
     tests = {xml: junit_summary(src / xml) for _, xml in TEST_STAGES if xml in present}
     targets = format_targets(check_targets(rows), quick=True) if rows else None
     dest_rel = f"benchmarks/results/{facts['date']}-{slug(facts['gpu'])}"
+    if args.grouped:
+        dest_rel += f"/grouped-cublas-{version_text(facts.get('cublaslt') or '?')}"
     block = summary(dest_rel, facts, tests, stage_endings(log), targets, benchmark_tables(rows))
+    markers = (BEGIN, END)
+    if args.grouped:
+        found = first_stage_findings(log)
+        block = block.replace(BEGIN, GROUPED_BEGIN, 1).replace(END, GROUPED_END, 1).replace(
+            "Latest GPU run:", "Latest run of the grouped GEMM (`scripts/gpu_grouped_check.sh`, "
+            "the libcublasLt carried):", 1)
+        first = ["Its first stages (GEMM GPU tests, probes, the benchmark with any m):", "",
+                 "```", *(found or ["(nothing: the stages did not run)"]), "```", ""]
+        at = block.index("\n- ") + 1
+        block = block[:at] + "\n".join(first) + "\n" + block[at:]
+        markers = (GROUPED_BEGIN, GROUPED_END)
     readme = repo / "README.md"
-    new_text = update_readme(readme.read_text(), block)
+    new_text = update_readme(readme.read_text(), block, *markers)
     print(block)
     if args.dry_run:
         return 0

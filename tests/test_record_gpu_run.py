@@ -158,8 +158,51 @@ def test_slug(gpu, want):
 
 def test_the_readme_has_the_markers_once():
     text = (ROOT / "README.md").read_text()
-    assert text.count(rec.BEGIN) == 1 and text.count(rec.END) == 1
-    assert text.index(rec.BEGIN) > text.index("## Status")
+    for begin, end in ((rec.BEGIN, rec.END), (rec.GROUPED_BEGIN, rec.GROUPED_END)):
+        assert text.count(begin) == 1 and text.count(end) == 1
+        assert text.index(end) > text.index(begin) > text.index("## Status")
+
+
+FIRST_STAGES = """== gpu_grouped_check 2027-01-15T09:55:00Z at abc1234: CUGROUPED_CUBLASLT=/tmp/c/libcublasLt.so.13
+cuBLASLt 13.10.0 (/tmp/c/libcublasLt.so.13, named by CUGROUPED_CUBLASLT)
+== GEMM GPU tests (limit 150 s)
+81 passed in 20.1s
+== GEMM GPU tests: rc=0 at 25 s
+== GEMM probes (scale alignment, grouped) (limit 150 s)
+probe scale pointer offset  4 bytes: ok (same bits as offset 0: True)
+probe grouped fine-E64 jagged m fprop: accepted; max |grouped - loop| / max |loop| = 3.1e-03; loop 231.0 us (host 10.30 us/expert), grouped 95.0 us (host 0.40 us/expert): 2.43x
+== GEMM probes (scale alignment, grouped): rc=0 at 70 s
+== GEMM benchmark, any m (limit 120 s)
+bench_grouped_any_m: GROUPED_DIM_BYTES 16 -> 1 (any m)
+dense peaks: bf16 790 TFLOP/s, fp8 1450 TFLOP/s; copy 4270 GB/s
+fine-E64-2048to1408      fprop cugrouped-fp8              0.095 ms   498.0 TFLOP/s  25.1% of roofline out bfloat16 host   0.4 us/expert (grouped)
+fine-E64-2048to1408      fprop torch-scaled_grouped_mm    0.120 ms   395.0 TFLOP/s  20.0% of roofline out bfloat16 cugrouped-fp8  1.26x faster
+== GEMM benchmark, any m: rc=0 at 120 s
+"""
+
+
+def test_a_grouped_run_is_recorded_beside_the_days_run(run_dir):
+    """``--grouped``: gpu_grouped_check.sh's folder (its first stages open the log) goes to a
+    grouped-cublas-<version>/ folder, and its own README block leads with what the first stages
+    found; the plain run's block is left alone."""
+    out, repo = run_dir
+    (out / "gpu_check.log").write_text(FIRST_STAGES + LOG)
+    text = (repo / "README.md").read_text()
+    (repo / "README.md").write_text(text + f"{rec.GROUPED_BEGIN}\nnone yet\n{rec.GROUPED_END}\n")
+    assert rec.main([str(out), "--repo", str(repo), "--grouped"]) == 0
+    dest = repo / "benchmarks" / "results" / "2027-01-15-h200" / "grouped-cublas-13.1.0"
+    assert (dest / "gpu_check.log").read_text() == FIRST_STAGES + LOG
+    new = (repo / "README.md").read_text()
+    assert new.startswith(text) and "none yet" not in new          # the plain block untouched
+    block = new[new.index(rec.GROUPED_BEGIN):]
+    assert "Latest run of the grouped GEMM" in block and "commit `abc1234`" in block
+    found = block[block.index("```"):block.index("```", block.index("```") + 3)]
+    assert "cuBLASLt 13.10.0" in found and "probe grouped fine-E64 jagged m fprop: accepted" in found
+    assert "probe scale pointer offset  4 bytes: ok" in found
+    assert "fprop torch-scaled_grouped_mm    0.120 ms" in found and "bench_grouped" not in found
+    assert "== GEMM benchmark, any m: rc=0 at 120 s" in found and "dense peaks" not in found
+    assert "GPU tests (limit" not in found                          # the GPU check's own lines
+    assert block.index("```") < block.index("- GPU tests:")
 
 
 def test_benchmark_tables_of_the_recorded_h200_run():
