@@ -17,7 +17,10 @@
 // would write first is never made; an index outside the matrix reads as a zero row.
 // The grid is a flat list of 64 x 128 tiles; expert e owns tiles [tile_start[e], tile_start[e+1]),
 // row-major over (tile row, tile column), at least one tile row, so that an empty expert still
-// writes its amax, scale_inv and (zero) column sums.
+// writes its amax, scale_inv and (zero) column sums. With half tiles (template parameter HALF) an
+// expert's last tile row of at most 32 rows (m_pad % 64 in 1..32, or an empty expert) is a row of
+// ceil(tiles_k / 2) tiles of 32 rows x 256 columns instead of tiles_k mostly empty 64-row ones
+// (tile_rows). Same bits either way.
 //
 // Modes (template parameter MODE):
 //   PCT_AMAX_ONLY  first pass of current scaling: amax, then scale = compute_scale(amax, margin,
@@ -54,6 +57,8 @@ constexpr int PCT_THREADS = 256;
 constexpr int PCT_SEGS_PER_ROW = PCT_TILE_K / PCT_SEG;                             // 8
 constexpr int PCT_SEG_ITERS = PCT_TILE_M * PCT_SEGS_PER_ROW / PCT_THREADS;         // 2
 static_assert(PCT_TILE_K == kTileCols, "seg_col, tile_col: 128-column tiles");
+static_assert(PCT_THREADS / PCT_SEGS_PER_ROW == PCT_TILE_M / 2,
+              "iteration it of a thread: tile row threadIdx.x / 8 + 32 it (half tiles' halves)");
 
 // Kernel argument block: passed by value (CuPy RawKernel takes a NumPy structured scalar with the
 // same layout; the emulator passes the same bytes). Fixed arrays of pointers and int64 have the same
@@ -93,18 +98,35 @@ struct PctExpert {
     i64 src_rows;
 };
 
-CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k) {
+// An expert's tile rows: `full` rows of 64 x 128 tiles, then (half) one row of half tiles, 32 rows
+// x 256 columns each: a half tile holds rows 0..31 of two neighbouring 128-column tiles, the
+// second one's in its tile rows 32..63. Without half tiles at least one full row, so that an empty
+// expert still writes its amax, scale_inv and (zero) column sums; with them an empty expert has a
+// row of half tiles instead.
+struct PctRows {
+    i64 full;
+    bool half;
+};
+CG_DEVICE PctRows tile_rows(i64 m_pad, bool half_tiles) {
     const i64 rows = (m_pad + PCT_TILE_M - 1) / PCT_TILE_M;
-    return (rows > 0 ? rows : 1) * tiles_k;
+    if (!half_tiles) return PctRows{rows > 0 ? rows : 1, false};
+    if (rows == 0) return PctRows{0, true};
+    const i64 last = m_pad - (rows - 1) * PCT_TILE_M;   // rows of the last tile row, 1..64
+    return last <= PCT_TILE_M / 2 ? PctRows{rows - 1, true} : PctRows{rows, false};
+}
+
+CG_DEVICE i64 tiles_of(i64 m_pad, i64 tiles_k, bool half_tiles) {
+    const PctRows r = tile_rows(m_pad, half_tiles);
+    return r.full * tiles_k + (r.half ? (tiles_k + 1) / 2 : 0);
 }
 
 // Device splits: read the counts of experts [0, first + num) in passes of PCT_THREADS, clamp them so
 // that they never run past total_rows (clamped prefix = min(prefix, total_rows)), and fill the
 // chunk's per-expert rows, row offsets, padded-column offsets and tile offsets in shared memory:
 // three block scans per pass (rows, padded columns, tiles of the chunk's experts), no serial loop.
-CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align, i64* sh_m,
-                                             i64* sh_row, i64* sh_col, i32* sh_tile_start,
-                                             i64* warp_totals) {
+CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align, bool half_tiles,
+                                             i64* sh_m, i64* sh_row, i64* sh_col,
+                                             i32* sh_tile_start, i64* warp_totals) {
     const int last = g.first_expert + g.num_experts;
     const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
     i64 row_carry = 0, col_carry = 0, tile_carry = 0;
@@ -122,7 +144,7 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
         const i64 padded = i < last ? round_up(m, align) : 0;
         i64 col_total;
         const i64 col_incl = block_inclusive_scan<PCT_THREADS>(padded, warp_totals, col_total);
-        const i64 tiles = mine ? tiles_of(padded, tiles_k) : 0;
+        const i64 tiles = mine ? tiles_of(padded, tiles_k, half_tiles) : 0;
         i64 tile_total;
         const i64 tile_incl = block_inclusive_scan<PCT_THREADS>(tiles, warp_totals, tile_total);
         if (mine) {
@@ -148,8 +170,9 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 //     became a loop over its tiles (TPB);
 //   the gather (GATHER: a row index and a range check per segment) one step lower: 5 (<= 48)
 //     for the amax-only pass without column sums, 3 (<= 80) for float32 with column sums (2,
-//     <= 128, for its CAST_AMAX, which spilled 24 bytes at 80 on sm_89), else 4 (at 40, resp.
-//     64, the float32 variants spilled 8 bytes on sm_80..sm_90; NVRTC 13.0);
+//     <= 128, for its CAST_AMAX, which spilled 24 bytes at 80 on sm_89) and for float32 CAST
+//     (44 bytes at 64 on sm_89 once an empty expert's full-tile loads read kNoRow's index), else
+//     4 (at 40, resp. 64, the float32 variants spilled 8 bytes on sm_80..sm_90; NVRTC 13.0);
 //   3 (<= 80) for float32 CAST_AMAX with column sums on sm_80 and sm_100 only: with a full
 //     tile's 8 loads in flight it spills at 64 there (4 and 8 bytes); sm_89 and sm_90 fit in 64.
 // Stated, not left to ptxas: without a minimum, ptxas picks a register target by itself and chose
@@ -161,6 +184,13 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 // registers) for 16-bit input, 2 (<= 128) for float32, which spilled 4 bytes at 80 on sm_89 and
 // sm_90 (NVRTC 13.0).
 constexpr int pct_act_min_blocks(InDtype in) { return in == InDtype::F32 ? 2 : 3; }
+// Half tiles (HALF: a tile's geometry and two more strides live across its loads): one step
+// lower than the plain kernel's, 5 (<= 48) for the amax-only pass of 16-bit input, 4 (<= 64) for
+// float32's, else 4, but 3 (<= 80) for float32 CAST (44 bytes spilled at 64 on sm_90; NVRTC 13.0).
+constexpr int pct_half_min_blocks(InDtype in, PctMode mode) {
+    return mode == PctMode::AMAX_ONLY ? (in == InDtype::F32 ? 4 : 5)
+         : in == InDtype::F32 && mode == PctMode::CAST ? 3 : 4;
+}
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || __CUDA_ARCH__ >= 1000)
 constexpr bool kPctF32ColsumNeedsMore = true;
@@ -168,11 +198,13 @@ constexpr bool kPctF32ColsumNeedsMore = true;
 constexpr bool kPctF32ColsumNeedsMore = false;
 #endif
 constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather = false,
-                             Act act = Act::NONE, int tpb = 1) {
-    return act != Act::NONE ? pct_act_min_blocks(in)
+                             Act act = Act::NONE, int tpb = 1, bool half = false) {
+    return half ? pct_half_min_blocks(in, mode)
+         : act != Act::NONE ? pct_act_min_blocks(in)
          : tpb > 1 ? (mode == PctMode::AMAX_ONLY ? 5 : 4)   // (16-bit input, no column sums)
          : gather ? (mode == PctMode::AMAX_ONLY && !colsum ? 5
-                     : in == InDtype::F32 && colsum ? (mode == PctMode::CAST_AMAX ? 2 : 3) : 4)
+                     : in == InDtype::F32 && colsum ? (mode == PctMode::CAST_AMAX ? 2 : 3)
+                     : in == InDtype::F32 && mode == PctMode::CAST ? 3 : 4)
          : mode == PctMode::AMAX_ONLY && !colsum ? (in == InDtype::F32 ? 5 : 6)
          : kPctF32ColsumNeedsMore && in == InDtype::F32 && mode == PctMode::CAST_AMAX && colsum ? 3
          : 4;
@@ -181,8 +213,8 @@ constexpr int pct_min_blocks(InDtype in, PctMode mode, bool colsum, bool gather 
 // COLSUM (compile time, so that the kernels without column sums carry no csum registers): also
 // write colsum; only in the passes that compute amax (the host launches COLSUM = true only there).
 template <InDtype IN, Fp8Format FMT, PctMode MODE, bool COLSUM = false, bool GATHER = false,
-          Act ACT = Act::NONE, int TPB = 1>
-__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER, ACT, TPB))
+          Act ACT = Act::NONE, int TPB = 1, bool HALF = false>
+__global__ void __launch_bounds__(PCT_THREADS, pct_min_blocks(IN, MODE, COLSUM, GATHER, ACT, TPB, HALF))
 pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const i32 margin,
                           const float amax_epsilon,  // AMAX_ONLY: compute_scale's options
                           const i32 power_2_scale,
@@ -204,6 +236,9 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     static_assert(TPB == 1 || (TPB == 2 && IN != InDtype::F32 && !COLSUM && !GATHER && !kGated),
                   "two tiles per block: 16-bit input without column sums, gather or activation "
                   "(the launch bounds of pct_min_blocks are set for those)");
+    static_assert(!HALF || (!COLSUM && !GATHER && !kGated && TPB == 1),
+                  "half tiles: one tile per block, without column sums (ordered by 64-row tiles), "
+                  "gather or activation (the launch bounds of pct_min_blocks are set for those)");
     __shared__ __align__(16) u8 tile[PCT_TILE_M][PCT_TILE_K];   // columns placed by tile_col
     __shared__ float warp_amax[PCT_THREADS / 32];
     __shared__ float warp_colsum[PCT_THREADS / 32][PCT_TILE_K];   // indexed by seg_col
@@ -221,7 +256,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
     // pass reads first are the ones it read last, still in L2. (No output depends on the order.)
     const bool host_splits = g.m_dev == nullptr;
     if (!host_splits)
-        block_plan_from_device_counts(g, k, align, sh_m, sh_row, sh_col, sh_tile_start, warp_totals);
+        block_plan_from_device_counts(g, k, align, HALF, sh_m, sh_row, sh_col, sh_tile_start,
+                                      warp_totals);
     // Carried from tile to tile: only the amax of the expert's tiles so far and their count
     // (the expert and its fields are found again for each tile, from the parameters or shared
     // memory, so that they take no registers across the loop).
@@ -259,11 +295,20 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
                           GATHER ? g.row_index + sh_row[e] : nullptr, g.src_rows};
         }
         const i64 m = x.m;
+        if (GATHER && m == 0) x.idx = kNoRow;   // (the full-tile loads read its one index)
         const i64 m_pad = round_up(m, align);
         const i64 tiles_k = (k + PCT_TILE_K - 1) / PCT_TILE_K;
         const i64 local = t - x.tile_begin;
-        const i64 row0 = (local / tiles_k) * PCT_TILE_M;
-        const i64 col0 = (local % tiles_k) * PCT_TILE_K;
+        const PctRows rows = tile_rows(m_pad, HALF);
+        const i64 full_tiles = rows.full * tiles_k;
+        const bool half = HALF && local >= full_tiles;
+        const i64 row0 = (half ? rows.full : local / tiles_k) * PCT_TILE_M;
+        const i64 col0 = half ? (local - full_tiles) * 2 * PCT_TILE_K : (local % tiles_k) * PCT_TILE_K;
+        // A thread's segment of iteration `it` is in tile row r = threadIdx.x / 8 + 32 it, at
+        // row0 + threadIdx.x / 8 + it * row_step, column col0 + c + it * col_step: the tile's rows
+        // in a full tile, the two 128-column halves' rows 0..31 in a half one.
+        const int row_step = half ? 0 : PCT_TILE_M / 2;
+        const int col_step = half ? PCT_TILE_K : 0;
         const float s = kCast ? ftz(scale[e]) : 1.f;   // a denormal scale is 0 on the GPU (-ftz=true)
         const bool rowwise = x.out_row != nullptr;
         const bool columnwise = x.out_col != nullptr;
@@ -282,7 +327,7 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         // cannot differ.
         float csum[PCT_SEG];
         // (The gated activation's second half starts k columns to the right: aligned too.)
-        const bool full_tile = col0 + PCT_TILE_K <= k && aligned16(x.in) &&
+        const bool full_tile = col0 + (half ? 2 : 1) * PCT_TILE_K <= k && aligned16(x.in) &&
                                (x.ld * Traits::bytes) % 16 == 0 &&
                                (!kGated || (k * Traits::bytes) % 16 == 0);
         uint4 raw[PCT_SEG_ITERS][Traits::words];
@@ -290,19 +335,28 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (full_tile) {
     #pragma unroll
             for (int it = 0; it < PCT_SEG_ITERS; ++it) {
-                const int seg = threadIdx.x + it * PCT_THREADS;
-                const i64 grow = row0 + seg / PCT_SEGS_PER_ROW;
-                const i64 gcol = col0 + (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-                // a row past m reads row m - 1 again (a tile exists only for m >= 1; the bytes come
-                // from L1/L2), so that no load depends on a branch, and is zeroed below
-                const i64 lrow = grow < m ? grow : m - 1;
-                Traits::load_raw(segment_src<Traits::bytes, GATHER>(x, lrow, gcol), raw[it]);
-                if constexpr (kGated)
-                    Traits::load_raw(segment_src<Traits::bytes, false>(x, lrow, gcol + k), raw_b[it]);
+                const i64 grow = row0 + threadIdx.x / PCT_SEGS_PER_ROW + it * row_step;
+                const i64 gcol = col0 + (threadIdx.x % PCT_SEGS_PER_ROW) * PCT_SEG + it * col_step;
+                // a row past m reads row m - 1 again (the bytes come from L1/L2), so that no load
+                // depends on a branch, and is zeroed below; an empty expert has no row to read (a
+                // tensor of no rows may have a null pointer, the gather's index array no entry):
+                // it reads kZeroSegment, through a select or (gather) kNoRow's index
+                if constexpr (GATHER) {
+                    const i64 lrow = grow < m ? grow : (m > 0 ? m - 1 : 0);
+                    Traits::load_raw(segment_src<Traits::bytes, true>(x, lrow, gcol), raw[it]);
+                } else {
+                    const i64 lrow = grow < m ? grow : m - 1;
+                    const bool rows = m > 0;
+                    Traits::load_raw(rows ? segment_src<Traits::bytes, false>(x, lrow, gcol)
+                                          : static_cast<const void*>(kZeroSegment), raw[it]);
+                    if constexpr (kGated)
+                        Traits::load_raw(rows ? segment_src<Traits::bytes, false>(x, lrow, gcol + k)
+                                              : static_cast<const void*>(kZeroSegment), raw_b[it]);
+                }
             }
     #pragma unroll
             for (int it = 0; it < PCT_SEG_ITERS; ++it) {
-                if (row0 + (threadIdx.x + it * PCT_THREADS) / PCT_SEGS_PER_ROW >= m) {
+                if (row0 + threadIdx.x / PCT_SEGS_PER_ROW + it * row_step >= m) {
     #pragma unroll
                     for (int w = 0; w < Traits::words; ++w) {
                         raw[it][w] = make_uint4(0u, 0u, 0u, 0u);
@@ -316,8 +370,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
             const int seg = threadIdx.x + it * PCT_THREADS;
             const int r = seg / PCT_SEGS_PER_ROW;
             const int c = (seg % PCT_SEGS_PER_ROW) * PCT_SEG;
-            const i64 grow = row0 + r;
-            const i64 gcol = col0 + c;
+            const i64 grow = row0 + threadIdx.x / PCT_SEGS_PER_ROW + it * row_step;
+            const i64 gcol = col0 + c + it * col_step;
             float v[PCT_SEG];
             float vb[kGated ? PCT_SEG : 1];
             if (full_tile) {
@@ -385,7 +439,8 @@ pad_cast_transpose_kernel(const PctGroup g, const i64 k, const i32 align, const 
         if (kCast) {
             __syncthreads();
             if (columnwise)
-                store_transposed_tile<PCT_TILE_M, PCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0);
+                store_transposed_tile<PCT_TILE_M, PCT_THREADS>(tile, x.out_col, k, m_pad, row0, col0,
+                                                               half);
         }
 
         // Column sums, in a fixed order that the reference reproduces: per thread rows r + (r + 32);

@@ -139,6 +139,8 @@ CG_DEVICE void store16(u8* dst, i64 n, uint4 q) {
 
 // What a gathered zero row reads: one segment (kSeg float32) of zeros.
 __device__ __align__(16) const u8 kZeroSegment[kSeg * 4] = {};
+// The row index of an empty expert's gather: one index outside every token matrix (a zero row).
+__device__ const i64 kNoRow[1] = {-1};
 
 // Where the segment at (row `grow`, column `gcol`) of expert `x`'s input starts (X: the kernel's
 // per-expert view, with in, ld, idx, src_rows). GATHER (a separate instantiation, so that the
@@ -184,9 +186,11 @@ CG_DEVICE constexpr int tile_col(int r, int c) { return (((c >> 4) ^ ((r >> 4) &
 // warp's store fills 16 whole sectors (one lane per run would half-fill 32 sectors per
 // instruction, and finish each with a second one). A run cut short by m_pad (16 rows when
 // m_pad % 32 == 16) is one lane's store; any other length, or an unaligned run, bytes.
+// `half` (a half tile of pad_cast_transpose.cu, ROWS 64): the tile's rows 32..63 are rows 0..31 of
+// the next 128 columns, so its runs rr = 32 go to columns col0 + 128 + cc, rows row0 ...
 template <int ROWS, int THREADS>
 CG_DEVICE void store_transposed_tile(const u8 (&tile)[ROWS][kTileCols], u8* out_col, i64 k,
-                                     i64 m_pad, i64 row0, i64 col0) {
+                                     i64 m_pad, i64 row0, i64 col0, bool half = false) {
     constexpr int kRun = 32;
     constexpr int kHalves = 2 * kTileCols * (ROWS / kRun) / THREADS;   // half-runs per thread
     static_assert(kHalves * THREADS == 2 * kTileCols * (ROWS / kRun), "whole half-runs per thread");
@@ -196,8 +200,9 @@ CG_DEVICE void store_transposed_tile(const u8 (&tile)[ROWS][kTileCols], u8* out_
         const int run = half_run >> 1, lo = 16 * (half_run & 1);
         const int cc = run % kTileCols;
         const int rr = (run / kTileCols) * kRun;
-        const i64 ocol = col0 + cc;
-        const i64 orow = row0 + rr;
+        const int part = half ? rr / kRun : 0;   // (half: ROWS == 2 * kRun)
+        const i64 ocol = col0 + part * kTileCols + cc;
+        const i64 orow = row0 + rr - part * kRun;
         if (ocol >= k || orow >= m_pad) continue;
         u8* dst = out_col + ocol * m_pad + orow;
         const i64 n = m_pad - orow < kRun ? m_pad - orow : kRun;

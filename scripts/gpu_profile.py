@@ -62,8 +62,9 @@ def _sync(xp) -> None:
 
 def case_cast() -> None:
     """The launches ncu profiles (all of them: the first of each is a cold one): per shape and
-    tiles per block (1, then 2), 3 of delayed scaling (given scales: one CAST_AMAX launch each),
-    then 3 of current scaling (an AMAX pass and a CAST launch each): 36 launches."""
+    variant (one tile per block, two, then half tiles), 3 of delayed scaling (given scales: one
+    CAST_AMAX launch each), then 3 of current scaling (an AMAX pass and a CAST launch each):
+    54 launches."""
     import numpy as np
 
     import cugrouped
@@ -80,13 +81,16 @@ def case_cast() -> None:
         scale = xp.ones(cfg.experts, np.float32)
         from cugrouped.ops import pad_cast_transpose as pct
 
-        for tpb in (1, 2):                  # one tile per block (the default), then two
+        # one tile per block (the default), two, then half tiles
+        for tpb, half in ((1, False), (2, False), (1, True)):
             pct.set_tiles_per_block(tpb)
+            pct.set_half_tiles(half)
             for _ in range(3):
                 cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16", scale=scale)
             for _ in range(3):
                 cugrouped.multi_pad_cast_transpose(x, m, dtype="bfloat16")
         pct.set_tiles_per_block(1)
+        pct.set_half_tiles(False)
         _sync(xp)
         print(f"cast case {cfg.name}: {len(m)} experts, k={cfg.k}, {sum(m)} tokens", flush=True)
 
@@ -496,11 +500,11 @@ def main(out: pathlib.Path) -> int:
     in_process(host_gemm)
     if ncu:
         cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
-               "-k", "regex:pad_cast_transpose", "--launch-count", "36"]
+               "-k", "regex:pad_cast_transpose", "--launch-count", "54"]
         for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats",
                         "LaunchStats", "SchedulerStats"):
             cmd += ["--section", section]
-        step("ncu on the casts", cmd + me + ["cast-case"], 120, out / "ncu_cast.txt")
+        step("ncu on the casts", cmd + me + ["cast-case"], 160, out / "ncu_cast.txt")
     step("cast bench, every config, cugrouped alone", [PY, "-c", (
         "import sys; sys.path.insert(0, %r); from cugrouped.bench.cast import bench_cast; "
         "bench_cast(False, [], impls=('cugrouped',))" % str(ROOT))], 60, out / "cast_all.txt")

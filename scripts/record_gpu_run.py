@@ -177,6 +177,7 @@ def benchmark_tables(rows: list[dict]) -> str:
 # (op, the default row's impl, a variant's impl, the field that tells rows of a config apart,
 # the knob that sets the variant)
 TUNING = (("cast", "cugrouped", "cugrouped-tpb2", "scaling", "set_tiles_per_block(2)"),
+          ("cast", "cugrouped", "cugrouped-half", "scaling", "set_half_tiles(True)"),
           ("gemm", "cugrouped-fp8", "cugrouped-fp8-s16", "pass_name", "set_side_streams(16)"),
           ("gemm", "cugrouped-fp8", "cugrouped-fp8-t4", "pass_name", "set_host_threads(4)"))
 

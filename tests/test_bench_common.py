@@ -190,6 +190,11 @@ def test_tile_fill_counts_the_padded_rows_in_whole_tiles():
     assert tile_fill_pct([128, 64]) == 100.0 and tile_fill_pct([0, 0]) == 100.0
     fine = next(c for c in CAST_CONFIGS if c.name == "fine-E64-jagged")
     assert 70 < tile_fill_pct(fine.m_splits()) < 85          # jagged E=64: a fifth unused
+    # half tiles: a last row of at most 32 rows counts 32 (100: 64 + 48 rows, still a full row;
+    # 1: 16 padded rows in a half row)
+    assert tile_fill_pct([100, 64, 0, 1], half=True) == pytest.approx(100 * 165 / (3 * 64 + 32))
+    assert tile_fill_pct([20, 33], align=1, half=True) == pytest.approx(100 * 53 / (32 + 64))
+    assert 88 < tile_fill_pct(fine.m_splits(), half=True) < 95
 
 
 def test_permute_cast_bytes_read_the_tokens_once_when_they_fit_in_l2():
@@ -286,7 +291,7 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     class Ops:                                   # the op, its time by scaling and tiles/block
         padded_splits = staticmethod(bc.pct.padded_splits)
         TILE_M = bc.pct.TILE_M
-        tpb = 1
+        tpb, half = 1, False
 
         @staticmethod
         def set_tiles_per_block(n):
@@ -294,9 +299,15 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
             return old
 
         @staticmethod
+        def set_half_tiles(on):
+            old, Ops.half = Ops.half, on
+            return old
+
+        @staticmethod
         def multi_pad_cast_transpose(x, m_splits, dtype=None, scale=None):
             assert x in ("x0", "x1") and m_splits == cfg.m_splits()
-            gpu.work("ours", (1.0 if scale is None else 0.8) - 0.1 * (Ops.tpb - 1))(0)
+            gpu.work("ours", (1.0 if scale is None else 0.8) - 0.1 * (Ops.tpb - 1)
+                     - 0.05 * Ops.half)(0)
 
     compiled = {"fn": gpu.work("compile", 1.5)}
     monkeypatch.setattr(bc, "QUICK_CAST", (cfg,))
@@ -310,12 +321,17 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     bc.bench_cast(True, rows)
     got = {(r["impl"], r["scaling"]): r for r in rows}
     assert list(got) == [("cugrouped", "current"), ("cugrouped-tpb2", "current"),
+                         ("cugrouped-half", "current"),
                          ("cugrouped", "delayed"), ("cugrouped-tpb2", "delayed"),
+                         ("cugrouped-half", "delayed"),
                          ("torch-eager", "current"), ("torch-compile", "current")]
-    assert [r["ms"] for r in rows] == pytest.approx([1.0, 0.9, 0.8, 0.7, 3.0, 1.5], abs=1e-9)
-    assert Ops.tpb == 1                          # set back after each two-tile call
+    assert [r["ms"] for r in rows] == pytest.approx([1.0, 0.9, 0.95, 0.8, 0.7, 0.75, 3.0, 1.5],
+                                                    abs=1e-9)
+    assert Ops.tpb == 1 and Ops.half is False    # set back after each variant's call
     assert got["cugrouped-tpb2", "delayed"]["pct_copy_bw"] == pytest.approx(
         got["cugrouped", "delayed"]["pct_copy_bw"] * 0.8 / 0.7)
+    assert got["cugrouped-half", "current"]["tile_fill_pct"] == pytest.approx(
+        bc.tile_fill_pct(cfg.m_splits(), half=True))
     ours = got["cugrouped", "current"]
     nbytes = bc.cast_bytes(cfg.tokens, cfg.k, sum(bc.pct.padded_splits(cfg.m_splits(), 16)),
                            True, 50 << 20)
@@ -337,7 +353,8 @@ def test_bench_cast_rows_on_a_model_gpu(monkeypatch, capsys):
     compiled["fn"] = fails
     n = len(rows)
     bc.bench_cast(True, rows)
-    assert [r["impl"] for r in rows[n:]] == ["cugrouped", "cugrouped-tpb2"] * 2 + ["torch-eager"]
+    assert [r["impl"] for r in rows[n:]] == \
+        ["cugrouped", "cugrouped-tpb2", "cugrouped-half"] * 2 + ["torch-eager"]
     assert "torch-compile  skipped: RuntimeError: backend='inductor' raised" in \
         capsys.readouterr().out
 

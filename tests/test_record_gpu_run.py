@@ -231,15 +231,16 @@ def test_benchmark_tables_of_the_recorded_h200_run():
 
 
 def test_tuning_knobs_against_the_default_of_the_same_config_and_pass():
-    """Each variant row (two tiles per block, 16 side streams, 4 host threads) against the
-    default row of its config and pass (or scaling) and output width; no variant rows, no
-    table."""
+    """Each variant row (two tiles per block, half tiles, 16 side streams, 4 host threads)
+    against the default row of its config and pass (or scaling) and output width; no variant
+    rows, no table."""
     def row(op, impl, config, ms, **kw):
         return dict(op=op, impl=impl, config=config, ms=ms, **kw)
 
     rows = [row("cast", "cugrouped", "E8", 0.20, scaling="current"),
             row("cast", "cugrouped", "E8", 0.15, scaling="delayed"),
             row("cast", "cugrouped-tpb2", "E8", 0.16, scaling="current"),
+            row("cast", "cugrouped-half", "E8", 0.12, scaling="delayed"),
             row("gemm", "cugrouped-fp8", "E64", 0.40, pass_name="fprop", out_dtype="bfloat16",
                 host_us_per_expert=10.0),
             row("gemm", "cugrouped-fp8", "E64", 0.50, pass_name="dgrad", out_dtype="bfloat16",
@@ -252,6 +253,7 @@ def test_tuning_knobs_against_the_default_of_the_same_config_and_pass():
     lines = rec.tuning_table(rows).splitlines()
     assert lines[4:] == [
         "| `set_tiles_per_block(2)` | E8 | current | 0.200 | 0.160 | 1.25x | - |",
+        "| `set_half_tiles(True)` | E8 | delayed | 0.150 | 0.120 | 1.25x | - |",
         "| `set_side_streams(16)` | E64 | dgrad | 0.500 | 0.500 | 1.00x | 11.0 -> 12.0 |",
         "| `set_host_threads(4)` | E64 | fprop | 0.400 | 0.250 | 1.60x | 10.0 -> 3.5 |"]
     assert rec.tuning_table([r for r in rows if r["impl"] in ("cugrouped", "cugrouped-fp8")]) == ""

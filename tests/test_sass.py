@@ -154,7 +154,8 @@ def test_gather_keeps_wide_loads_issued_together(gather_sass, dtype, mode, colsu
         assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
         assert _sass.longest_load_run(by_name[name]) == loads
         cap = 48 if (mode, colsum) == ("AMAX_ONLY", False) else \
-            (128 if mode == "CAST_AMAX" else 80) if (dtype, colsum) == ("float32", True) else 64
+            (128 if mode == "CAST_AMAX" else 80) if (dtype, colsum) == ("float32", True) else \
+            80 if (dtype, mode) == ("float32", "CAST") else 64
         assert resources[name].registers <= cap and resources[name].spills == 0, resources[name]
 
 
@@ -319,3 +320,33 @@ def test_two_tiles_per_block_keep_the_full_tile_loads_and_the_bounds(sass_tpb2, 
             assert 32 <= ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] <= 36, ops
         r = resources[name]
         assert r.registers <= (48 if mode == "AMAX_ONLY" else 64) and r.spills == 0, r
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def sass_half(request):
+    """The half-tile kernels (set_half_tiles(True)), one compile per architecture."""
+    return _compiled(pct.HALF_KERNEL_SPEC, request.param)
+
+
+@pytest.mark.parametrize("mode", ["AMAX_ONLY", "CAST", "CAST_AMAX"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_tiles_keep_the_full_tile_loads_and_the_bounds(sass_half, dtype, mode):
+    """A half tile is a full tile's work at other addresses: the plain kernel's loads, all of
+    a full tile's issued together, its 16-byte stores and hardware conversions, no local
+    memory; within pct_half_min_blocks' registers (64; 48 for the 16-bit amax-only pass, 5
+    blocks per SM; 80 for float32 CAST, 3), no spill."""
+    arch, by_name, resources = sass_half
+    loads = 8 if dtype == "float32" else 4
+    for fmt in FORMATS:
+        name = pct.kernel_name(dtype, fmt, mode, half=True)
+        ops = _sass.memory_ops(by_name[name])
+        assert _sass.longest_load_run(by_name[name]) == loads
+        assert ops["LDG.E.128"] == 2 * loads, ops
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), ops
+        assert ops["STG.E.128"] == (0 if mode == "AMAX_ONLY" else 4), ops
+        if mode != "AMAX_ONLY" and int(arch) >= 89:
+            assert 16 <= ops[f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB_MERGE_C"] <= 18, ops
+        r = resources[name]
+        cap = 48 if mode == "AMAX_ONLY" and dtype != "float32" else \
+            80 if (dtype, mode) == ("float32", "CAST") else 64
+        assert r.registers <= cap and r.spills == 0, r

@@ -94,20 +94,27 @@ def _cast_inputs(cfg: CastConfig, copies: int, torch):
             cupy.ones(cfg.experts, np.float32))
 
 
-def tile_fill_pct(m_splits, align: int = 16) -> float:
+def tile_fill_pct(m_splits, align: int = 16, half: bool = False) -> float:
     """The share of the cast kernel's tile rows that hold tokens: each expert's rows, padded to
     ``align``, go in whole ``TILE_M``-row tiles, and a tile's empty rows still hold a block's
-    threads (jagged counts at E=64: about a fifth of them; a reading of the cast's bandwidth)."""
-    rows = sum(-(-mp // pct.TILE_M) for mp in pct.padded_splits(m_splits, align)) * pct.TILE_M
+    threads (jagged counts at E=64: about a fifth of them; a reading of the cast's bandwidth).
+    ``half``: with half tiles (``set_half_tiles``), a last tile row of at most 32 rows counts 32.
+    (An empty expert's tile row, which only writes its scales, is not counted.)"""
+    def tile_rows(mp):
+        full, last = divmod(mp, pct.TILE_M)
+        return mp if last == 0 else full * pct.TILE_M + (
+            pct.TILE_M // 2 if half and last <= pct.TILE_M // 2 else pct.TILE_M)
+
+    rows = sum(tile_rows(mp) for mp in pct.padded_splits(m_splits, align))
     return 100.0 * sum(m_splits) / rows if rows else 100.0
 
 
 def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPLS) -> None:
     """``impls``: which of :data:`CAST_IMPLS` to time (with ``"cugrouped"``, also its kernel at
-    two tiles per block, rows ``cugrouped-tpb2``). The GPU check times cugrouped and torch
-    eager first and the ``torch.compile`` peer in a later section (its compile takes longest and
-    must not crowd out the other numbers under a time limit); its speed-up is over the cugrouped
-    row already measured."""
+    two tiles per block and with half tiles, rows ``cugrouped-tpb2`` and ``cugrouped-half``).
+    The GPU check times cugrouped and torch eager first and the ``torch.compile`` peer in a
+    later section (its compile takes longest and must not crowd out the other numbers under a
+    time limit); its speed-up is over the cugrouped row already measured."""
     configs = QUICK_CAST if quick else CAST_CONFIGS
     try:
         import torch
@@ -138,9 +145,12 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
             scale = None if scaling == "current" else ones
             fns["cugrouped", scaling] = lambda i, scale=scale: pct.multi_pad_cast_transpose(
                 xs[i % copies], m_splits, dtype=tag, scale=scale)
-            # the kernel at two tiles per block (set_tiles_per_block(2)), timed beside it
+            # the kernel at two tiles per block (set_tiles_per_block(2)) and with half tiles
+            # (set_half_tiles(True)), timed beside it
             fns["cugrouped-tpb2", scaling] = with_setting(fns["cugrouped", scaling],
                                                           pct.set_tiles_per_block, 2)
+            fns["cugrouped-half", scaling] = with_setting(fns["cugrouped", scaling],
+                                                          pct.set_half_tiles, True)
         if torch is not None:
             for impl, fn in zip(("torch-eager", "torch-compile"),
                                 _torch_peers(cfg, xt[0], m_splits, compile_peer)):
@@ -156,14 +166,15 @@ def bench_cast(quick: bool, rows: list[dict], impls: tuple[str, ...] = CAST_IMPL
         timed = time_together(fns, 30, skipped=skipped)
         for (impl, scaling), t in timed.items():
             ms, hus = t.ms, t.host_us
-            if impl in ("cugrouped", "cugrouped-tpb2"):
+            if impl in ("cugrouped", "cugrouped-tpb2", "cugrouped-half"):
                 nbytes = cast_bytes(cfg.tokens, cfg.k, sum(pct.padded_splits(m_splits, 16)),
                                     scaling == "current", l2)
                 gbs = nbytes / ms / 1e6
                 row = dict(op="cast", config=cfg.name, scaling=scaling, impl=impl, ms=ms,
                            gbs=gbs, pct_copy_bw=100 * gbs / bw, host_us=hus,
                            host_us_per_expert=hus / cfg.experts, l2_bytes=l2,
-                           tile_fill_pct=tile_fill_pct(m_splits), **t.columns())
+                           tile_fill_pct=tile_fill_pct(m_splits, half=impl == "cugrouped-half"),
+                           **t.columns())
                 rows.append(row)
                 print(f"{cfg.name:<22} {scaling:<8} {impl:<14} {ms:8.3f} ms {gbs:7.0f} GB/s "
                       f"{row['pct_copy_bw']:5.1f}% of copy, host {hus:6.1f} us/call, "

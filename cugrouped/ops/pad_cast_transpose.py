@@ -30,7 +30,7 @@ __all__ = ["multi_pad_cast_transpose", "check_scale_and_out",
            "check_out_format", "check_out_kind", "ACTIVATIONS", "check_activation",
            "normalized_input", "ACT_KERNEL_SPEC", "TPB_KERNEL_SPEC", "TPB_DTYPES",
            "TILES_PER_BLOCK", "has_tiles_per_block", "tiles_per_block", "set_tiles_per_block",
-           "blocks_for"]
+           "blocks_for", "half_tiles", "set_half_tiles", "has_half_tiles", "HALF_KERNEL_SPEC"]
 
 # Must match kernels_cu/pad_cast_transpose.cu.
 MAX_EXPERTS_PER_LAUNCH = 64
@@ -61,12 +61,14 @@ def check_activation(activation, column_sums: bool = False, gather: bool = False
 
 @functools.lru_cache(maxsize=256)   # per launch; a name is formatted once
 def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = False,
-                gather: bool = False, activation: str | None = None, tpb: int = 1) -> str:
+                gather: bool = False, activation: str | None = None, tpb: int = 1,
+                half: bool = False) -> str:
     """The instantiation for one launch. Column sums, the gather (``row_index``), the
-    activation and the tiles per block are template parameters (``COLSUM``, ``GATHER``, ``ACT``,
-    ``TPB``; default false, false, none, 1), so the common kernels carry no registers for them;
-    the names of those keep the three-argument spelling. ``tpb`` 2 exists for 16-bit input
-    without the other three (:data:`TPB_KERNEL_SPEC`)."""
+    activation, the tiles per block and half tiles are template parameters (``COLSUM``,
+    ``GATHER``, ``ACT``, ``TPB``, ``HALF``; default false, false, none, 1, false), so the common
+    kernels carry no registers for them; the names of those keep the three-argument spelling.
+    ``tpb`` 2 exists for 16-bit input without the other three (:data:`TPB_KERNEL_SPEC`), ``half``
+    without any of the others (:data:`HALF_KERNEL_SPEC`)."""
     if column_sums and mode not in _COLSUM_MODES:
         raise ValueError(f"mode: column sums are computed in {_COLSUM_MODES}, got {mode!r}")
     check_activation(activation, column_sums, gather)
@@ -79,6 +81,11 @@ def kernel_name(in_dtype: str, fp8_format: str, mode: str, column_sums: bool = F
             raise ValueError(f"tpb: {tpb} tiles per block exist for {TPB_DTYPES} input without "
                              "column sums, gather or activation (and only 1 or 2)")
         tail = f", false, false, cg::Act::NONE, {tpb}"
+    if half:
+        if tpb != 1 or not has_half_tiles(column_sums, gather, activation):
+            raise ValueError("half: half tiles exist without column sums, gather, activation or "
+                             "two tiles per block")
+        tail = ", false, false, cg::Act::NONE, 1, true"
     return (f"cg::pad_cast_transpose_kernel<cg::InDtype::{_IN[in_dtype]}, "
             f"cg::Fp8Format::{_FMT[fp8_format]}, cg::PctMode::{mode}{tail}>")
 
@@ -122,6 +129,20 @@ TPB_KERNEL_SPEC = _jit.register("pad_cast_transpose_tpb2", _jit.KernelSpec(
     name_expressions=tuple(kernel_name(d, f, m, tpb=2) for d in TPB_DTYPES for f in _FMT
                            for m in _MODES)))
 
+def has_half_tiles(column_sums: bool, gather: bool, activation) -> bool:
+    """Whether the kernel has a half-tile instantiation for these options: not with column sums
+    (their summation order is by 64-row tiles), the gather or the activation."""
+    return not column_sums and not gather and activation is None
+
+
+# Half tiles (the kernel's HALF): its own module too, compiled when first used
+# (set_half_tiles(True)); without column sums, gather or activation: 3 dtypes x 2 formats x 3 modes.
+HALF_KERNEL_SPEC = _jit.register("pad_cast_transpose_half", _jit.KernelSpec(
+    source="pad_cast_transpose.cu",
+    name_expressions=tuple(kernel_name(d, f, m, half=True) for d in _IN for f in _FMT
+                           for m in _MODES)))
+
+
 _tiles_per_block = 1
 
 
@@ -141,6 +162,31 @@ def set_tiles_per_block(n: int) -> int:
     global _tiles_per_block
     old = _tiles_per_block
     _tiles_per_block = _launch.setting(n, TILES_PER_BLOCK, f"one of {TILES_PER_BLOCK}")
+    return old
+
+
+_half_tiles = False
+
+
+def half_tiles() -> bool:
+    """Whether the per-tensor cast puts an expert's last tile row of at most 32 rows in half
+    tiles (32 rows x 256 columns, ``ceil(tiles_k / 2)`` of them) instead of ``tiles_k`` 64-row
+    tiles at most half full, where the kernel has that instantiation (:func:`has_half_tiles`;
+    one tile per block then, whatever :func:`tiles_per_block` says)."""
+    return _half_tiles
+
+
+def set_half_tiles(on: bool) -> bool:
+    """Set :func:`half_tiles` for the casts that follow in this process; returns the previous
+    value. A block's time hardly depends on how many of its tile's rows are real, so the
+    jagged counts of many small experts (a fifth of the 64-row tiles' rows unused at E=64,
+    ``tile_fill_pct`` in ``bench cast``) cost blocks that half tiles save: the tile rows go from
+    ``ceil(m_pad / 64)`` per expert to within 32 rows of ``m_pad / 64``. A tuning knob for
+    benchmarks: either value gives the same bits; off until a GPU measurement says otherwise
+    (``python -m cugrouped bench cast``: the ``cugrouped-half`` rows)."""
+    global _half_tiles
+    _launch.check_bool(on, "on")
+    old, _half_tiles = _half_tiles, bool(on)
     return old
 
 
@@ -177,30 +223,43 @@ def _padded(m_splits: tuple[int, ...], align: int) -> tuple[int, ...]:
     return tuple([-(-m // align) * align for m in _launch.int_tuple(m_splits)])
 
 
-def tile_counts(m_splits: Sequence[int], k: int, align: int) -> tuple[int, ...]:
+def tile_counts(m_splits: Sequence[int], k: int, align: int, half: bool = False
+                ) -> tuple[int, ...]:
     """Tiles (64 x 128) per expert: at least one tile row, so that an empty expert still writes
-    its amax, scale_inv and (zero) column sums."""
+    its amax, scale_inv and (zero) column sums. With ``half`` (:func:`set_half_tiles`) a last
+    tile row of at most 32 rows (an empty expert's included) is ``ceil(tiles_k / 2)`` half
+    tiles of 32 x 256 instead (the kernel's ``tile_rows``)."""
     tiles_k = -(-k // TILE_K)
     rows = [-(-mp // TILE_M) for mp in padded_splits(m_splits, align)]
-    return tuple([(r if r > 1 else 1) * tiles_k for r in rows])     # max(1, r), inlined
+    if not half:
+        return tuple([(r if r > 1 else 1) * tiles_k for r in rows])     # max(1, r), inlined
+    halves, counts = -(-tiles_k // 2), []
+    for r, mp in zip(rows, padded_splits(m_splits, align)):
+        last = mp - (r - 1) * TILE_M        # rows of the last tile row (r >= 1)
+        counts.append(halves if r == 0 else
+                      (r - 1) * tiles_k + halves if last <= TILE_M // 2 else r * tiles_k)
+    return tuple(counts)
 
 
 def plan_launches(m_splits: Sequence[int], k: int, align: int,
-                  max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
-    """Split the experts into chunks that fit one argument block, with each chunk's tile offsets."""
-    return list(_plan_cached(_launch.int_tuple(m_splits), k, align, max_experts))
+                  max_experts: int = MAX_EXPERTS_PER_LAUNCH, half: bool = False
+                  ) -> list[ChunkLaunch]:
+    """Split the experts into chunks that fit one argument block, with each chunk's tile offsets
+    (``half``: with half tiles, :func:`tile_counts`)."""
+    return list(_plan_cached(_launch.int_tuple(m_splits), k, align, max_experts, bool(half)))
 
 
 @functools.lru_cache(maxsize=256)   # a training step repeats its splits per layer and pass
-def _plan_cached(m_splits: tuple[int, ...], k: int, align: int, max_experts: int) -> tuple:
-    return _launch.chunks_of_tiles(tile_counts(m_splits, k, align), max_experts)
+def _plan_cached(m_splits: tuple[int, ...], k: int, align: int, max_experts: int,
+                 half: bool = False) -> tuple:
+    return _launch.chunks_of_tiles(tile_counts(m_splits, k, align, half), max_experts)
 
 
 def plan_launches_device(num_experts: int, total_rows: int, k: int, align: int,
                          max_experts: int = MAX_EXPERTS_PER_LAUNCH) -> list[ChunkLaunch]:
     """Chunks for counts that stay on the device: each grid covers the worst case of its chunk,
     ``tiles_k * (ceil((rows + count * (align - 1)) / 64) + count)`` (every expert rounds up to
-    ``align`` and to a tile row)."""
+    ``align`` and to a tile row; half tiles only make fewer)."""
     tiles_k = -(-k // TILE_K)
     return _launch.device_chunks(
         num_experts, max_experts,
@@ -426,19 +485,23 @@ def launch_cast(backend: str, g: GroupedInput, res: GroupedFP8, fp8_format: str,
     :func:`cast_arrays`, and what the torch layer's own cast op calls with buffers it allocated
     itself (``cugrouped.pytorch._custom_ops.fp8_quantize``). ``rule``: ``(margin, amax_epsilon
     as its float32 value, power_2_scale)``. On the device: under the caller's device scope."""
+    # (both passes of current scaling on one tile list)
+    half = _half_tiles and has_half_tiles(column_sums, g.row_index is not None, activation)
     if g.m_dev is not None:
         plans = plan_launches_device(g.num_experts, g.total_rows, g.k, align)
     else:
-        plans = plan_launches(g.m_splits, g.k, align)
+        plans = plan_launches(g.m_splits, g.k, align, half=half)
     _launch_all(backend, g, res, plans, align, "CAST_AMAX" if given_scale else "AMAX_ONLY",
-                fp8_format, rule, column_sums, amax_accumulate, activation)
+                fp8_format, rule, column_sums, amax_accumulate, activation, half)
 
 
 def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, fp8_format,
-                rule: tuple, column_sums, amax_accumulate=False, activation=None) -> None:
-    """``rule``: ``(margin, amax_epsilon, power_2_scale)``, how the amax pass computes scales."""
+                rule: tuple, column_sums, amax_accumulate=False, activation=None,
+                half: bool = False) -> None:
+    """``rule``: ``(margin, amax_epsilon, power_2_scale)``, how the amax pass computes scales;
+    ``half``: the plans have half tiles (:func:`set_half_tiles`)."""
     gather = g.row_index is not None
-    for chunk, arg in zip(plans, _packed_groups(g, res, plans, align)):
+    for chunk, arg in zip(plans, _packed_groups(g, res, plans, align, half)):
         if len(plans) == 1:    # the usual case: no per-call slicing of device arrays (~us each)
             ptrs, colsum = (res.scale, res.amax, res.scale_inv), res.column_sums
         else:
@@ -449,11 +512,13 @@ def _launch_all(backend, g: GroupedInput, res: GroupedFP8, plans, align, mode, f
         for p in passes:
             # column sums are taken in the pass that computes amax (it reads the input anyway)
             cs = colsum if p != "CAST" else None
-            tpb = _tiles_per_block if has_tiles_per_block(
+            tpb = _tiles_per_block if not half and has_tiles_per_block(
                 g.dtype, cs is not None, gather, activation, _tiles_per_block) else 1
-            name = kernel_name(g.dtype, fp8_format, p, cs is not None, gather, activation, tpb)
+            name = kernel_name(g.dtype, fp8_format, p, cs is not None, gather, activation, tpb,
+                               half)
             spec = (ACT_KERNEL_SPEC if activation else GATHER_KERNEL_SPEC if gather
-                    else TPB_KERNEL_SPEC if tpb != 1 else KERNEL_SPEC)
+                    else HALF_KERNEL_SPEC if half else TPB_KERNEL_SPEC if tpb != 1
+                    else KERNEL_SPEC)
             _run(backend, spec, name, chunk, arg, g.k, align, rule, ptrs, cs, amax_accumulate,
                  tpb)
 
@@ -526,16 +591,18 @@ def _outputs(g: GroupedInput, xp, fp8_format, align, rowwise, columnwise, column
 _PACKED = _launch.ArgMemo(64)
 
 
-def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int) -> list:
+def _packed_groups(g: GroupedInput, res: GroupedFP8, plans: list[ChunkLaunch], align: int,
+                   half: bool = False) -> list:
     """:func:`_pack_groups`, remembered per argument values (:class:`._launch.ArgMemo`); the key
-    holds every value written into them (splits, k, align, every pointer and row stride)."""
+    holds every value written into them (splits, k, align, every pointer and row stride) and
+    whether the plans' tile offsets are of half tiles."""
     gather = (g.row_index.ptr, g.src_rows) if g.row_index is not None else None
     out = (data_ptr(res.data), data_ptr(res.data_t))
     if g.m_dev is not None:
         key = ("dev", g.num_experts, g.k, align, g.base.ptr, row_stride(g.base), g.m_dev.ptr,
-               g.total_rows, *out, gather)
+               g.total_rows, *out, gather, half)
     else:
-        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), *out, gather)
+        key = (g.m_splits, g.k, align, g.ptrs.tobytes(), g.lds.tobytes(), *out, gather, half)
     return _PACKED.get(key, lambda: _pack_groups(g, out, plans, align))
 
 
