@@ -184,9 +184,10 @@ CG_DEVICE void block_plan_from_device_counts(const PctGroup& g, i64 k, i64 align
 // registers) for 16-bit input, 2 (<= 128) for float32, which spilled 4 bytes at 80 on sm_89 and
 // sm_90 (NVRTC 13.0).
 constexpr int pct_act_min_blocks(InDtype in) { return in == InDtype::F32 ? 2 : 3; }
-// Half tiles (HALF: a tile's geometry and two more strides live across its loads): one step
-// lower than the plain kernel's, 5 (<= 48) for the amax-only pass of 16-bit input, 4 (<= 64) for
-// float32's, else 4, but 3 (<= 80) for float32 CAST (44 bytes spilled at 64 on sm_90; NVRTC 13.0).
+// Half tiles (HALF: a tile's geometry and two more strides live across its loads): the plain
+// kernel's 4 (<= 64) for the casts, but 3 (<= 80) for float32 CAST (44 bytes spilled at 64 on
+// sm_90; NVRTC 13.0); one step below the plain kernel's for the amax-only pass, 5 (<= 48) for
+// 16-bit input, 4 (<= 64) for float32.
 constexpr int pct_half_min_blocks(InDtype in, PctMode mode) {
     return mode == PctMode::AMAX_ONLY ? (in == InDtype::F32 ? 4 : 5)
          : in == InDtype::F32 && mode == PctMode::CAST ? 3 : 4;

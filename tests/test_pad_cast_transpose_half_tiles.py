@@ -265,6 +265,62 @@ def test_an_empty_expert_reads_no_row(half):
         f"{outside.size} loads outside the inputs, the scales and one 64-byte segment"
 
 
+def _loads_just_before(tr, arrays, window=4096):
+    """Loads of the traced launches in the ``window`` bytes before each array's first byte
+    (and not inside one of ``arrays``): what reading row -1, or index -1, of an empty expert
+    whose pointer is that array's would touch."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    n = 0
+    for launch in tr.launches:
+        r = launch.records
+        r = r[(r["space"] == 0) & (r["kind"] == 0)]
+        addr = r["addr"].astype(np.int64)
+        inside = np.zeros(len(r), bool)
+        for lo, hi in spans:
+            inside |= (addr >= lo) & (addr < hi)
+        for lo, _ in spans:
+            n += int(((addr >= lo - window) & (addr < lo) & ~inside).sum())
+    return n
+
+
+@pytest.mark.parametrize("splits_on_device", [False, True])
+def test_an_empty_experts_gather_reads_no_index_before_its_own(splits_on_device):
+    """The gather's full-tile loads read the row index of row m - 1 for rows past m: for an
+    empty expert first in the list that is ``row_index[-1]``; its index array is ``kNoRow``
+    (one index that reads as a zero row) instead."""
+    m_splits, T, k = [0, 20, 0], 30, 256
+    tokens = _device_like([T], k)[0]
+    idx = DeviceLikeHost.empty((20,), np.int64)
+    idx[...] = np.arange(20) % T
+    splits = np.array(m_splits, np.int64) if splits_on_device else m_splits
+    scale = DeviceLikeHost.empty((3,), np.float32)
+    scale[...] = 2.0
+    with trace_accesses() as tr:
+        got = cugrouped.multi_pad_cast_transpose(tokens, splits, row_index=idx, scale=scale,
+                                                 splits_on_device=splits_on_device or None,
+                                                 backend="emulate")
+    assert _loads_just_before(tr, [tokens, idx, scale]) == 0
+    want = reference.multi_pad_cast_transpose(np.asarray(tokens)[np.asarray(idx)], m_splits,
+                                              scale=np.asarray(scale))
+    assert np.array_equal(np.asarray(got.amax), np.asarray(want.amax))
+
+
+def test_an_empty_expert_of_the_activation_reads_no_row():
+    """The gated activation's full-tile loads ([a | b], two per segment) select kZeroSegment for
+    both halves of an empty expert."""
+    xs = _device_like((0, 40, 0), 512)                # [a | b], 256 columns out
+    scale = DeviceLikeHost.empty((3,), np.float32)
+    scale[...] = 2.0
+    with trace_accesses() as tr:
+        cugrouped.multi_pad_cast_transpose(xs, scale=scale, activation="swiglu",
+                                           backend="emulate")
+    assert _loads_just_before(tr, [x for x in xs if x.nbytes] + [scale]) == 0
+    # (an empty array's own pointer: row -1 of it is the window before it)
+    for x in xs:
+        if not x.nbytes:
+            assert _loads_just_before(tr, [x], window=512 * 2) == 0
+
+
 # ---- on a GPU (skipped here; run by scripts/gpu_check.sh) --------------------------------------
 
 def _cuda_vs_reference(xs, m_splits, form, dtype, **kw):

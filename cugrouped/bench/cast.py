@@ -98,8 +98,9 @@ def tile_fill_pct(m_splits, align: int = 16, half: bool = False) -> float:
     """The share of the cast kernel's tile rows that hold tokens: each expert's rows, padded to
     ``align``, go in whole ``TILE_M``-row tiles, and a tile's empty rows still hold a block's
     threads (jagged counts at E=64: about a fifth of them; a reading of the cast's bandwidth).
-    ``half``: with half tiles (``set_half_tiles``), a last tile row of at most 32 rows counts 32.
-    (An empty expert's tile row, which only writes its scales, is not counted.)"""
+    ``half``: with half tiles (``set_half_tiles``), a last tile row of at most 32 rows counts 32
+    (exact for an even number of 128-column tiles; with an odd one the row's last half tile is
+    half past k). An empty expert's tile row, which only writes its scales, is not counted."""
     def tile_rows(mp):
         full, last = divmod(mp, pct.TILE_M)
         return mp if last == 0 else full * pct.TILE_M + (

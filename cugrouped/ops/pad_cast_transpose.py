@@ -135,8 +135,9 @@ def has_half_tiles(column_sums: bool, gather: bool, activation) -> bool:
     return not column_sums and not gather and activation is None
 
 
-# Half tiles (the kernel's HALF): its own module too, compiled when first used
-# (set_half_tiles(True)); without column sums, gather or activation: 3 dtypes x 2 formats x 3 modes.
+# Half tiles (the kernel's HALF): its own module too, so the other modules' code is unchanged
+# (compiled when first used, by set_half_tiles(True), or by warmup and compile-check); without
+# column sums, gather or activation: 3 dtypes x 2 formats x 3 modes.
 HALF_KERNEL_SPEC = _jit.register("pad_cast_transpose_half", _jit.KernelSpec(
     source="pad_cast_transpose.cu",
     name_expressions=tuple(kernel_name(d, f, m, half=True) for d in _IN for f in _FMT
