@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,8 +24,10 @@ from cugrouped.emulate.access import trace_accesses
 from cugrouped._array import DeviceLikeHost
 from cugrouped.ops import pad_cast_transpose as pct
 
-from test_pad_cast_transpose import (ORDERS, SPLITS, assert_same_bits, device_inputs,
-                                     make_inputs, run_both, scales_for)
+from test_emulate_access import cast_inputs
+from test_pad_cast_transpose import (ORDERS, SPLITS, assert_same_bits, make_inputs, run_both,
+                                     scales_for)
+from test_pad_cast_transpose_tiles import assert_amax_options_as_the_reference, cuda_vs_reference
 
 # Beside the split taxonomy: half tiles whose two columns are both inside k (k = 512: the
 # full-tile loads), an odd number of tile columns (the last half tile's second column is past
@@ -157,7 +158,7 @@ def test_column_sums_keep_64_row_tiles():
         assert {launch.grid for launch in log} == {sum(pct.tile_counts(m_splits, k, 16))}
 
 
-def test_half_tiles_over_chunks_and_an_accumulated_amax():
+def test_half_tiles_over_chunks_and_the_amax_options():
     m_splits = [(i * 7) % 45 for i in range(pct.MAX_EXPERTS_PER_LAUNCH + 5)]
     xs = make_inputs(m_splits, 272, "float16", seed=8)
     with half_tiles():
@@ -165,17 +166,7 @@ def test_half_tiles_over_chunks_and_an_accumulated_amax():
             for scale in (scales_for(m_splits, "e5m2", 3), None):
                 got, want = run_both(xs, m_splits, form, align=32, scale=scale, fp8_format="e5m2")
                 assert_same_bits(got, want, f"two chunks, {form}, given={scale is not None}")
-        am = [33, 70, 0, 130]
-        xa = make_inputs(am, 256, "bfloat16", seed=6)
-        sc = scales_for(am, "e4m3", 6)
-        pending = np.array([1e-3, 1e9, np.nan, 0.0], np.float32)
-        outs = []
-        for backend in ("emulate", "reference"):
-            out = cugrouped.multi_pad_cast_transpose(xa, scale=sc, backend=backend)
-            out.amax[:] = pending
-            outs.append(cugrouped.multi_pad_cast_transpose(xa, scale=sc, out=out, backend=backend,
-                                                           amax_accumulate=True))
-    assert_same_bits(*outs, "amax accumulated")
+        assert_amax_options_as_the_reference()
 
 
 def test_the_setting_is_a_bool_and_changes_no_plan_in_the_cache():
@@ -203,22 +194,12 @@ def test_half_tile_names_exist_only_where_instantiated():
 
 # ---- memory accesses -----------------------------------------------------------------------
 
-def _device_like(m_splits, k, dtype=ml_dtypes.bfloat16, seed=7):
-    rng = np.random.default_rng(seed)
-    xs = []
-    for m in m_splits:
-        x = DeviceLikeHost.empty((m, k), dtype)
-        x[...] = rng.standard_normal((m, k)).astype(dtype)
-        xs.append(x)
-    return xs
-
-
 def test_half_tiles_keep_the_access_pattern():
     """Half tiles load like full ones (one 16-byte site, each input byte from DRAM once), store
     the row-wise bytes in whole sectors and the transposed ones in 32-row runs, with no
     shared-memory bank conflict; and there are fewer blocks."""
     m_splits, k = (20, 0, 161, 90, 33, 64), 512
-    xs = _device_like(m_splits, k)
+    xs = cast_inputs(k=k, splits=m_splits)
     with half_tiles(), trace_accesses() as tr:
         res = cugrouped.multi_pad_cast_transpose(xs, scale=np.full(len(xs), 2.0, np.float32),
                                                  backend="emulate")
@@ -246,7 +227,7 @@ def test_an_empty_expert_reads_no_row(half):
     its pointer (on a GPU, a torch tensor of no rows has a null pointer); it reads the kernel's
     64 zero bytes (kZeroSegment) instead."""
     m_splits, k = (0, 70, 0), 256
-    xs = _device_like(m_splits, k)
+    xs = cast_inputs(k=k, splits=m_splits)
     scale = DeviceLikeHost.empty((3,), np.float32)
     scale[...] = 2.0
     with half_tiles(half), trace_accesses() as tr:
@@ -289,7 +270,7 @@ def test_an_empty_experts_gather_reads_no_index_before_its_own(splits_on_device)
     empty expert first in the list that is ``row_index[-1]``; its index array is ``kNoRow``
     (one index that reads as a zero row) instead."""
     m_splits, T, k = [0, 20, 0], 30, 256
-    tokens = _device_like([T], k)[0]
+    tokens = cast_inputs(k=k, splits=(T,))[0]
     idx = DeviceLikeHost.empty((20,), np.int64)
     idx[...] = np.arange(20) % T
     splits = np.array(m_splits, np.int64) if splits_on_device else m_splits
@@ -308,7 +289,7 @@ def test_an_empty_experts_gather_reads_no_index_before_its_own(splits_on_device)
 def test_an_empty_expert_of_the_activation_reads_no_row():
     """The gated activation's full-tile loads ([a | b], two per segment) select kZeroSegment for
     both halves of an empty expert."""
-    xs = _device_like((0, 40, 0), 512)                # [a | b], 256 columns out
+    xs = cast_inputs(k=512, splits=(0, 40, 0))                # [a | b], 256 columns out
     scale = DeviceLikeHost.empty((3,), np.float32)
     scale[...] = 2.0
     with trace_accesses() as tr:
@@ -323,19 +304,6 @@ def test_an_empty_expert_of_the_activation_reads_no_row():
 
 # ---- on a GPU (skipped here; run by scripts/gpu_check.sh) --------------------------------------
 
-def _cuda_vs_reference(xs, m_splits, form, dtype, **kw):
-    import cupy
-
-    dxs, splits, tag = device_inputs(xs, m_splits, form, dtype)
-    want = reference.multi_pad_cast_transpose(xs, **kw)
-    dkw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
-    with half_tiles():
-        got = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype=tag, **dkw)
-    host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
-                                   for f, v in vars(got).items()})
-    assert_same_bits(host, want, f"cuda half tiles, {form}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", sorted(ALL_SPLITS))
 @pytest.mark.parametrize("given", [True, False])
@@ -345,7 +313,8 @@ def test_gpu_half_tiles_match_the_reference(split, given, form, dtype):
     m_splits, k = ALL_SPLITS[split]
     xs = make_inputs(m_splits, k, dtype, seed=len(split), specials=split == "skewed")
     scale = scales_for(m_splits, "e4m3", 2) if given else None
-    _cuda_vs_reference(xs, m_splits, form, dtype, scale=scale, align=16)
+    cuda_vs_reference(xs, m_splits, form, dtype, half_tiles, ", 1, true>", scale=scale,
+                      align=16)
 
 
 @pytest.mark.gpu
@@ -354,4 +323,5 @@ def test_gpu_half_tiles_on_many_tiles(given):
     m_splits = [1500, 0, 37, 2200, 511, 64, 900, 1, 20, 33]   # 56 tile columns, 6 half rows
     xs = make_inputs(m_splits, 7168, "bfloat16", seed=9)
     scale = scales_for(m_splits, "e4m3", 9) if given else None
-    _cuda_vs_reference(xs, m_splits, "tensor", "bfloat16", scale=scale, align=16)
+    cuda_vs_reference(xs, m_splits, "tensor", "bfloat16", half_tiles, ", 1, true>",
+                      scale=scale, align=16)

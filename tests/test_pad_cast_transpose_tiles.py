@@ -78,21 +78,28 @@ def test_two_tiles_per_block_over_chunks_and_an_accumulated_amax():
             got, want = run_both(xs, m_splits, form, align=32,
                                  scale=scales_for(m_splits, "e5m2", 3), fp8_format="e5m2")
             assert_same_bits(got, want, f"two chunks, {form}")
-        am = [33, 70, 0, 130]
-        xa = make_inputs(am, 256, "bfloat16", seed=6)
-        sc = scales_for(am, "e4m3", 6)
-        pending = np.array([1e-3, 1e9, np.nan, 0.0], np.float32)
-        outs = []
-        for backend in ("emulate", "reference"):
-            out = cugrouped.multi_pad_cast_transpose(xa, scale=sc, backend=backend)
-            out.amax[:] = pending
-            outs.append(cugrouped.multi_pad_cast_transpose(xa, scale=sc, out=out, backend=backend,
-                                                           amax_accumulate=True))
-        assert_same_bits(*outs, "amax accumulated")
-        got = cugrouped.multi_pad_cast_transpose(xa, backend="emulate", amax_epsilon=0.5,
-                                                 power_2_scale=True)
-        want = reference.multi_pad_cast_transpose(xa, amax_epsilon=0.5, power_2_scale=True)
-        assert_same_bits(got, want, "current scaling's options")
+        assert_amax_options_as_the_reference()
+
+
+def assert_amax_options_as_the_reference():
+    """A delayed-scaling cast max-merging into pending amaxes (NaN, 0, large and small ones),
+    and current scaling with amax_epsilon and power_2_scale, give the reference's bits under
+    whatever tuning knob is set."""
+    am = [33, 70, 0, 130]
+    xa = make_inputs(am, 256, "bfloat16", seed=6)
+    sc = scales_for(am, "e4m3", 6)
+    pending = np.array([1e-3, 1e9, np.nan, 0.0], np.float32)
+    outs = []
+    for backend in ("emulate", "reference"):
+        out = cugrouped.multi_pad_cast_transpose(xa, scale=sc, backend=backend)
+        out.amax[:] = pending
+        outs.append(cugrouped.multi_pad_cast_transpose(xa, scale=sc, out=out, backend=backend,
+                                                       amax_accumulate=True))
+    assert_same_bits(*outs, "amax accumulated")
+    got = cugrouped.multi_pad_cast_transpose(xa, backend="emulate", amax_epsilon=0.5,
+                                             power_2_scale=True)
+    want = reference.multi_pad_cast_transpose(xa, amax_epsilon=0.5, power_2_scale=True)
+    assert_same_bits(got, want, "current scaling's options")
 
 
 @pytest.mark.parametrize("order", ["warps-reverse", "warps", "shuffle"])
@@ -152,18 +159,20 @@ def test_two_tile_names_exist_only_where_instantiated():
 # On a GPU (skipped here; run by scripts/gpu_check.sh): the same bits from the CUDA kernel, on
 # the split taxonomy and on a case of many tiles (real block scheduling and counter contention).
 
-def _cuda_vs_reference(xs, m_splits, form, dtype, **kw):
+def cuda_vs_reference(xs, m_splits, form, dtype, variant=two_per_block, suffix=", 2>", **kw):
+    """The CUDA kernel under ``variant()`` (a tuning knob's context) against the reference, its
+    launches all of the instantiation whose name ends with ``suffix``."""
     import cupy
 
     dxs, splits, tag = device_inputs(xs, m_splits, form, dtype)
     want = reference.multi_pad_cast_transpose(xs, **kw)
     dkw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
-    with two_per_block(), cugrouped.record_launches() as log:
+    with variant(), cugrouped.record_launches() as log:
         got = cugrouped.multi_pad_cast_transpose(dxs, splits, dtype=tag, **dkw)
-    assert log and all(launch.kernel.endswith(", 2>") for launch in log)
+    assert log and all(launch.kernel.endswith(suffix) for launch in log)
     host = cugrouped.GroupedFP8(**{f: (cupy.asnumpy(v) if isinstance(v, cupy.ndarray) else v)
                                    for f, v in vars(got).items()})
-    assert_same_bits(host, want, f"cuda two tiles per block, {form}")
+    assert_same_bits(host, want, f"cuda {variant.__name__}, {form}")
 
 
 @pytest.mark.gpu
@@ -175,7 +184,7 @@ def test_gpu_two_tiles_per_block_match_the_reference(split, given, form, dtype):
     m_splits, k = SPLITS[split]
     xs = make_inputs(m_splits, k, dtype, seed=len(split), specials=split == "skewed")
     scale = scales_for(m_splits, "e4m3", 2) if given else None
-    _cuda_vs_reference(xs, m_splits, form, dtype, scale=scale, align=16)
+    cuda_vs_reference(xs, m_splits, form, dtype, scale=scale, align=16)
 
 
 @pytest.mark.gpu
@@ -184,4 +193,4 @@ def test_gpu_two_tiles_per_block_on_many_tiles(given):
     m_splits = [1500, 0, 37, 2200, 511, 64, 900, 1]           # 5213 rows, 56 tile columns
     xs = make_inputs(m_splits, 7168, "bfloat16", seed=9)
     scale = scales_for(m_splits, "e4m3", 9) if given else None
-    _cuda_vs_reference(xs, m_splits, "tensor", "bfloat16", scale=scale, align=16)
+    cuda_vs_reference(xs, m_splits, "tensor", "bfloat16", scale=scale, align=16)
