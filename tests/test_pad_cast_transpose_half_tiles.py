@@ -325,3 +325,32 @@ def test_gpu_half_tiles_on_many_tiles(given):
     scale = scales_for(m_splits, "e4m3", 9) if given else None
     cuda_vs_reference(xs, m_splits, "tensor", "bfloat16", half_tiles, ", 1, true>",
                       scale=scale, align=16)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_the_torch_layer_trains_the_same_with_half_tiles(recipe):
+    """GroupedLinear's casts (x and dy; no bias, so dy's cast has no column sums and takes half
+    tiles too) under set_half_tiles(True): the same outputs and gradients, bit for bit, with the
+    emulated kernels, and the half-tile kernels did run."""
+    torch = pytest.importorskip("torch")
+    from cugrouped.pytorch import (DelayedScaling, Float8CurrentScaling, GroupedLinear,
+                                   cpu_cast_backend, fp8_autocast)
+
+    def step(half):
+        torch.manual_seed(0)
+        layer = GroupedLinear(4, 256, 32, bias=False, device="cpu")
+        x = torch.randn(70, 256, requires_grad=True)
+        rec = Float8CurrentScaling() if recipe == "current" else DelayedScaling()
+        with half_tiles(half), cpu_cast_backend("emulate"), fp8_autocast(fp8_recipe=rec), \
+                cugrouped.record_launches() as log:
+            y = layer(x, [20, 0, 33, 17])
+            y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        kernels = [launch.kernel for launch in log]
+        return [y.detach(), x.grad] + [w.grad for w in layer.weights()], kernels
+
+    want, plain = step(False)
+    got, kernels = step(True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert any(n.endswith(", 1, true>") for n in kernels)
+    assert not any(n.endswith(", 1, true>") for n in plain)
