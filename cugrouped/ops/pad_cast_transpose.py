@@ -231,14 +231,15 @@ def tile_counts(m_splits: Sequence[int], k: int, align: int, half: bool = False
     tile row of at most 32 rows (an empty expert's included) is ``ceil(tiles_k / 2)`` half
     tiles of 32 x 256 instead (the kernel's ``tile_rows``)."""
     tiles_k = -(-k // TILE_K)
-    rows = [-(-mp // TILE_M) for mp in padded_splits(m_splits, align)]
+    padded = padded_splits(m_splits, align)
     if not half:
+        rows = [-(-mp // TILE_M) for mp in padded]
         return tuple([(r if r > 1 else 1) * tiles_k for r in rows])     # max(1, r), inlined
     halves, counts = -(-tiles_k // 2), []
-    for r, mp in zip(rows, padded_splits(m_splits, align)):
-        last = mp - (r - 1) * TILE_M        # rows of the last tile row (r >= 1)
-        counts.append(halves if r == 0 else
-                      (r - 1) * tiles_k + halves if last <= TILE_M // 2 else r * tiles_k)
+    for mp in padded:
+        full, last = divmod(mp, TILE_M)     # whole tile rows, rows of the last one
+        counts.append(full * tiles_k + (halves if 0 < last <= TILE_M // 2 or mp == 0 else
+                                        tiles_k if last else 0))
     return tuple(counts)
 
 
